@@ -1,0 +1,555 @@
+#include "kernels/cpu/cpu_engine.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace flce {
+namespace {
+
+// ---------------------------------------------------------------------------
+// The problem in fp32, prepared once per call.
+
+struct Prepared {
+  int64_t n = 0, h = 0, v = 0;
+  DType dtype = DType::kFloat32;
+  TensorView hidden;
+  const float* w32 = nullptr;  // [V, H]
+  std::vector<float> w_storage;
+  std::vector<float> bias;         // [V] or empty
+  std::vector<float> class_weight; // [V] or empty (all 1)
+  float class_weight_sum = 0;
+  std::vector<int64_t> target;     // [N]
+  LossOptions options;
+  // Divisor of the reduction: sum of class weights over valid rows (mean),
+  // 1 otherwise.
+  double denom = 1.0;
+  int64_t num_valid = 0;
+
+  bool valid(int64_t row) const {
+    return target[row] != options.ignore_index;
+  }
+  float weight_of(int64_t cls) const {
+    return class_weight.empty() ? 1.0f : class_weight[cls];
+  }
+};
+
+Prepared Prepare(const LossProblem& p) {
+  Prepared q;
+  q.n = p.rows();
+  q.h = p.hidden_size();
+  q.v = p.vocab();
+  q.dtype = p.hidden.dtype;
+  q.hidden = p.hidden;
+  q.options = p.options;
+  if (p.weight.dtype == DType::kFloat32) {
+    q.w32 = static_cast<const float*>(p.weight.data);
+  } else {
+    q.w_storage.resize(static_cast<size_t>(q.v * q.h));
+    ToFloat(p.weight.dtype, p.weight.data, q.v * q.h, q.w_storage.data());
+    q.w32 = q.w_storage.data();
+  }
+  if (p.bias) {
+    q.bias.resize(q.v);
+    ToFloat(p.bias->dtype, p.bias->data, q.v, q.bias.data());
+  }
+  if (p.class_weight) {
+    q.class_weight.resize(q.v);
+    ToFloat(DType::kFloat32, p.class_weight->data, q.v, q.class_weight.data());
+    double sum = 0;
+    for (float w : q.class_weight) sum += w;
+    q.class_weight_sum = static_cast<float>(sum);
+  } else {
+    q.class_weight_sum = static_cast<float>(q.v);
+  }
+  q.target.resize(q.n);
+  for (int64_t i = 0; i < q.n; ++i) {
+    q.target[i] = p.target.dtype == DType::kInt32
+                      ? static_cast<const int32_t*>(p.target.data)[i]
+                      : static_cast<const int64_t*>(p.target.data)[i];
+  }
+  double weight_sum = 0;
+  for (int64_t i = 0; i < q.n; ++i) {
+    if (!q.valid(i)) continue;
+    ++q.num_valid;
+    weight_sum += q.weight_of(q.target[i]);
+  }
+  q.denom = p.options.reduction == Reduction::kMean ? weight_sum : 1.0;
+  return q;
+}
+
+// ---------------------------------------------------------------------------
+// Row math.
+//
+// For one row of logits z (length V, fp32, already X·Wᵀ), with target t,
+// class weights w (1 without), smoothing ε, z-loss scale s and softcap c:
+//   z' = z + b, then c·tanh(z'/c) when softcapped   (in place)
+//   lse = m + log Σ exp(z'_j − m), m = max z'
+//   loss = (1−ε)·w_t·(lse − z'_t) + ε/V·(Σw·lse − Σ w_j z'_j) + s·lse²
+//   dz'_j = (1−ε)·w_t·(p_j − δ_jt) + ε/V·(Σw·p_j − w_j) + 2·s·lse·p_j
+//   dz_j  = g · dz'_j · (1 − (z'_j/c)²)   (the last factor only with softcap)
+// The gradient overwrites the logits in place. Each row reads and writes its
+// V floats two or three times (max, sum-exp, gradient); ignored rows are
+// zeroed.
+
+struct RowStats {
+  float lse = 0;
+  double loss = 0;
+  double z_loss = 0;
+  bool correct = false;
+};
+
+// Adds the bias and applies the softcap in place.
+void TransformLogits(const Prepared& q, float* z) {
+  if (!q.bias.empty()) {
+    for (int64_t j = 0; j < q.v; ++j) z[j] += q.bias[j];
+  }
+  if (q.options.logit_softcap) {
+    const float c = *q.options.logit_softcap;
+    const float inv_c = 1.0f / c;
+    for (int64_t j = 0; j < q.v; ++j) z[j] = c * std::tanh(z[j] * inv_c);
+  }
+}
+
+// Writes the gradient of row `row` (scaled by g) over z. With `exp_in_z`,
+// z holds exp(z'_j − m) and `inv_sum` = 1/Σ; otherwise z holds z' and the
+// probabilities are exp(z'_j − lse).
+void WriteRowGradient(const Prepared& q, int64_t row, float lse, float g,
+                      bool exp_in_z, float inv_sum, float* z) {
+  if (!q.valid(row)) {
+    std::fill(z, z + q.v, 0.0f);
+    return;
+  }
+  const int64_t t = q.target[row];
+  const float eps = q.options.label_smoothing;
+  const float wt = q.weight_of(t);
+  const float smooth = eps / static_cast<float>(q.v);
+  // Coefficient of p_j in dz'_j.
+  const float a = (1.0f - eps) * wt + smooth * q.class_weight_sum +
+                  2.0f * q.options.z_loss_scale * lse;
+  const bool softcap = q.options.logit_softcap.has_value();
+  const float inv_c = softcap ? 1.0f / *q.options.logit_softcap : 0.0f;
+  const bool weighted = !q.class_weight.empty();
+  // The target column: p_t − 1 formed in fp32 before anything else.
+  float p_t = exp_in_z ? z[t] * inv_sum : std::exp(z[t] - lse);
+  float d_t = (1.0f - eps) * wt * (p_t - 1.0f) +
+              smooth * (q.class_weight_sum * p_t - wt) +
+              2.0f * q.options.z_loss_scale * lse * p_t;
+  if (softcap) {
+    const float u = z[t] * inv_c;
+    d_t *= 1.0f - u * u;
+  }
+  for (int64_t j = 0; j < q.v; ++j) {
+    const float p = exp_in_z ? z[j] * inv_sum : std::exp(z[j] - lse);
+    float d = a * p - smooth * (weighted ? q.class_weight[j] : 1.0f);
+    if (softcap) {
+      const float u = z[j] * inv_c;
+      d *= 1.0f - u * u;
+    }
+    z[j] = g * d;
+  }
+  z[t] = g * d_t;
+}
+
+// Forward over one row: statistics, and the gradient in place when g is set.
+RowStats ForwardRow(const Prepared& q, int64_t row, const float* g, float* z) {
+  TransformLogits(q, z);
+  RowStats stats;
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t argmax = 0;
+  bool has_nan = false;
+  for (int64_t j = 0; j < q.v; ++j) {
+    if (z[j] > m) {
+      m = z[j];
+      argmax = j;
+    }
+    has_nan |= std::isnan(z[j]);
+  }
+  if (has_nan) m = std::numeric_limits<float>::quiet_NaN();
+  const bool valid = q.valid(row);
+  const int64_t t = valid ? q.target[row] : 0;
+  const float z_t = z[t];
+  const float eps = q.options.label_smoothing;
+  double weighted_z = 0;  // Σ w_j z'_j, only needed with smoothing
+  if (valid && eps > 0) {
+    if (q.class_weight.empty()) {
+      for (int64_t j = 0; j < q.v; ++j) weighted_z += z[j];
+    } else {
+      for (int64_t j = 0; j < q.v; ++j) weighted_z += q.class_weight[j] * z[j];
+    }
+  }
+  // Storing exp in place saves the gradient pass an exp, but the softcap
+  // derivative needs z', so softcapped rows recompute exp instead.
+  const bool exp_in_z = g != nullptr && !q.options.logit_softcap && valid;
+  double sum = 0;
+  if (exp_in_z) {
+    for (int64_t j = 0; j < q.v; ++j) {
+      z[j] = std::exp(z[j] - m);
+      sum += z[j];
+    }
+  } else {
+    for (int64_t j = 0; j < q.v; ++j) sum += std::exp(z[j] - m);
+  }
+  stats.lse = m + static_cast<float>(std::log(sum));
+  if (valid) {
+    const double lse = stats.lse;
+    const double wt = q.weight_of(t);
+    stats.z_loss = q.options.z_loss_scale * lse * lse;
+    stats.loss = (1.0 - eps) * wt * (lse - z_t) +
+                 eps / q.v * (q.class_weight_sum * lse - weighted_z) +
+                 stats.z_loss;
+    stats.correct = argmax == t;
+  }
+  if (g != nullptr) {
+    WriteRowGradient(q, row, stats.lse, *g, exp_in_z,
+                     static_cast<float>(1.0 / sum), z);
+  }
+  return stats;
+}
+
+// ---------------------------------------------------------------------------
+// The chunk loop.
+
+enum class Pass {
+  kLoss,          // loss only
+  kLossAndGrad,   // loss and gradients (STORE_GRADS forward)
+  kGradFromLse,   // gradients from saved lse (RECOMPUTE backward)
+};
+
+struct LoopIO {
+  const float* lse_in = nullptr;  // [N], for kGradFromLse
+  float* lse_out = nullptr;       // [N], for the forward passes
+
+  double* row_loss = nullptr;  // [N]
+  double* row_z_loss = nullptr;
+  int64_t num_correct = 0;
+  // Per-row upstream scale (already divided by the reduction's divisor).
+  const float* row_scale = nullptr;  // [N]
+  float* dx = nullptr;   // [N, H] fp32, overwritten
+  float* dw = nullptr;   // [V, H] fp32, accumulated (must start at 0)
+  float* db = nullptr;   // [V] fp32, accumulated, or null
+};
+
+absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
+                       const CancelFn& cancelled, LoopIO& io) {
+  const int64_t n = q.n, h = q.h, v = q.v;
+  const bool grad = pass != Pass::kLoss;
+  std::vector<float> logits(static_cast<size_t>(std::min(chunk_rows, n) * v));
+  std::vector<float> x_chunk;
+  if (q.dtype != DType::kFloat32) {
+    x_chunk.resize(static_cast<size_t>(std::min(chunk_rows, n) * h));
+  }
+  const std::vector<float> ones(grad && io.db ? chunk_rows : 0, 1.0f);
+  for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
+    if (cancelled && cancelled()) {
+      return absl::CancelledError("cancelled between chunks");
+    }
+    const int64_t rows = std::min(chunk_rows, n - r0);
+    const float* x;
+    if (q.dtype == DType::kFloat32) {
+      x = static_cast<const float*>(q.hidden.data) + r0 * h;
+    } else {
+      const char* src = static_cast<const char*>(q.hidden.data) +
+                        r0 * h * DTypeSize(q.dtype);
+      ToFloat(q.dtype, src, rows * h, x_chunk.data());
+      x = x_chunk.data();
+    }
+    // logits[rows, V] = X_c[rows, H] · Wᵀ  (W is [V, H] row-major, so Wᵀ is
+    // the transposed operand with leading dimension H).
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, v, h, 1.0f, x,
+                h, q.w32, h, 0.0f, logits.data(), v);
+    int64_t correct = 0;
+#pragma omp parallel for schedule(static) reduction(+ : correct)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = r0 + r;
+      float* z = logits.data() + r * v;
+      if (pass == Pass::kGradFromLse) {
+        TransformLogits(q, z);
+        WriteRowGradient(q, row, io.lse_in[row], io.row_scale[row],
+                         /*exp_in_z=*/false, 0.0f, z);
+        continue;
+      }
+      const RowStats s = ForwardRow(q, row, grad ? &io.row_scale[row] : nullptr, z);
+      io.lse_out[row] = s.lse;
+      io.row_loss[row] = s.loss;
+      io.row_z_loss[row] = s.z_loss;
+      correct += s.correct ? 1 : 0;
+    }
+    io.num_correct += correct;
+    if (!grad) continue;
+    // dX_c[rows, H] = dZ[rows, V] · W[V, H].
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, v, 1.0f,
+                logits.data(), v, q.w32, h, 0.0f, io.dx + r0 * h, h);
+    // dW[V, H] += dZᵀ · X_c: dZ is [rows, V] row-major, used transposed.
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, rows, 1.0f,
+                logits.data(), v, x, h, 1.0f, io.dw, h);
+    if (io.db) {
+      // db[V] += dZᵀ · 1.
+      cblas_sgemv(CblasRowMajor, CblasTrans, rows, v, 1.0f, logits.data(), v,
+                  ones.data(), 1, 1.0f, io.db, 1);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Converts fp32 values times `scale` to `dtype`, rounding once.
+void ScaleInto(const std::vector<float>& src, float scale, HostTensor& out) {
+  const int64_t count = static_cast<int64_t>(src.size());
+  if (scale == 1.0f) {
+    FromFloat(out.dtype, src.data(), count, &out.data[0]);
+    return;
+  }
+  constexpr int64_t kBlock = 4096;
+  float buffer[kBlock];
+  char* dst = &out.data[0];
+  for (int64_t i = 0; i < count; i += kBlock) {
+    const int64_t m = std::min(kBlock, count - i);
+    for (int64_t k = 0; k < m; ++k) buffer[k] = src[i + k] * scale;
+    FromFloat(out.dtype, buffer, m, dst + i * DTypeSize(out.dtype));
+  }
+}
+
+HostTensor FloatTensor(std::vector<int64_t> shape) {
+  return HostTensor(DType::kFloat32, std::move(shape));
+}
+
+// ---------------------------------------------------------------------------
+// Saved states.
+
+// STORE_GRADS: the gradients for grad_output = 1, in fp32.
+class StoredGradients : public SavedState {
+ public:
+  DType dtype;
+  int64_t n, h, v;
+  std::vector<float> dx, dw, db;
+  int64_t bytes() const override {
+    return static_cast<int64_t>((dx.size() + dw.size() + db.size()) *
+                                sizeof(float));
+  }
+};
+
+// RECOMPUTE: the inputs (own copies) and per-row lse.
+class RecomputeInputs : public SavedState {
+ public:
+  HostTensor hidden, weight, target;
+  std::optional<HostTensor> bias, class_weight;
+  LossOptions options;
+  std::vector<float> lse;
+  int64_t bytes() const override {
+    int64_t total = hidden.data.size() + weight.data.size() +
+                    target.data.size() + lse.size() * sizeof(float);
+    if (bias) total += bias->data.size();
+    if (class_weight) total += class_weight->data.size();
+    return total;
+  }
+  LossProblem problem() const {
+    LossProblem p;
+    p.hidden = hidden.view();
+    p.weight = weight.view();
+    if (bias) p.bias = bias->view();
+    p.target = target.view();
+    if (class_weight) p.class_weight = class_weight->view();
+    p.options = options;
+    return p;
+  }
+};
+
+HostTensor Copy(const TensorView& view) {
+  HostTensor t(view.dtype, view.shape);
+  std::memcpy(&t.data[0], view.data, t.data.size());
+  return t;
+}
+
+std::string CpuModelName() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(colon + 2);
+    }
+  }
+  return "cpu";
+}
+
+}  // namespace
+
+CpuEngine::CpuEngine(CpuEngineOptions options) : options_(options) {}
+
+std::vector<DeviceInfo> CpuEngine::devices() const {
+  DeviceInfo info;
+  info.name = absl::StrCat(CpuModelName(), " (", omp_get_max_threads(),
+                           " threads)");
+  return {info};
+}
+
+int64_t CpuEngine::ChunkRows(int64_t rows, int64_t vocab) const {
+  const int64_t by_budget = options_.chunk_bytes / (vocab * int64_t{4});
+  return std::max<int64_t>(1, std::min(rows, std::max(kMinChunkRows, by_budget)));
+}
+
+int64_t CpuEngine::SavedStateBytes(const LossProblem& p,
+                                   BackwardMode mode) const {
+  const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
+  if (mode == BackwardMode::kStoreGrads) {
+    return (n * h + v * h + (p.bias ? v : 0)) * int64_t{4};
+  }
+  const int64_t elem = DTypeSize(p.hidden.dtype);
+  return (n * h + v * h + (p.bias ? v : 0)) * elem +
+         n * DTypeSize(p.target.dtype) + n * 4 + (p.class_weight ? v * 4 : 0);
+}
+
+absl::StatusOr<ForwardResult> CpuEngine::Forward(const LossProblem& problem,
+                                                 const ForwardSpec& spec,
+                                                 const CancelFn& cancelled) {
+  const Prepared q = Prepare(problem);
+  const int64_t n = q.n;
+  const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
+  if (store && q.options.reduction == Reduction::kNone) {
+    return absl::InternalError("STORE_GRADS with reduction none");
+  }
+  std::vector<float> lse(n);
+  std::vector<double> row_loss(n), row_z(n);
+  std::vector<float> scale;
+  LoopIO io;
+  io.lse_out = lse.data();
+  io.row_loss = row_loss.data();
+  io.row_z_loss = row_z.data();
+  std::unique_ptr<StoredGradients> grads;
+  if (store) {
+    scale.assign(n, static_cast<float>(1.0 / q.denom));
+    grads = std::make_unique<StoredGradients>();
+    grads->dtype = q.dtype;
+    grads->n = n;
+    grads->h = q.h;
+    grads->v = q.v;
+    grads->dx.resize(n * q.h);
+    grads->dw.assign(q.v * q.h, 0.0f);
+    if (!q.bias.empty()) grads->db.assign(q.v, 0.0f);
+    io.row_scale = scale.data();
+    io.dx = grads->dx.data();
+    io.dw = grads->dw.data();
+    io.db = q.bias.empty() ? nullptr : grads->db.data();
+  }
+  absl::Status status = RunChunks(q, ChunkRows(n, q.v),
+                                  store ? Pass::kLossAndGrad : Pass::kLoss,
+                                  cancelled, io);
+  if (!status.ok()) return status;
+
+  ForwardResult result;
+  result.num_valid = q.num_valid;
+  result.num_correct = io.num_correct;
+  if (q.options.reduction == Reduction::kNone) {
+    result.loss = FloatTensor({n});
+    result.z_loss = FloatTensor({n});
+    for (int64_t i = 0; i < n; ++i) {
+      result.loss.mutable_data<float>()[i] = static_cast<float>(row_loss[i]);
+      result.z_loss.mutable_data<float>()[i] = static_cast<float>(row_z[i]);
+    }
+  } else {
+    double total = 0, z_total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      total += row_loss[i];
+      z_total += row_z[i];
+    }
+    result.loss = FloatTensor({});
+    result.z_loss = FloatTensor({});
+    // mean over zero valid rows is 0/0 = NaN, as in PyTorch.
+    result.loss.mutable_data<float>()[0] = static_cast<float>(total / q.denom);
+    result.z_loss.mutable_data<float>()[0] = static_cast<float>(z_total / q.denom);
+  }
+  if (spec.want_lse) {
+    result.lse = FloatTensor({n});
+    std::memcpy(result.lse->mutable_data<float>(), lse.data(), n * sizeof(float));
+  }
+  if (spec.want_per_row_loss) {
+    result.per_row_loss = FloatTensor({n});
+    for (int64_t i = 0; i < n; ++i) {
+      result.per_row_loss->mutable_data<float>()[i] =
+          static_cast<float>(row_loss[i]);
+    }
+  }
+  if (store) {
+    result.saved = std::move(grads);
+  } else if (spec.need_backward) {
+    auto saved = std::make_unique<RecomputeInputs>();
+    saved->hidden = Copy(problem.hidden);
+    saved->weight = Copy(problem.weight);
+    saved->target = Copy(problem.target);
+    if (problem.bias) saved->bias = Copy(*problem.bias);
+    if (problem.class_weight) saved->class_weight = Copy(*problem.class_weight);
+    saved->options = problem.options;
+    saved->lse = std::move(lse);
+    result.saved = std::move(saved);
+  }
+  return result;
+}
+
+absl::StatusOr<Gradients> CpuEngine::Backward(const SavedState& state,
+                                              const BackwardSpec& spec,
+                                              const CancelFn& cancelled) {
+  std::vector<float> grad_output;
+  if (spec.grad_output) grad_output = TensorToFloats(*spec.grad_output);
+  Gradients out;
+
+  if (const auto* stored = dynamic_cast<const StoredGradients*>(&state)) {
+    const DType dtype = spec.grad_dtype.value_or(stored->dtype);
+    const float g = grad_output.empty() ? 1.0f : grad_output[0];
+    out.grad_hidden = HostTensor(dtype, {stored->n, stored->h});
+    out.grad_weight = HostTensor(dtype, {stored->v, stored->h});
+    ScaleInto(stored->dx, g, out.grad_hidden);
+    ScaleInto(stored->dw, g, out.grad_weight);
+    if (!stored->db.empty()) {
+      out.grad_bias = HostTensor(dtype, {stored->v});
+      ScaleInto(stored->db, g, *out.grad_bias);
+    }
+    return out;
+  }
+
+  const auto* saved = dynamic_cast<const RecomputeInputs*>(&state);
+  if (saved == nullptr) {
+    return absl::InternalError("saved state was not made by the CPU engine");
+  }
+  const Prepared q = Prepare(saved->problem());
+  const int64_t n = q.n;
+  std::vector<float> scale(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = grad_output.empty()        ? 1.0
+                     : grad_output.size() == 1 ? grad_output[0]
+                                               : grad_output[i];
+    scale[i] = static_cast<float>(g / q.denom);
+  }
+  std::vector<float> dx(n * q.h), dw(q.v * q.h, 0.0f), db(q.bias.empty() ? 0 : q.v, 0.0f);
+  LoopIO io;
+  io.lse_in = saved->lse.data();
+  io.row_scale = scale.data();
+  io.dx = dx.data();
+  io.dw = dw.data();
+  io.db = q.bias.empty() ? nullptr : db.data();
+  absl::Status status =
+      RunChunks(q, ChunkRows(n, q.v), Pass::kGradFromLse, cancelled, io);
+  if (!status.ok()) return status;
+  const DType dtype = spec.grad_dtype.value_or(q.dtype);
+  out.grad_hidden = HostTensor(dtype, {n, q.h});
+  out.grad_weight = HostTensor(dtype, {q.v, q.h});
+  ScaleInto(dx, 1.0f, out.grad_hidden);
+  ScaleInto(dw, 1.0f, out.grad_weight);
+  if (!q.bias.empty()) {
+    out.grad_bias = HostTensor(dtype, {q.v});
+    ScaleInto(db, 1.0f, *out.grad_bias);
+  }
+  return out;
+}
+
+}  // namespace flce

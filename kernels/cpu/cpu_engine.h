@@ -1,0 +1,48 @@
+#ifndef FLCE_KERNELS_CPU_CPU_ENGINE_H_
+#define FLCE_KERNELS_CPU_CPU_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "kernels/loss_engine.h"
+
+namespace flce {
+
+struct CpuEngineOptions {
+  // Upper bound on the fp32 logits chunk (rows × V × 4 bytes). The chunk
+  // holds at least kMinChunkRows rows whatever this says.
+  int64_t chunk_bytes = int64_t{64} << 20;
+};
+
+// The CPU engine: the three GEMMs on OpenBLAS (fp32 operands converted from
+// the input dtype, fp32 accumulation), row math in fp32 with OpenMP across
+// rows, chunked over tokens so the N×V logits never exist in full. dW and db
+// accumulate across chunks in fp32 and are rounded once. Thread-safe: calls
+// share no mutable state.
+class CpuEngine : public LossEngine {
+ public:
+  static constexpr int64_t kMinChunkRows = 16;
+
+  explicit CpuEngine(CpuEngineOptions options = {});
+
+  std::string backend() const override { return "cpu"; }
+  std::vector<DeviceInfo> devices() const override;
+  int64_t SavedStateBytes(const LossProblem& problem,
+                          BackwardMode mode) const override;
+  absl::StatusOr<ForwardResult> Forward(const LossProblem& problem,
+                                        const ForwardSpec& spec,
+                                        const CancelFn& cancelled) override;
+  absl::StatusOr<Gradients> Backward(const SavedState& state,
+                                     const BackwardSpec& spec,
+                                     const CancelFn& cancelled) override;
+
+  // Rows per chunk for a vocabulary of `vocab` and `rows` tokens.
+  int64_t ChunkRows(int64_t rows, int64_t vocab) const;
+
+ private:
+  CpuEngineOptions options_;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_CPU_CPU_ENGINE_H_

@@ -1,0 +1,255 @@
+// The CPU engine against the fp64 reference on odd sizes and every option.
+
+#include "kernels/cpu/cpu_engine.h"
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/reference/accuracy.h"
+#include "kernels/reference/random_problem.h"
+#include "kernels/tensor.h"
+
+namespace flce {
+namespace {
+
+struct Case {
+  std::string name;
+  RandomProblemSpec spec;
+  BackwardMode mode = BackwardMode::kStoreGrads;
+};
+
+std::vector<double> RandomGradOutput(const RandomProblemSpec& spec) {
+  std::mt19937_64 rng(spec.seed + 99);
+  std::uniform_real_distribution<double> dist(-2.0, 2.0);
+  if (spec.options.reduction == Reduction::kNone) {
+    std::vector<double> g(spec.rows);
+    for (double& value : g) value = dist(rng);
+    return g;
+  }
+  return {dist(rng)};
+}
+
+HostTensor GradOutputTensor(const std::vector<double>& g, Reduction reduction) {
+  HostTensor t(DType::kFloat32, reduction == Reduction::kNone
+                                    ? std::vector<int64_t>{static_cast<int64_t>(g.size())}
+                                    : std::vector<int64_t>{});
+  for (size_t i = 0; i < g.size(); ++i) {
+    t.mutable_data<float>()[i] = static_cast<float>(g[i]);
+  }
+  return t;
+}
+
+// Runs Forward + Backward and checks everything against the reference.
+void RunCase(LossEngine& engine, const Case& c) {
+  SCOPED_TRACE(c.name);
+  OwnedProblem p = MakeRandomProblem(c.spec);
+  const LossProblem problem = p.view();
+  ForwardSpec fs;
+  fs.need_backward = true;
+  fs.mode = c.mode;
+  fs.want_lse = true;
+  fs.want_per_row_loss = true;
+  absl::StatusOr<ForwardResult> fwd = engine.Forward(problem, fs, nullptr);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  ASSERT_NE(fwd->saved, nullptr);
+  EXPECT_GT(fwd->saved->bytes(), 0);
+  EXPECT_EQ(fwd->saved->bytes(), engine.SavedStateBytes(problem, c.mode));
+
+  std::vector<double> g = RandomGradOutput(c.spec);
+  // grad_output is sent as fp32: judge against the value actually sent.
+  for (double& value : g) value = static_cast<float>(value);
+  const HostTensor g_tensor = GradOutputTensor(g, c.spec.options.reduction);
+  BackwardSpec bs;
+  bs.grad_output = g_tensor.view();
+  absl::StatusOr<Gradients> grads = engine.Backward(*fwd->saved, bs, nullptr);
+  ASSERT_TRUE(grads.ok()) << grads.status();
+
+  EngineOutputs out;
+  out.loss = TensorToFloats(fwd->loss.view());
+  out.z_loss = TensorToFloats(fwd->z_loss.view());
+  out.lse = TensorToFloats(fwd->lse->view());
+  out.num_valid = fwd->num_valid;
+  out.has_gradients = true;
+  out.grad_hidden = TensorToFloats(grads->grad_hidden.view());
+  out.grad_weight = TensorToFloats(grads->grad_weight.view());
+  if (grads->grad_bias) out.grad_bias = TensorToFloats(grads->grad_bias->view());
+  EXPECT_EQ(grads->grad_bias.has_value(), c.spec.bias);
+  EXPECT_EQ(grads->grad_hidden.dtype, c.spec.dtype);
+  const AccuracyReport report = CheckAccuracy(problem, g, out);
+  EXPECT_TRUE(report.ok()) << report.ToString();
+
+  // Backward leaves the state as it was: a second call gives the same bits.
+  absl::StatusOr<Gradients> again = engine.Backward(*fwd->saved, bs, nullptr);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->grad_weight.data, grads->grad_weight.data);
+  EXPECT_EQ(again->grad_hidden.data, grads->grad_hidden.data);
+}
+
+Case Make(std::string name, int64_t n, int64_t h, int64_t v, DType dtype,
+          Reduction reduction, BackwardMode mode) {
+  Case c;
+  c.name = std::move(name);
+  c.spec.rows = n;
+  c.spec.hidden = h;
+  c.spec.vocab = v;
+  c.spec.dtype = dtype;
+  c.spec.options.reduction = reduction;
+  c.spec.seed = static_cast<uint64_t>(n * 131 + h * 17 + v);
+  c.mode = mode;
+  return c;
+}
+
+class CpuEngineTest : public ::testing::TestWithParam<DType> {
+ protected:
+  // A small chunk budget so that every case runs several chunks.
+  CpuEngine engine_{CpuEngineOptions{/*chunk_bytes=*/4096}};
+};
+
+TEST_P(CpuEngineTest, OddSizesBothModesAllReductions) {
+  const DType dtype = GetParam();
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    for (Reduction reduction : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
+      if (mode == BackwardMode::kStoreGrads && reduction == Reduction::kNone) continue;
+      const std::string tag = std::string(BackwardModeName(mode)) + "/" +
+                              ReductionName(reduction) + "/" + DTypeName(dtype);
+      RunCase(engine_, Make("1x1x1 " + tag, 1, 1, 1, dtype, reduction, mode));
+      RunCase(engine_, Make("3x5x7 " + tag, 3, 5, 7, dtype, reduction, mode));
+      RunCase(engine_, Make("17x64x1000 " + tag, 17, 64, 1000, dtype, reduction, mode));
+      RunCase(engine_, Make("733x64x257 " + tag, 733, 64, 257, dtype, reduction, mode));
+    }
+  }
+}
+
+TEST_P(CpuEngineTest, EveryOptionTogether) {
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    Case c = Make("all options", 37, 33, 1001, GetParam(), Reduction::kMean, mode);
+    c.spec.bias = true;
+    c.spec.class_weight = true;
+    c.spec.ignore_fraction = 0.25;
+    c.spec.target_dtype = DType::kInt32;
+    c.spec.options.ignore_index = 5;
+    c.spec.options.label_smoothing = 0.1f;
+    c.spec.options.logit_softcap = 15.0f;
+    c.spec.options.z_loss_scale = 1e-3f;
+    RunCase(engine_, c);
+  }
+}
+
+TEST_P(CpuEngineTest, EachOptionAlone) {
+  const DType dtype = GetParam();
+  for (int option = 0; option < 6; ++option) {
+    Case c = Make("option " + std::to_string(option), 29, 19, 503, dtype,
+                  option % 2 ? Reduction::kSum : Reduction::kMean,
+                  option % 3 ? BackwardMode::kStoreGrads : BackwardMode::kRecompute);
+    switch (option) {
+      case 0: c.spec.bias = true; break;
+      case 1: c.spec.class_weight = true; break;
+      case 2: c.spec.ignore_fraction = 0.5; break;
+      case 3: c.spec.options.label_smoothing = 0.3f; break;
+      case 4: c.spec.options.logit_softcap = 3.0f; break;
+      case 5: c.spec.options.z_loss_scale = 0.1f; break;
+    }
+    RunCase(engine_, c);
+  }
+}
+
+TEST_P(CpuEngineTest, PeakedAndFlatSoftmaxes) {
+  for (double scale : {0.01, 30.0}) {
+    Case c = Make("scale " + std::to_string(scale), 41, 16, 777, GetParam(),
+                  Reduction::kMean, BackwardMode::kStoreGrads);
+    c.spec.logit_scale = scale;
+    RunCase(engine_, c);
+  }
+}
+
+TEST_P(CpuEngineTest, LargeVocabulary) {
+  RunCase(engine_, Make("17x5x32003", 17, 5, 32003, GetParam(), Reduction::kMean,
+                        BackwardMode::kRecompute));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDTypes, CpuEngineTest,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16,
+                                           DType::kFloat16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+TEST(CpuEngineSemanticsTest, MeanOverAllIgnoredRowsIsNaNWithZeroGradients) {
+  CpuEngine engine;
+  RandomProblemSpec spec;
+  spec.rows = 6;
+  spec.ignore_fraction = 1.0;
+  OwnedProblem p = MakeRandomProblem(spec);
+  ForwardSpec fs;
+  fs.need_backward = true;
+  auto fwd = engine.Forward(p.view(), fs, nullptr);
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_TRUE(std::isnan(fwd->loss.data_as<float>()[0]));
+  EXPECT_EQ(fwd->num_valid, 0);
+  auto grads = engine.Backward(*fwd->saved, {}, nullptr);
+  ASSERT_TRUE(grads.ok());
+  for (float v : TensorToFloats(grads->grad_weight.view())) EXPECT_EQ(v, 0.0f);
+  for (float v : TensorToFloats(grads->grad_hidden.view())) EXPECT_EQ(v, 0.0f);
+}
+
+TEST(CpuEngineSemanticsTest, NoRowsSumIsZero) {
+  CpuEngine engine;
+  RandomProblemSpec spec;
+  spec.rows = 0;
+  spec.options.reduction = Reduction::kSum;
+  OwnedProblem p = MakeRandomProblem(spec);
+  auto fwd = engine.Forward(p.view(), {}, nullptr);
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_EQ(fwd->loss.data_as<float>()[0], 0.0f);
+  EXPECT_EQ(fwd->saved, nullptr);
+}
+
+TEST(CpuEngineSemanticsTest, NonFiniteInputsGiveNaNLossNotACrash) {
+  CpuEngine engine;
+  RandomProblemSpec spec;
+  spec.rows = 4;
+  OwnedProblem p = MakeRandomProblem(spec);
+  p.hidden.mutable_data<float>()[3] = std::nanf("");
+  ForwardSpec fs;
+  fs.need_backward = true;
+  auto fwd = engine.Forward(p.view(), fs, nullptr);
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_TRUE(std::isnan(fwd->loss.data_as<float>()[0]));
+}
+
+TEST(CpuEngineSemanticsTest, CancellationStopsBetweenChunks) {
+  CpuEngine engine{CpuEngineOptions{/*chunk_bytes=*/4096}};
+  RandomProblemSpec spec;
+  spec.rows = 100;
+  OwnedProblem p = MakeRandomProblem(spec);
+  auto fwd = engine.Forward(p.view(), {}, [] { return true; });
+  EXPECT_EQ(fwd.status().code(), absl::StatusCode::kCancelled);
+}
+
+TEST(CpuEngineSemanticsTest, Float32GradientsOnRequest) {
+  CpuEngine engine;
+  RandomProblemSpec spec;
+  spec.dtype = DType::kBFloat16;
+  OwnedProblem p = MakeRandomProblem(spec);
+  ForwardSpec fs;
+  fs.need_backward = true;
+  auto fwd = engine.Forward(p.view(), fs, nullptr);
+  ASSERT_TRUE(fwd.ok());
+  BackwardSpec bs;
+  bs.grad_dtype = DType::kFloat32;
+  auto grads = engine.Backward(*fwd->saved, bs, nullptr);
+  ASSERT_TRUE(grads.ok());
+  EXPECT_EQ(grads->grad_weight.dtype, DType::kFloat32);
+  EXPECT_EQ(grads->grad_weight.data.size(), 1000u * 64 * 4);
+}
+
+TEST(CpuEngineSemanticsTest, ChunkRowsFollowTheBudget) {
+  CpuEngine engine{CpuEngineOptions{/*chunk_bytes=*/int64_t{64} << 20}};
+  EXPECT_EQ(engine.ChunkRows(8192, 128256), 130);
+  EXPECT_EQ(engine.ChunkRows(5, 128256), 5);
+  EXPECT_EQ(engine.ChunkRows(8192, int64_t{1} << 30), CpuEngine::kMinChunkRows);
+}
+
+}  // namespace
+}  // namespace flce

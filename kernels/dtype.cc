@@ -1,0 +1,137 @@
+#include "kernels/dtype.h"
+
+#include <cmath>
+
+namespace flce {
+
+int DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kInt64:
+      return 8;
+  }
+  return 0;
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+  }
+  return "unknown";
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {
+    // Subnormal half: normalise.
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400u) == 0);
+    bits = sign | ((112 - e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+uint16_t FloatToHalf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to inf
+  if (abs >= 0x38800000u) {                       // normal half
+    uint32_t v = abs - (112u << 23);
+    v += 0xfffu + ((v >> 13) & 1u);
+    return sign | static_cast<uint16_t>(v >> 13);
+  }
+  if (abs < 0x33000000u) return sign;  // below half the smallest subnormal
+  // Subnormal half: value = mant * 2^-24; round to nearest even.
+  const int exp = static_cast<int>(abs >> 23);
+  const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+  const int shift = 126 - exp;  // in [14, 24]
+  const uint32_t half_bit = 1u << (shift - 1);
+  uint32_t q = mant >> shift;
+  const uint32_t rem = mant & ((1u << shift) - 1);
+  if (rem > half_bit || (rem == half_bit && (q & 1u))) ++q;
+  return sign | static_cast<uint16_t>(q);
+}
+
+void ToFloat(DType dtype, const void* src, int64_t count, float* dst) {
+  switch (dtype) {
+    case DType::kFloat32:
+      std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
+      return;
+    case DType::kBFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < count; ++i) dst[i] = BFloat16ToFloat(s[i]);
+      return;
+    }
+    case DType::kFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < count; ++i) dst[i] = HalfToFloat(s[i]);
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void FromFloat(DType dtype, const float* src, int64_t count, void* dst) {
+  switch (dtype) {
+    case DType::kFloat32:
+      std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
+      return;
+    case DType::kBFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < count; ++i) d[i] = FloatToBFloat16(src[i]);
+      return;
+    }
+    case DType::kFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < count; ++i) d[i] = FloatToHalf(src[i]);
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+float RoundTo(DType dtype, float value) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return BFloat16ToFloat(FloatToBFloat16(value));
+    case DType::kFloat16:
+      return HalfToFloat(FloatToHalf(value));
+    default:
+      return value;
+  }
+}
+
+}  // namespace flce

@@ -1,0 +1,145 @@
+#ifndef FLCE_KERNELS_LOSS_ENGINE_H_
+#define FLCE_KERNELS_LOSS_ENGINE_H_
+
+// The LossEngine interface: the math of flce behind plain structs, with no
+// transport. An engine computes
+//
+//   z    = X @ W^T + b                         [N, V], fp32 accumulation
+//   z'   = c * tanh(z / c)   (logit softcap, when set; else z' = z)
+//   lse  = log(sum_j exp(z'_j))                 per row
+//   row  = (1 - eps) * w[t] * (lse - z'_t)
+//        + (eps / V) * sum_j w[j] * (lse - z'_j)
+//        + s * lse^2                            (0 for rows with t = ignore_index)
+//   loss = sum(row) / D (mean; D = sum of w[t] over valid rows), sum(row)
+//          (sum) or row (none)
+//
+// with w the class weights (1 without), eps the label smoothing and s the
+// z-loss scale: PyTorch's cross_entropy(weight, ignore_index, reduction,
+// label_smoothing) plus the softcap and z-loss extensions. Backward returns
+// dX, dW, db for an upstream gradient.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+
+namespace flce {
+
+enum class Reduction { kMean, kSum, kNone };
+enum class BackwardMode { kAuto, kStoreGrads, kRecompute };
+
+const char* ReductionName(Reduction reduction);
+const char* BackwardModeName(BackwardMode mode);
+
+struct LossOptions {
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::kMean;
+  float label_smoothing = 0.0f;              // in [0, 1)
+  std::optional<float> logit_softcap;        // > 0 when set
+  float z_loss_scale = 0.0f;                 // >= 0
+};
+
+// The problem. All views stay valid for the duration of the call.
+// REQUIRES (checked by the server's validation, not again here):
+//   hidden [N, H], weight [V, H], same floating dtype, H >= 1, V >= 1;
+//   bias [V] in that dtype if present; target [N] int32/int64 with every
+//   value in [0, V) or equal to ignore_index; class_weight fp32 [V] if present.
+struct LossProblem {
+  TensorView hidden;
+  TensorView weight;
+  std::optional<TensorView> bias;
+  TensorView target;
+  std::optional<TensorView> class_weight;
+  LossOptions options;
+
+  int64_t rows() const { return hidden.dim(0); }
+  int64_t hidden_size() const { return hidden.dim(1); }
+  int64_t vocab() const { return weight.dim(0); }
+};
+
+struct ForwardSpec {
+  // No gradient work and no saved state when false (evaluation).
+  bool need_backward = false;
+  // kStoreGrads or kRecompute; the caller resolves kAuto.
+  // REQUIRES: not kStoreGrads with Reduction::kNone.
+  BackwardMode mode = BackwardMode::kStoreGrads;
+  bool want_lse = false;
+  bool want_per_row_loss = false;
+};
+
+// What an engine keeps between Forward and Backward. Opaque to callers.
+class SavedState {
+ public:
+  virtual ~SavedState() = default;
+  // Memory held by this state, in bytes (host or device).
+  virtual int64_t bytes() const = 0;
+};
+
+struct ForwardResult {
+  HostTensor loss;    // fp32, shape {} (mean/sum) or {N} (none)
+  HostTensor z_loss;  // fp32, shaped like loss
+  std::optional<HostTensor> lse;           // fp32 {N}
+  std::optional<HostTensor> per_row_loss;  // fp32 {N}
+  int64_t num_valid = 0;
+  int64_t num_correct = 0;
+  // Present iff ForwardSpec::need_backward.
+  std::unique_ptr<SavedState> saved;
+};
+
+struct BackwardSpec {
+  // fp32 {} for mean/sum or {N} for none; absent means 1 everywhere.
+  std::optional<TensorView> grad_output;
+  // dtype of the returned gradients: the input dtype or kFloat32.
+  std::optional<DType> grad_dtype;
+};
+
+struct Gradients {
+  HostTensor grad_hidden;                // [N, H]
+  HostTensor grad_weight;                // [V, H]
+  std::optional<HostTensor> grad_bias;   // [V], iff the problem had a bias
+};
+
+// Polled between chunks; true stops the call with CANCELLED.
+using CancelFn = std::function<bool()>;
+
+struct DeviceInfo {
+  std::string name;
+  int64_t total_memory_bytes = 0;
+};
+
+class LossEngine {
+ public:
+  virtual ~LossEngine() = default;
+
+  // "cpu" or "cuda".
+  virtual std::string backend() const = 0;
+  virtual std::vector<DeviceInfo> devices() const = 0;
+
+  // Bytes the SavedState of `mode` will hold for `problem`'s shapes, so the
+  // caller can reserve its memory budget before computing.
+  virtual int64_t SavedStateBytes(const LossProblem& problem,
+                                  BackwardMode mode) const = 0;
+
+  // Computes the loss and, with spec.need_backward, the state for Backward.
+  // Errors: CANCELLED if `cancelled` returned true, RESOURCE_EXHAUSTED if
+  // memory ran out, INTERNAL on a broken invariant.
+  virtual absl::StatusOr<ForwardResult> Forward(const LossProblem& problem,
+                                                const ForwardSpec& spec,
+                                                const CancelFn& cancelled) = 0;
+
+  // Gradients for `state` (made by this engine's Forward). The state is not
+  // modified, so Backward may run on it again.
+  // REQUIRES: spec.grad_output has the shape the reduction implies.
+  virtual absl::StatusOr<Gradients> Backward(const SavedState& state,
+                                             const BackwardSpec& spec,
+                                             const CancelFn& cancelled) = 0;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_LOSS_ENGINE_H_

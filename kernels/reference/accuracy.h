@@ -1,0 +1,52 @@
+#ifndef FLCE_KERNELS_REFERENCE_ACCURACY_H_
+#define FLCE_KERNELS_REFERENCE_ACCURACY_H_
+
+// Judges an engine's results against the fp64 reference with DESIGN.md §3's
+// bar: relative L2 error no worse than 1.5× that of the plain same-dtype
+// computation (and ≤ 1e-5 for fp32 inputs).
+
+#include <string>
+#include <vector>
+
+#include "kernels/loss_engine.h"
+
+namespace flce {
+
+// An engine's results as floats (from any transport).
+struct EngineOutputs {
+  std::vector<float> loss;  // 1 value (mean/sum) or N (none)
+  std::vector<float> z_loss;
+  std::vector<float> lse;   // N, or empty if not requested
+  int64_t num_valid = 0;
+  bool has_gradients = false;
+  std::vector<float> grad_hidden, grad_weight, grad_bias;
+};
+
+struct AccuracyReport {
+  struct Entry {
+    std::string name;
+    double error = 0;  // relative L2 error against fp64
+    double bar = 0;
+    bool ok() const { return error <= bar; }
+  };
+  std::vector<Entry> entries;
+  std::vector<std::string> mismatches;  // non-numeric disagreements
+
+  bool ok() const;
+  // One line per entry: "dX  err 1.2e-03  bar 3.9e-03  ok".
+  std::string ToString() const;
+};
+
+// The bar for a result in `dtype` given the plain computation's error:
+// fp32 1e-5; bf16/fp16 max(1.5 × plain_error, the dtype's unit roundoff).
+double AccuracyBar(DType dtype, double plain_error);
+
+// Compares `outputs` for `problem` and upstream `grad_output` (empty = 1)
+// with the fp64 reference.
+AccuracyReport CheckAccuracy(const LossProblem& problem,
+                             const std::vector<double>& grad_output,
+                             const EngineOutputs& outputs);
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_REFERENCE_ACCURACY_H_

@@ -1,0 +1,44 @@
+#ifndef FLCE_KERNELS_REFERENCE_RANDOM_PROBLEM_H_
+#define FLCE_KERNELS_REFERENCE_RANDOM_PROBLEM_H_
+
+// Random loss problems for tests, `flce smoke` and benchmarks.
+
+#include <cstdint>
+#include <optional>
+
+#include "kernels/loss_engine.h"
+#include "kernels/tensor.h"
+
+namespace flce {
+
+struct RandomProblemSpec {
+  int64_t rows = 17;
+  int64_t hidden = 64;
+  int64_t vocab = 1000;
+  DType dtype = DType::kFloat32;
+  DType target_dtype = DType::kInt64;
+  // Standard deviation of the logits: small is a flat softmax, large
+  // (e.g. 30) a peaked one.
+  double logit_scale = 2.0;
+  double ignore_fraction = 0.0;  // rows whose target is ignore_index
+  bool bias = false;
+  bool class_weight = false;     // random weights in [0.25, 2)
+  LossOptions options;
+  uint64_t seed = 1;
+};
+
+// A problem that owns its tensors.
+struct OwnedProblem {
+  HostTensor hidden, weight, target;
+  std::optional<HostTensor> bias, class_weight;
+  LossOptions options;
+
+  // A view that stays valid while this object lives and is not moved.
+  LossProblem view() const;
+};
+
+OwnedProblem MakeRandomProblem(const RandomProblemSpec& spec);
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_REFERENCE_RANDOM_PROBLEM_H_

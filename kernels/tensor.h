@@ -1,0 +1,62 @@
+#ifndef FLCE_KERNELS_TENSOR_H_
+#define FLCE_KERNELS_TENSOR_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/dtype.h"
+
+namespace flce {
+
+// Product of the dimensions (1 for a scalar shape {}).
+inline int64_t NumElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// "8192×4096" (or "scalar").
+std::string ShapeString(const std::vector<int64_t>& shape);
+
+// A read-only view of contiguous row-major host memory owned elsewhere.
+struct TensorView {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+
+  int64_t num_elements() const { return NumElements(shape); }
+  int64_t dim(int i) const { return shape[static_cast<size_t>(i)]; }
+};
+
+// A tensor that owns its bytes. The bytes live in a std::string so they can
+// be moved into a protobuf `bytes` field without a copy.
+struct HostTensor {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::string data;
+
+  HostTensor() = default;
+  // Allocates product(shape) elements filled with 0xff bytes (NaN for the
+  // floating dtypes), so elements a computation forgets to write show up.
+  HostTensor(DType dtype, std::vector<int64_t> shape);
+
+  int64_t num_elements() const { return NumElements(shape); }
+  TensorView view() const { return {dtype, shape, data.data()}; }
+  template <typename T>
+  T* mutable_data() {
+    return reinterpret_cast<T*>(&data[0]);
+  }
+  template <typename T>
+  const T* data_as() const {
+    return reinterpret_cast<const T*>(data.data());
+  }
+};
+
+// The elements of a floating tensor as floats.
+// REQUIRES: IsFloating(tensor.dtype).
+std::vector<float> TensorToFloats(const TensorView& tensor);
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_TENSOR_H_
