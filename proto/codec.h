@@ -1,0 +1,50 @@
+#ifndef FLCE_PROTO_CODEC_H_
+#define FLCE_PROTO_CODEC_H_
+
+// Conversions between the flce.v1 wire types and the plain types of
+// kernels/: tensors, enums and statuses.
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "grpcpp/support/status.h"
+#include "kernels/loss_engine.h"
+#include "kernels/tensor.h"
+#include "proto/flce/v1/loss_service.pb.h"
+
+namespace flce {
+
+// absl::Status <-> grpc::Status: the same code (proven equal by
+// static_asserts in codec.cc) and message.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+absl::StatusOr<DType> FromProto(v1::DType dtype, const std::string& field);
+v1::DType ToProto(DType dtype);
+Reduction FromProto(v1::Reduction reduction);
+v1::Reduction ToProto(Reduction reduction);
+BackwardMode FromProto(v1::BackwardMode mode);
+v1::BackwardMode ToProto(BackwardMode mode);
+
+// A view of a wire tensor after checking its dtype is known, its dimensions
+// are non-negative and its byte length is product(shape) × size(dtype).
+// Errors are INVALID_ARGUMENT naming `field`, e.g.
+// "hidden: expected 8192×4096 bf16 = 67108864 bytes, got 67108000".
+// The view points into `tensor`, which must outlive it.
+absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor,
+                                  const std::string& field);
+
+// Moves a host tensor's bytes into a wire tensor (no copy of the data).
+void MoveToProto(HostTensor&& tensor, v1::Tensor* out);
+
+// Copies a view into a wire tensor.
+void CopyToProto(const TensorView& view, v1::Tensor* out);
+
+// Moves a wire tensor's bytes out into a host tensor (no copy of the data).
+absl::StatusOr<HostTensor> MoveFromProto(v1::Tensor* tensor,
+                                         const std::string& field);
+
+}  // namespace flce
+
+#endif  // FLCE_PROTO_CODEC_H_

@@ -1,0 +1,75 @@
+#include "server/loss_core.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+
+namespace flce {
+
+LossCore::LossCore(LossEngine* engine, SessionStore* sessions)
+    : engine_(engine), sessions_(sessions) {}
+
+BackwardMode LossCore::ResolveMode(const ForwardCall& call) const {
+  if (call.requested_mode != BackwardMode::kAuto) return call.requested_mode;
+  if (call.problem.options.reduction == Reduction::kNone) {
+    return BackwardMode::kRecompute;
+  }
+  const int64_t store = engine_->SavedStateBytes(call.problem, BackwardMode::kStoreGrads);
+  const int64_t recompute = engine_->SavedStateBytes(call.problem, BackwardMode::kRecompute);
+  if (!sessions_->Fits(store) && sessions_->Fits(recompute)) {
+    return BackwardMode::kRecompute;
+  }
+  return BackwardMode::kStoreGrads;
+}
+
+absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
+                                                 const std::string& principal,
+                                                 const CancelFn& cancelled) {
+  ForwardOutcome outcome;
+  ForwardSpec spec;
+  spec.need_backward = call.need_backward;
+  spec.want_lse = call.want_lse;
+  spec.want_per_row_loss = call.want_per_row_loss;
+  Reservation reservation;
+  if (call.need_backward) {
+    spec.mode = ResolveMode(call);
+    FLCE_ASSIGN_OR_RETURN(
+        reservation, sessions_->Reserve(engine_->SavedStateBytes(call.problem, spec.mode)));
+  }
+  FLCE_ASSIGN_OR_RETURN(outcome.result, engine_->Forward(call.problem, spec, cancelled));
+  if (call.need_backward) {
+    SessionInfo info;
+    info.reduction = call.problem.options.reduction;
+    info.rows = call.problem.rows();
+    info.mode = spec.mode;
+    outcome.mode = spec.mode;
+    outcome.session_id = sessions_->Commit(std::move(reservation),
+                                           std::move(outcome.result.saved), info,
+                                           principal);
+  }
+  return outcome;
+}
+
+absl::StatusOr<Gradients> LossCore::Backward(const BackwardCall& call,
+                                             const std::string& principal,
+                                             const CancelFn& cancelled) {
+  FLCE_ASSIGN_OR_RETURN(SessionLease lease,
+                        sessions_->Acquire(call.session_id, principal));
+  absl::Status status = CheckGradOutput(call, lease.info);
+  absl::StatusOr<Gradients> grads = status;
+  if (status.ok()) {
+    BackwardSpec spec;
+    if (call.grad_output) spec.grad_output = call.grad_output->view();
+    spec.grad_dtype = call.grad_dtype;
+    grads = engine_->Backward(*lease.state, spec, cancelled);
+  }
+  sessions_->Finish(lease, /*consume=*/grads.ok() && !call.keep_session);
+  return grads;
+}
+
+bool LossCore::Release(const std::string& session_id, const std::string& principal) {
+  return sessions_->Release(session_id, principal);
+}
+
+}  // namespace flce

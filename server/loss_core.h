@@ -1,0 +1,54 @@
+#ifndef FLCE_SERVER_LOSS_CORE_H_
+#define FLCE_SERVER_LOSS_CORE_H_
+
+// The service's policy below the transport: backward-mode resolution, the
+// session memory budget, and the Forward → session → Backward life cycle.
+// Handlers decode requests (request_validation.h), call this, and encode.
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/loss_engine.h"
+#include "server/request_validation.h"
+#include "server/session_store.h"
+
+namespace flce {
+
+struct ForwardOutcome {
+  ForwardResult result;
+  std::string session_id;  // empty without need_backward
+  BackwardMode mode = BackwardMode::kAuto;  // resolved; kAuto without a session
+};
+
+class LossCore {
+ public:
+  // `engine` and `sessions` must outlive this.
+  LossCore(LossEngine* engine, SessionStore* sessions);
+
+  // AUTO resolves to RECOMPUTE for reduction none or when STORE_GRADS would
+  // not fit the session budget but RECOMPUTE would; else STORE_GRADS.
+  BackwardMode ResolveMode(const ForwardCall& call) const;
+
+  absl::StatusOr<ForwardOutcome> Forward(const ForwardCall& call,
+                                         const std::string& principal,
+                                         const CancelFn& cancelled);
+
+  // On success the session is consumed unless keep_session; on failure it
+  // stays as it was.
+  absl::StatusOr<Gradients> Backward(const BackwardCall& call,
+                                     const std::string& principal,
+                                     const CancelFn& cancelled);
+
+  bool Release(const std::string& session_id, const std::string& principal);
+
+  LossEngine& engine() const { return *engine_; }
+  SessionStore& sessions() const { return *sessions_; }
+
+ private:
+  LossEngine* const engine_;
+  SessionStore* const sessions_;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_SERVER_LOSS_CORE_H_

@@ -1,0 +1,115 @@
+#include "server/loss_server.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kernels/status_macros.h"
+#include "server/engine_factory.h"
+#include "server/version.h"
+#include "spdlog/spdlog.h"
+
+namespace flce {
+namespace {
+
+constexpr char kServiceName[] = "flce.v1.LossService";
+
+absl::Status CheckOptions(const ServerOptions& o) {
+  if (o.workers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--workers: ", o.workers, "; expected >= 1"));
+  }
+  if (o.max_queued_requests < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_queued_requests: ", o.max_queued_requests, "; expected >= 0"));
+  }
+  if (o.sessions.max_sessions < 0 || o.sessions.memory_budget_bytes < 0) {
+    return absl::InvalidArgumentError(
+        "--max_sessions and --session_memory_bytes must be >= 0");
+  }
+  if (o.sessions.ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--session_ttl: ", absl::FormatDuration(o.sessions.ttl), "; expected > 0"));
+  }
+  if (o.max_message_bytes < 1024 || o.max_message_bytes > (int64_t{2} << 30) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_message_bytes: ", o.max_message_bytes,
+        "; expected between 1024 and 2147483647 (protobuf's ceiling)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
+    const ServerOptions& options) {
+  FLCE_RETURN_IF_ERROR(CheckOptions(options));
+  std::unique_ptr<LossServer> s(new LossServer());
+  s->options_ = options;
+  FLCE_ASSIGN_OR_RETURN(s->engine_, CreateEngine(options.backend, options.cpu));
+  s->sessions_ = std::make_unique<SessionStore>(options.sessions);
+  s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get());
+  s->queue_ = std::make_unique<WorkQueue>(options.workers, options.max_queued_requests);
+  s->service_ = std::make_unique<LossServiceImpl>(
+      s->core_.get(), s->queue_.get(), ServiceLimits{options.max_message_bytes});
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
+                           &s->port_);
+  builder.RegisterService(s->service_.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "--listen_address: cannot listen on ", options.listen_address));
+  }
+  grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(true);
+  s->reaper_ = std::thread([raw = s.get()] { raw->ReaperLoop(); });
+
+  std::string devices;
+  for (const DeviceInfo& d : s->engine_->devices()) devices += d.name;
+  SPDLOG_INFO("flce {} listening on port {} ({}), backend={} device=\"{}\"", kVersion,
+              s->port_, options.listen_address, s->engine_->backend(), devices);
+  SPDLOG_INFO(
+      "limits: max_sessions={} session_memory_bytes={} session_ttl={} workers={} "
+      "max_queued_requests={} max_message_bytes={}",
+      options.sessions.max_sessions, options.sessions.memory_budget_bytes,
+      absl::FormatDuration(options.sessions.ttl), options.workers,
+      options.max_queued_requests, options.max_message_bytes);
+  return s;
+}
+
+LossServer::~LossServer() { Shutdown(absl::ZeroDuration()); }
+
+void LossServer::ReaperLoop() {
+  while (!stop_reaper_.WaitForNotificationWithTimeout(options_.reap_interval)) {
+    const int reaped = sessions_->ReapExpired();
+    if (reaped > 0) SPDLOG_INFO("expired {} idle session(s)", reaped);
+  }
+}
+
+void LossServer::Shutdown(absl::Duration grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  SPDLOG_INFO("shutdown: draining (grace {})", absl::FormatDuration(grace));
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, false);
+  health->SetServingStatus(false);
+  // Refuses new RPCs, waits for those in flight until the deadline, then
+  // cancels them; their tasks see the cancellation between chunks.
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    absl::ToChronoMilliseconds(grace));
+  queue_->Shutdown();
+  stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
+  SPDLOG_INFO("shutdown: done ({} session(s) dropped)", sessions_->live_sessions());
+}
+
+}  // namespace flce

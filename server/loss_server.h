@@ -1,0 +1,73 @@
+#ifndef FLCE_SERVER_LOSS_SERVER_H_
+#define FLCE_SERVER_LOSS_SERVER_H_
+
+// The flce server as a value: engine, sessions, work queue, the gRPC server
+// with health checking and reflection, and the session reaper.
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/cpu/cpu_engine.h"
+#include "kernels/loss_engine.h"
+#include "server/loss_core.h"
+#include "server/loss_service.h"
+#include "server/session_store.h"
+#include "server/work_queue.h"
+
+namespace flce {
+
+struct ServerOptions {
+  // host:port; port 0 picks a free port (read it back with port()).
+  std::string listen_address = "0.0.0.0:50051";
+  std::string backend = "auto";  // auto, cuda or cpu
+  SessionLimits sessions;
+  int workers = 1;               // concurrent engine calls
+  int max_queued_requests = 64;  // waiting beyond the running ones
+  int64_t max_message_bytes = int64_t{256} << 20;
+  absl::Duration reap_interval = absl::Seconds(5);
+  CpuEngineOptions cpu;
+};
+
+class LossServer {
+ public:
+  // Validates `options`, creates the engine and starts serving.
+  // INVALID_ARGUMENT for bad options, UNIMPLEMENTED for a backend not built
+  // in, UNAVAILABLE if the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<LossServer>> Start(const ServerOptions& options);
+
+  ~LossServer();  // Shutdown(absl::ZeroDuration()) if still running
+
+  // The bound port.
+  int port() const { return port_; }
+  const LossEngine& engine() const { return *engine_; }
+
+  // Graceful stop: health turns NOT_SERVING, new RPCs are refused, RPCs in
+  // flight get up to `grace` to finish and are cancelled after it; then the
+  // workers and the reaper stop. Idempotent.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  LossServer() = default;
+  void ReaperLoop();
+
+  ServerOptions options_;
+  std::unique_ptr<LossEngine> engine_;
+  std::unique_ptr<SessionStore> sessions_;
+  std::unique_ptr<LossCore> core_;
+  std::unique_ptr<WorkQueue> queue_;
+  std::unique_ptr<LossServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  absl::Notification stop_reaper_;
+  std::thread reaper_;
+  bool shut_down_ = false;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_SERVER_LOSS_SERVER_H_

@@ -1,0 +1,51 @@
+#ifndef FLCE_SERVER_LOSS_SERVICE_H_
+#define FLCE_SERVER_LOSS_SERVICE_H_
+
+// flce.v1.LossService on gRPC's callback API. Handlers translate only:
+// decode and validate the request on the gRPC thread, queue the engine work
+// on the WorkQueue, encode the result and finish the reactor from the worker.
+// Deadlines and cancellation are checked when a task starts and between
+// chunks; one log line is written per finished RPC.
+
+#include <cstdint>
+
+#include "grpcpp/grpcpp.h"
+#include "proto/flce/v1/loss_service.grpc.pb.h"
+#include "server/loss_core.h"
+#include "server/work_queue.h"
+
+namespace flce {
+
+struct ServiceLimits {
+  int64_t max_message_bytes = 0;
+};
+
+class LossServiceImpl final : public v1::LossService::CallbackService {
+ public:
+  // All pointers must outlive the service.
+  LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits);
+
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
+                                    const v1::ForwardRequest* request,
+                                    v1::ForwardResponse* response) override;
+  grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* context,
+                                     const v1::BackwardRequest* request,
+                                     v1::BackwardResponse* response) override;
+  grpc::ServerUnaryReactor* ReleaseSession(
+      grpc::CallbackServerContext* context,
+      const v1::ReleaseSessionRequest* request,
+      v1::ReleaseSessionResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(
+      grpc::CallbackServerContext* context,
+      const v1::GetServerInfoRequest* request,
+      v1::GetServerInfoResponse* response) override;
+
+ private:
+  LossCore* const core_;
+  WorkQueue* const queue_;
+  const ServiceLimits limits_;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_SERVER_LOSS_SERVICE_H_

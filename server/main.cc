@@ -1,0 +1,81 @@
+// flce_server: serves flce.v1.LossService. See README.md for the flags.
+
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/time.h"
+#include "server/logging.h"
+#include "server/loss_server.h"
+#include "server/version.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, listen_address, "0.0.0.0:50051",
+          "host:port to serve on (port 0: any free port)");
+ABSL_FLAG(std::string, backend, "auto", "auto, cuda or cpu");
+ABSL_FLAG(int64_t, max_sessions, 1024, "most live sessions at once");
+ABSL_FLAG(int64_t, session_memory_bytes, int64_t{16} << 30,
+          "memory budget for all sessions' saved state, in bytes");
+ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
+          "idle time after which a session expires");
+ABSL_FLAG(int, workers, 1, "engine calls run concurrently");
+ABSL_FLAG(int, max_queued_requests, 64,
+          "requests that may wait for a worker; more are RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20,
+          "largest request or response message, in bytes");
+ABSL_FLAG(int64_t, cpu_chunk_bytes, int64_t{64} << 20,
+          "CPU engine: bytes of fp32 logits per token chunk");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
+          "on SIGTERM/SIGINT, how long RPCs in flight may take to finish");
+ABSL_FLAG(std::string, log_level, "info",
+          "trace, debug, info, warn, error, critical or off");
+ABSL_FLAG(bool, version, false, "print the version and exit");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "flce_server: fused linear + cross-entropy loss over gRPC.\n"
+      "  flce_server --listen_address=0.0.0.0:50051 --backend=auto");
+  absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_version)) {
+    std::printf("flce_server %s\n", flce::kVersion);
+    return 0;
+  }
+  if (absl::Status s = flce::InitLogging(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+
+  // Every thread inherits this mask; the main thread takes the signals.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  flce::ServerOptions options;
+  options.listen_address = absl::GetFlag(FLAGS_listen_address);
+  options.backend = absl::GetFlag(FLAGS_backend);
+  options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
+  options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl);
+  options.workers = absl::GetFlag(FLAGS_workers);
+  options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes);
+
+  absl::StatusOr<std::unique_ptr<flce::LossServer>> server =
+      flce::LossServer::Start(options);
+  if (!server.ok()) {
+    SPDLOG_CRITICAL("cannot start: {}", server.status().ToString());
+    return 1;
+  }
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  SPDLOG_INFO("received {}; shutting down", strsignal(signal_number));
+  (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace));
+  return 0;
+}

@@ -1,0 +1,47 @@
+#ifndef FLCE_SERVER_REQUEST_VALIDATION_H_
+#define FLCE_SERVER_REQUEST_VALIDATION_H_
+
+// Decoding and validation of requests, once, before any compute. Every
+// rejection names the field and the values (DESIGN.md §1):
+//   INVALID_ARGUMENT  shapes, dtypes, byte lengths, option values
+//   OUT_OF_RANGE      a target outside [0, V) that is not ignore_index
+
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/loss_engine.h"
+#include "proto/flce/v1/loss_service.pb.h"
+#include "server/session_store.h"
+
+namespace flce {
+
+// A checked Forward request. Views point into the request, which must
+// outlive this.
+struct ForwardCall {
+  LossProblem problem;
+  bool need_backward = false;
+  BackwardMode requested_mode = BackwardMode::kAuto;
+  bool want_lse = false;
+  bool want_per_row_loss = false;
+};
+
+absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& request);
+
+// A checked Backward request; grad_output converted to fp32.
+struct BackwardCall {
+  std::string session_id;
+  std::optional<HostTensor> grad_output;
+  bool keep_session = false;
+  std::optional<DType> grad_dtype;
+};
+
+absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& request);
+
+// Checks grad_output's shape against the session: {} or {1} for mean/sum,
+// {N} for none.
+absl::Status CheckGradOutput(const BackwardCall& call, const SessionInfo& info);
+
+}  // namespace flce
+
+#endif  // FLCE_SERVER_REQUEST_VALIDATION_H_

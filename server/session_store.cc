@@ -1,0 +1,221 @@
+#include "server/session_store.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace flce {
+namespace {
+
+// Ended ids are remembered for one TTL so a late Backward learns what
+// happened; past this many the oldest knowledge is dropped at the next reap.
+constexpr size_t kMaxTombstones = size_t{1} << 20;
+
+std::string Short(const std::string& id) { return id.substr(0, 8); }
+
+}  // namespace
+
+Reservation::Reservation(Reservation&& other) noexcept
+    : store_(std::exchange(other.store_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)) {}
+
+Reservation& Reservation::operator=(Reservation&& other) noexcept {
+  if (this != &other) {
+    if (store_ != nullptr) store_->Unreserve(bytes_);
+    store_ = std::exchange(other.store_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+Reservation::~Reservation() {
+  if (store_ != nullptr) store_->Unreserve(bytes_);
+}
+
+SessionStore::SessionStore(SessionLimits limits, Clock clock)
+    : limits_(limits), clock_(std::move(clock)) {}
+
+std::string SessionStore::NewId() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      // getrandom cannot fail on a supported kernel once the pool is ready.
+      std::perror("getrandom");
+      std::abort();
+    }
+    got += static_cast<size_t>(n);
+  }
+  std::string id;
+  for (unsigned char b : bytes) absl::StrAppendFormat(&id, "%02x", b);
+  return id;
+}
+
+bool SessionStore::Fits(int64_t bytes) const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(live_.size()) + reserved_count_ < limits_.max_sessions &&
+         live_bytes_ + reserved_bytes_ + bytes <= limits_.memory_budget_bytes;
+}
+
+absl::StatusOr<Reservation> SessionStore::Reserve(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  const int64_t count = static_cast<int64_t>(live_.size()) + reserved_count_;
+  if (count >= limits_.max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("sessions: ", count, " live of at most ",
+                     limits_.max_sessions,
+                     "; release sessions (Backward or ReleaseSession) first"));
+  }
+  const int64_t used = live_bytes_ + reserved_bytes_;
+  if (used + bytes > limits_.memory_budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session memory: this session needs ", bytes, " bytes, ", used,
+        " of the budget of ", limits_.memory_budget_bytes, " bytes are in use"));
+  }
+  ++reserved_count_;
+  reserved_bytes_ += bytes;
+  return Reservation(this, bytes);
+}
+
+void SessionStore::Unreserve(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  --reserved_count_;
+  reserved_bytes_ -= bytes;
+}
+
+std::string SessionStore::Commit(Reservation reservation,
+                                 std::unique_ptr<SavedState> state,
+                                 const SessionInfo& info,
+                                 const std::string& principal) {
+  Session session;
+  session.state = std::move(state);
+  session.info = info;
+  session.principal = principal;
+  session.bytes = reservation.bytes();
+  session.last_used = clock_();
+  std::string id = NewId();
+  absl::MutexLock lock(&mu_);
+  // The reservation's budget moves to the live session.
+  --reserved_count_;
+  reserved_bytes_ -= reservation.bytes_;
+  reservation.store_ = nullptr;
+  live_bytes_ += session.bytes;
+  live_.emplace(id, std::move(session));
+  return id;
+}
+
+absl::StatusOr<SessionLease> SessionStore::Acquire(const std::string& id,
+                                                   const std::string& principal) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(id);
+  if (it != live_.end() && it->second.principal == principal) {
+    Session& s = it->second;
+    if (s.in_use) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session_id ", Short(id), "…: in use by another Backward"));
+    }
+    if (clock_() - s.last_used > limits_.ttl) {
+      EndLocked(id, Ended::kExpired);
+    } else {
+      s.in_use = true;
+      return SessionLease{id, s.info, s.state};
+    }
+  }
+  auto tomb = ended_.find(id);
+  if (tomb != ended_.end() && tomb->second.principal == principal) {
+    switch (tomb->second.how) {
+      case Ended::kConsumed:
+        return absl::FailedPreconditionError(absl::StrCat(
+            "session_id ", Short(id),
+            "…: already consumed by a Backward; pass keep_session to run "
+            "Backward more than once"));
+      case Ended::kReleased:
+        return absl::FailedPreconditionError(absl::StrCat(
+            "session_id ", Short(id), "…: released by ReleaseSession"));
+      case Ended::kExpired:
+        return absl::NotFoundError(absl::StrCat(
+            "session_id ", Short(id), "…: expired after ",
+            absl::FormatDuration(limits_.ttl),
+            " idle; run Forward again"));
+    }
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "session_id ", Short(id.empty() ? std::string("(empty)") : id),
+      "…: unknown session (never created here, or the server restarted)"));
+}
+
+void SessionStore::Finish(const SessionLease& lease, bool consume) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(lease.id);
+  if (it == live_.end()) return;
+  it->second.in_use = false;
+  it->second.last_used = clock_();
+  if (consume) {
+    EndLocked(lease.id, Ended::kConsumed);
+  } else if (it->second.release_when_done) {
+    EndLocked(lease.id, Ended::kReleased);
+  }
+}
+
+bool SessionStore::Release(const std::string& id, const std::string& principal) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(id);
+  if (it == live_.end() || it->second.principal != principal) return false;
+  if (it->second.in_use) {
+    it->second.release_when_done = true;
+    return true;
+  }
+  EndLocked(id, Ended::kReleased);
+  return true;
+}
+
+void SessionStore::EndLocked(const std::string& id, Ended how) {
+  auto it = live_.find(id);
+  live_bytes_ -= it->second.bytes;
+  ended_[id] = Tombstone{how, it->second.principal, clock_()};
+  live_.erase(it);
+}
+
+int SessionStore::ReapExpired() {
+  // Declared before the lock so the freed states are destroyed after it.
+  std::vector<std::shared_ptr<const SavedState>> freed;
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_();
+  std::vector<std::string> expired;
+  for (const auto& [id, s] : live_) {
+    if (!s.in_use && now - s.last_used > limits_.ttl) expired.push_back(id);
+  }
+  for (const std::string& id : expired) {
+    freed.push_back(live_[id].state);
+    EndLocked(id, Ended::kExpired);
+  }
+  const bool too_many = ended_.size() > kMaxTombstones;
+  for (auto it = ended_.begin(); it != ended_.end();) {
+    if (too_many || now - it->second.when > limits_.ttl) {
+      ended_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  return static_cast<int>(freed.size());
+}
+
+int64_t SessionStore::live_sessions() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(live_.size());
+}
+
+int64_t SessionStore::bytes_in_use() const {
+  absl::MutexLock lock(&mu_);
+  return live_bytes_ + reserved_bytes_;
+}
+
+}  // namespace flce

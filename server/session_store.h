@@ -1,0 +1,150 @@
+#ifndef FLCE_SERVER_SESSION_STORE_H_
+#define FLCE_SERVER_SESSION_STORE_H_
+
+// Sessions: what a Forward keeps for its Backward, with limits.
+//
+// - Ids are 128 random bits from the kernel's CSPRNG (getrandom), as 32 hex
+//   characters.
+// - A session is reserved (count and bytes checked against SessionLimits)
+//   before the engine runs and committed after, so nothing is computed that
+//   cannot be kept; nothing live is ever evicted to make room.
+// - Backward acquires a session exclusively; when it finishes the session is
+//   kept (keep_session) or consumed. A consumed id answers
+//   FAILED_PRECONDITION, an expired or unknown one NOT_FOUND, each saying which.
+// - Idle sessions expire after the TTL (ReapExpired, called periodically).
+// - A session belongs to the principal that made it; other principals get
+//   NOT_FOUND, as if it did not exist.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/loss_engine.h"
+
+namespace flce {
+
+struct SessionLimits {
+  int64_t max_sessions = 1024;
+  int64_t memory_budget_bytes = int64_t{16} << 30;
+  absl::Duration ttl = absl::Minutes(10);
+};
+
+// What Backward needs to know about a session besides the engine's state.
+struct SessionInfo {
+  Reduction reduction = Reduction::kMean;
+  int64_t rows = 0;
+  BackwardMode mode = BackwardMode::kStoreGrads;
+};
+
+class SessionStore;
+
+// Budget held for a session being computed. Returned to the store when
+// destroyed unless committed.
+class Reservation {
+ public:
+  Reservation() = default;
+  Reservation(Reservation&& other) noexcept;
+  Reservation& operator=(Reservation&& other) noexcept;
+  ~Reservation();
+
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  friend class SessionStore;
+  Reservation(SessionStore* store, int64_t bytes) : store_(store), bytes_(bytes) {}
+  SessionStore* store_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+// A session held by one Backward.
+struct SessionLease {
+  std::string id;
+  SessionInfo info;
+  std::shared_ptr<const SavedState> state;
+};
+
+class SessionStore {
+ public:
+  using Clock = std::function<absl::Time()>;
+
+  explicit SessionStore(SessionLimits limits, Clock clock = absl::Now);
+  SessionStore(const SessionStore&) = delete;
+  SessionStore& operator=(const SessionStore&) = delete;
+
+  const SessionLimits& limits() const { return limits_; }
+
+  // True if a session of `bytes` would fit now.
+  bool Fits(int64_t bytes) const;
+
+  // Holds room for one session of `bytes`. RESOURCE_EXHAUSTED, with the
+  // numbers, when the count or the memory budget would be exceeded.
+  absl::StatusOr<Reservation> Reserve(int64_t bytes);
+
+  // Turns a reservation into a live session; returns its id.
+  std::string Commit(Reservation reservation, std::unique_ptr<SavedState> state,
+                     const SessionInfo& info, const std::string& principal);
+
+  // Takes a session for a Backward.
+  // NOT_FOUND: unknown, expired or another principal's.
+  // FAILED_PRECONDITION: already consumed, or in use by another Backward.
+  absl::StatusOr<SessionLease> Acquire(const std::string& id,
+                                       const std::string& principal);
+
+  // Ends a Backward's hold. `consume` releases the session (later Acquires
+  // fail with FAILED_PRECONDITION); otherwise it stays, its TTL restarted.
+  void Finish(const SessionLease& lease, bool consume);
+
+  // Frees a session. Idempotent: false if there was no live session with
+  // that id for `principal`. A session in use is freed when its Backward
+  // finishes.
+  bool Release(const std::string& id, const std::string& principal);
+
+  // Frees sessions idle for longer than the TTL; returns how many.
+  int ReapExpired();
+
+  int64_t live_sessions() const;
+  int64_t bytes_in_use() const;  // live sessions and reservations
+
+ private:
+  friend class Reservation;
+
+  struct Session {
+    std::shared_ptr<const SavedState> state;
+    SessionInfo info;
+    std::string principal;
+    int64_t bytes = 0;
+    absl::Time last_used;
+    bool in_use = false;
+    bool release_when_done = false;
+  };
+  enum class Ended { kConsumed, kReleased, kExpired };
+  struct Tombstone {
+    Ended how;
+    std::string principal;
+    absl::Time when;
+  };
+
+  void Unreserve(int64_t bytes);
+  // Removes a live session, leaving a tombstone. REQUIRES: mu_ held.
+  void EndLocked(const std::string& id, Ended how)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static std::string NewId();
+
+  const SessionLimits limits_;
+  const Clock clock_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Session> live_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Tombstone> ended_ ABSL_GUARDED_BY(mu_);
+  int64_t reserved_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_SERVER_SESSION_STORE_H_
