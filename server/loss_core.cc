@@ -56,14 +56,14 @@ absl::StatusOr<Gradients> LossCore::Backward(const BackwardCall& call,
                                              const CancelFn& cancelled) {
   FLCE_ASSIGN_OR_RETURN(SessionLease lease,
                         sessions_->Acquire(call.session_id, principal));
-  absl::Status status = CheckGradOutput(call, lease.info);
-  absl::StatusOr<Gradients> grads = status;
-  if (status.ok()) {
-    BackwardSpec spec;
-    if (call.grad_output) spec.grad_output = call.grad_output->view();
-    spec.grad_dtype = call.grad_dtype;
-    grads = engine_->Backward(*lease.state, spec, cancelled);
+  if (absl::Status status = CheckGradOutput(call, lease.info); !status.ok()) {
+    sessions_->Finish(lease, /*consume=*/false);
+    return status;
   }
+  BackwardSpec spec;
+  if (call.grad_output) spec.grad_output = call.grad_output->view();
+  spec.grad_dtype = call.grad_dtype;
+  absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
   sessions_->Finish(lease, /*consume=*/grads.ok() && !call.keep_session);
   return grads;
 }

@@ -1,0 +1,100 @@
+#ifndef FLCE_CLIENT_LOSS_CLIENT_H_
+#define FLCE_CLIENT_LOSS_CLIENT_H_
+
+// C++ client for flce.v1.LossService: typed arguments and results, a
+// deadline on every call, gRPC errors as absl::Status with the server's code
+// and message.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/loss_engine.h"
+#include "kernels/tensor.h"
+#include "proto/flce/v1/loss_service.grpc.pb.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
+
+namespace flce {
+
+struct ClientOptions {
+  // Deadline of each call, from when it is made.
+  absl::Duration timeout = absl::Minutes(5);
+  // Largest message sent or received.
+  int64_t max_message_bytes = int64_t{256} << 20;
+};
+
+struct ForwardArgs {
+  TensorView hidden;  // [N, H]
+  TensorView weight;  // [V, H]
+  std::optional<TensorView> bias;
+  TensorView target;  // [N] int32/int64
+  std::optional<TensorView> class_weight;  // fp32 [V]
+  LossOptions options;
+  bool need_backward = false;
+  BackwardMode mode = BackwardMode::kAuto;
+  bool want_lse = false;
+  bool want_per_row_loss = false;
+};
+
+struct CallTimes {
+  double queue_ms = 0;   // server: waiting for a worker
+  double engine_ms = 0;  // server: computing
+  double rpc_ms = 0;     // client: the whole round trip
+};
+
+struct RemoteForward {
+  HostTensor loss, z_loss;
+  std::optional<HostTensor> lse, per_row_loss;
+  int64_t num_valid = 0;
+  int64_t num_correct = 0;
+  std::string session_id;
+  BackwardMode mode = BackwardMode::kAuto;
+  CallTimes times;
+};
+
+struct BackwardArgs {
+  std::string session_id;
+  std::optional<TensorView> grad_output;  // {} / {1} (mean, sum) or {N} (none)
+  bool keep_session = false;
+  std::optional<DType> grad_dtype;  // kFloat32, or unset for the input dtype
+};
+
+struct RemoteGradients {
+  HostTensor grad_hidden, grad_weight;
+  std::optional<HostTensor> grad_bias;
+  CallTimes times;
+};
+
+class LossClient {
+ public:
+  // A client of the server at `target` ("host:port"). Connects lazily: the
+  // first call reports an unreachable server as UNAVAILABLE.
+  static std::unique_ptr<LossClient> Create(const std::string& target,
+                                            ClientOptions options = {});
+
+  absl::StatusOr<RemoteForward> Forward(const ForwardArgs& args);
+  absl::StatusOr<RemoteGradients> Backward(const BackwardArgs& args);
+  // True if a live session was freed.
+  absl::StatusOr<bool> ReleaseSession(const std::string& session_id);
+  absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
+  // grpc.health.v1 status of `service` ("" for the whole server).
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
+      const std::string& service = "");
+
+ private:
+  LossClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
+  void Prepare(grpc::ClientContext& context) const;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::LossService::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_CLIENT_LOSS_CLIENT_H_
