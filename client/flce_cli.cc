@@ -140,12 +140,7 @@ int Health() {
 bool SmokeOne(LossClient& client, const RandomProblemSpec& spec, BackwardMode mode) {
   const OwnedProblem p = MakeRandomProblem(spec);
   ForwardArgs f;
-  f.hidden = p.hidden.view();
-  f.weight = p.weight.view();
-  if (p.bias) f.bias = p.bias->view();
-  f.target = p.target.view();
-  if (p.class_weight) f.class_weight = p.class_weight->view();
-  f.options = p.options;
+  f.problem = p.view();
   f.need_backward = true;
   f.mode = mode;
   f.want_lse = true;
@@ -292,24 +287,24 @@ absl::Status ForwardCommand() {
   auto target = ReadInput(absl::GetFlag(FLAGS_target), "target", std::nullopt);
   if (!target.ok()) return target.status();
   ForwardArgs f;
-  f.hidden = hidden->view();
-  f.weight = weight->view();
-  f.target = target->view();
+  f.problem.hidden = hidden->view();
+  f.problem.weight = weight->view();
+  f.problem.target = target->view();
   std::optional<HostTensor> bias, class_weight;
   if (!absl::GetFlag(FLAGS_bias_npy).empty()) {
     auto b = ReadInput(absl::GetFlag(FLAGS_bias_npy), "bias_npy", *dtype);
     if (!b.ok()) return b.status();
     bias = std::move(*b);
-    f.bias = bias->view();
+    f.problem.bias = bias->view();
   }
   if (!absl::GetFlag(FLAGS_class_weight_npy).empty()) {
     auto c = ReadInput(absl::GetFlag(FLAGS_class_weight_npy), "class_weight_npy",
                        std::nullopt);
     if (!c.ok()) return c.status();
     class_weight = std::move(*c);
-    f.class_weight = class_weight->view();
+    f.problem.class_weight = class_weight->view();
   }
-  f.options = *options;
+  f.problem.options = *options;
   f.need_backward = absl::GetFlag(FLAGS_need_backward);
   f.mode = *mode;
   f.want_lse = true;

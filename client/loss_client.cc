@@ -30,24 +30,29 @@ void LossClient::Prepare(grpc::ClientContext& context) const {
                        absl::ToChronoMilliseconds(options_.timeout));
 }
 
-absl::StatusOr<RemoteForward> LossClient::Forward(const ForwardArgs& args) {
+v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args) {
+  const LossProblem& p = args.problem;
   v1::ForwardRequest request;
-  CopyToProto(args.hidden, request.mutable_hidden());
-  CopyToProto(args.weight, request.mutable_weight());
-  if (args.bias) CopyToProto(*args.bias, request.mutable_bias());
-  CopyToProto(args.target, request.mutable_target());
+  CopyToProto(p.hidden, request.mutable_hidden());
+  CopyToProto(p.weight, request.mutable_weight());
+  if (p.bias) CopyToProto(*p.bias, request.mutable_bias());
+  CopyToProto(p.target, request.mutable_target());
   v1::LossOptions* o = request.mutable_options();
-  o->set_ignore_index(args.options.ignore_index);
-  o->set_reduction(ToProto(args.options.reduction));
-  o->set_label_smoothing(args.options.label_smoothing);
-  if (args.class_weight) CopyToProto(*args.class_weight, o->mutable_class_weight());
-  if (args.options.logit_softcap) o->set_logit_softcap(*args.options.logit_softcap);
-  o->set_z_loss_scale(args.options.z_loss_scale);
+  o->set_ignore_index(p.options.ignore_index);
+  o->set_reduction(ToProto(p.options.reduction));
+  o->set_label_smoothing(p.options.label_smoothing);
+  if (p.class_weight) CopyToProto(*p.class_weight, o->mutable_class_weight());
+  if (p.options.logit_softcap) o->set_logit_softcap(*p.options.logit_softcap);
+  o->set_z_loss_scale(p.options.z_loss_scale);
   request.set_need_backward(args.need_backward);
   request.set_backward_mode(ToProto(args.mode));
   request.mutable_outputs()->set_lse(args.want_lse);
   request.mutable_outputs()->set_per_row_loss(args.want_per_row_loss);
+  return request;
+}
 
+absl::StatusOr<RemoteForward> LossClient::Forward(const ForwardArgs& args) {
+  const v1::ForwardRequest request = BuildForwardRequest(args);
   grpc::ClientContext context;
   Prepare(context);
   v1::ForwardResponse response;

@@ -28,12 +28,8 @@ struct ClientOptions {
 };
 
 struct ForwardArgs {
-  TensorView hidden;  // [N, H]
-  TensorView weight;  // [V, H]
-  std::optional<TensorView> bias;
-  TensorView target;  // [N] int32/int64
-  std::optional<TensorView> class_weight;  // fp32 [V]
-  LossOptions options;
+  // The tensors (views, copied into the request) and loss options.
+  LossProblem problem;
   bool need_backward = false;
   BackwardMode mode = BackwardMode::kAuto;
   bool want_lse = false;
@@ -68,6 +64,9 @@ struct RemoteGradients {
   std::optional<HostTensor> grad_bias;
   CallTimes times;
 };
+
+// The wire request for `args` (tensor bytes copied in).
+v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args);
 
 class LossClient {
  public:

@@ -1,0 +1,110 @@
+#include "server/loss_core.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_engine.h"
+#include "kernels/reference/random_problem.h"
+#include "tests/status_matchers.h"
+
+namespace flce {
+namespace {
+
+using ::testing::HasSubstr;
+
+class LossCoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Remake(SessionLimits{}); }
+
+  void Remake(SessionLimits limits) {
+    sessions_ = std::make_unique<SessionStore>(limits);
+    core_ = std::make_unique<LossCore>(&engine_, sessions_.get());
+  }
+
+  ForwardCall Call(Reduction reduction, BackwardMode mode) {
+    RandomProblemSpec spec;
+    spec.rows = 9;
+    spec.hidden = 8;
+    spec.vocab = 50;
+    spec.dtype = DType::kBFloat16;
+    spec.options.reduction = reduction;
+    problem_ = MakeRandomProblem(spec);
+    ForwardCall call;
+    call.problem = problem_.view();
+    call.need_backward = true;
+    call.requested_mode = mode;
+    return call;
+  }
+
+  CpuEngine engine_;
+  std::unique_ptr<SessionStore> sessions_;
+  std::unique_ptr<LossCore> core_;
+  OwnedProblem problem_;
+};
+
+TEST_F(LossCoreTest, AutoPicksStoreGradsUnlessReductionNone) {
+  EXPECT_EQ(core_->ResolveMode(Call(Reduction::kMean, BackwardMode::kAuto)),
+            BackwardMode::kStoreGrads);
+  EXPECT_EQ(core_->ResolveMode(Call(Reduction::kNone, BackwardMode::kAuto)),
+            BackwardMode::kRecompute);
+  EXPECT_EQ(core_->ResolveMode(Call(Reduction::kSum, BackwardMode::kRecompute)),
+            BackwardMode::kRecompute);
+}
+
+TEST_F(LossCoreTest, AutoPicksRecomputeWhenStoreGradsWouldNotFit) {
+  ForwardCall call = Call(Reduction::kMean, BackwardMode::kAuto);
+  const int64_t store = engine_.SavedStateBytes(call.problem, BackwardMode::kStoreGrads);
+  const int64_t recompute = engine_.SavedStateBytes(call.problem, BackwardMode::kRecompute);
+  ASSERT_LT(recompute, store);
+  Remake(SessionLimits{16, recompute, absl::Minutes(1)});
+  call = Call(Reduction::kMean, BackwardMode::kAuto);
+  EXPECT_EQ(core_->ResolveMode(call), BackwardMode::kRecompute);
+  auto outcome = core_->Forward(call, "", nullptr);
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  EXPECT_EQ(outcome->mode, BackwardMode::kRecompute);
+  EXPECT_EQ(sessions_->bytes_in_use(), recompute);
+}
+
+TEST_F(LossCoreTest, OverBudgetIsResourceExhaustedAndComputesNothing) {
+  Remake(SessionLimits{16, 100, absl::Minutes(1)});
+  auto outcome = core_->Forward(Call(Reduction::kMean, BackwardMode::kAuto), "",
+                                [] { ADD_FAILURE() << "engine ran"; return false; });
+  EXPECT_THAT(outcome, StatusIs(absl::StatusCode::kResourceExhausted,
+                                HasSubstr("of the budget of 100 bytes")));
+  EXPECT_EQ(sessions_->bytes_in_use(), 0);
+}
+
+TEST_F(LossCoreTest, EvaluationKeepsNoSession) {
+  ForwardCall call = Call(Reduction::kMean, BackwardMode::kAuto);
+  call.need_backward = false;
+  auto outcome = core_->Forward(call, "", nullptr);
+  ASSERT_TRUE(outcome.ok());
+  EXPECT_TRUE(outcome->session_id.empty());
+  EXPECT_EQ(sessions_->live_sessions(), 0);
+}
+
+TEST_F(LossCoreTest, BadGradOutputLeavesTheSessionUsable) {
+  auto outcome = core_->Forward(Call(Reduction::kNone, BackwardMode::kAuto), "", nullptr);
+  ASSERT_TRUE(outcome.ok());
+  BackwardCall call;
+  call.session_id = outcome->session_id;
+  call.grad_output = HostTensor(DType::kFloat32, {3});
+  EXPECT_THAT(core_->Backward(call, "", nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("grad_output")));
+  call.grad_output = HostTensor(DType::kFloat32, {9});
+  for (int64_t i = 0; i < 9; ++i) call.grad_output->mutable_data<float>()[i] = 1.0f;
+  EXPECT_TRUE(core_->Backward(call, "", nullptr).ok());
+  EXPECT_THAT(core_->Backward(call, "", nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("consumed")));
+  EXPECT_EQ(sessions_->bytes_in_use(), 0);
+}
+
+TEST_F(LossCoreTest, CancelledForwardKeepsNoSession) {
+  auto outcome = core_->Forward(Call(Reduction::kMean, BackwardMode::kStoreGrads), "",
+                                [] { return true; });
+  EXPECT_THAT(outcome, StatusIs(absl::StatusCode::kCancelled, HasSubstr("cancelled")));
+  EXPECT_EQ(sessions_->live_sessions(), 0);
+  EXPECT_EQ(sessions_->bytes_in_use(), 0);
+}
+
+}  // namespace
+}  // namespace flce
