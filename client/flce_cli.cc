@@ -119,13 +119,15 @@ int Info() {
   std::printf(
       "max_sessions     %lld\nsession_memory   %lld bytes\nsession_ttl      %.0f s\n"
       "max_message      %lld bytes\nmax_queued       %lld\nlive_sessions    %lld\n"
-      "session_bytes    %lld\n",
+      "session_bytes    %lld\nrunning          %lld\nqueued           %lld\n",
       static_cast<long long>(l.max_sessions()),
       static_cast<long long>(l.session_memory_budget_bytes()), l.session_ttl_seconds(),
       static_cast<long long>(l.max_message_bytes()),
       static_cast<long long>(l.max_queued_requests()),
       static_cast<long long>(info->live_sessions()),
-      static_cast<long long>(info->session_memory_bytes()));
+      static_cast<long long>(info->session_memory_bytes()),
+      static_cast<long long>(info->running_requests()),
+      static_cast<long long>(info->queued_requests()));
   return 0;
 }
 

@@ -98,6 +98,7 @@ void LossServer::ReaperLoop() {
 void LossServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
+  if (server_ == nullptr) return;  // Start failed before serving
   SPDLOG_INFO("shutdown: draining (grace {})", absl::FormatDuration(grace));
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, false);

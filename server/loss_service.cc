@@ -209,6 +209,8 @@ grpc::ServerUnaryReactor* LossServiceImpl::GetServerInfo(
   limits->set_max_queued_requests(queue_->max_queued());
   response->set_live_sessions(sessions.live_sessions());
   response->set_session_memory_bytes(sessions.bytes_in_use());
+  response->set_running_requests(queue_->running());
+  response->set_queued_requests(queue_->queued());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -2,6 +2,7 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <utility>
@@ -13,9 +14,11 @@
 namespace flce {
 namespace {
 
-// Ended ids are remembered for one TTL so a late Backward learns what
-// happened; past this many the oldest knowledge is dropped at the next reap.
-constexpr size_t kMaxTombstones = size_t{1} << 20;
+// Ended ids are remembered for max(TTL, kMinTombstoneAge) so a late Backward
+// learns what happened (consumed, released, expired) rather than "unknown".
+// Past kMaxTombstones (about 25 MiB) the next reap forgets them all.
+constexpr size_t kMaxTombstones = size_t{1} << 18;
+constexpr absl::Duration kMinTombstoneAge = absl::Minutes(10);
 
 std::string Short(const std::string& id) { return id.substr(0, 8); }
 
@@ -199,7 +202,7 @@ int SessionStore::ReapExpired() {
   }
   const bool too_many = ended_.size() > kMaxTombstones;
   for (auto it = ended_.begin(); it != ended_.end();) {
-    if (too_many || now - it->second.when > limits_.ttl) {
+    if (too_many || now - it->second.when > std::max(limits_.ttl, kMinTombstoneAge)) {
       ended_.erase(it++);
     } else {
       ++it;

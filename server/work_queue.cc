@@ -1,5 +1,6 @@
 #include "server/work_queue.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -17,7 +18,9 @@ WorkQueue::~WorkQueue() { Shutdown(); }
 absl::Status WorkQueue::Submit(std::function<void()> task) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("server is shutting down");
-  if (static_cast<int64_t>(tasks_.size()) >= max_queued_) {
+  // Idle workers take tasks at once; beyond them at most max_queued_ wait.
+  const int64_t idle = static_cast<int64_t>(workers_.size()) - running_;
+  if (static_cast<int64_t>(tasks_.size()) >= max_queued_ + std::max<int64_t>(idle, 0)) {
     return absl::ResourceExhaustedError(
         absl::StrCat("work queue: ", tasks_.size(), " requests waiting of at most ",
                      max_queued_, "; retry later"));

@@ -24,7 +24,8 @@ class WorkQueue {
   WorkQueue(const WorkQueue&) = delete;
   WorkQueue& operator=(const WorkQueue&) = delete;
 
-  // Queues `task`. RESOURCE_EXHAUSTED when max_queued tasks are waiting,
+  // Queues `task`. RESOURCE_EXHAUSTED when every worker is busy and
+  // max_queued tasks are already waiting,
   // UNAVAILABLE after Shutdown began. A task that is queued always runs.
   absl::Status Submit(std::function<void()> task);
 

@@ -18,11 +18,11 @@ const absl::Status& GetStatus(const absl::StatusOr<T>& status_or) {
   return status_or.status();
 }
 
-MATCHER_P2(StatusIs, code, message_matcher,
-           "status code " + absl::StatusCodeToString(code)) {
+// `code` is a StatusCode or a matcher of one (e.g. AnyOf(...)).
+MATCHER_P2(StatusIs, code, message_matcher, "has the expected code and message") {
   const absl::Status& status = GetStatus(arg);
   *result_listener << "status is " << status.ToString();
-  if (status.code() != code) return false;
+  if (!::testing::Matches(code)(status.code())) return false;
   return ::testing::ExplainMatchResult(message_matcher, std::string(status.message()),
                                        result_listener);
 }

@@ -1,0 +1,451 @@
+// A real flce server on localhost:0, driven by the real client: results
+// against the fp64 reference, every row of the error table that this build
+// can produce, sessions, concurrency, deadlines and shutdown.
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "client/loss_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/reference/accuracy.h"
+#include "kernels/reference/random_problem.h"
+#include "proto/codec.h"
+#include "server/loss_server.h"
+#include "tests/status_matchers.h"
+
+namespace flce {
+namespace {
+
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+using Code = absl::StatusCode;
+
+ServerOptions TestOptions() {
+  ServerOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.backend = "cpu";
+  o.workers = 2;
+  o.reap_interval = absl::Milliseconds(50);
+  return o;
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override { StartServer(TestOptions()); }
+
+  void StartServer(ServerOptions options) {
+    auto server = LossServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    address_ = "127.0.0.1:" + std::to_string(server_->port());
+    client_ = LossClient::Create(address_);
+    channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+    stub_ = v1::LossService::NewStub(channel_);
+  }
+
+  static OwnedProblem Problem(int64_t n, int64_t h, int64_t v,
+                              DType dtype = DType::kFloat32,
+                              Reduction reduction = Reduction::kMean) {
+    RandomProblemSpec spec;
+    spec.rows = n;
+    spec.hidden = h;
+    spec.vocab = v;
+    spec.dtype = dtype;
+    spec.options.reduction = reduction;
+    spec.ignore_fraction = 0.1;
+    spec.seed = static_cast<uint64_t>(n * 7 + v);
+    return MakeRandomProblem(spec);
+  }
+
+  static ForwardArgs Args(const OwnedProblem& p, bool need_backward = true,
+                          BackwardMode mode = BackwardMode::kAuto) {
+    ForwardArgs a;
+    a.problem = p.view();
+    a.need_backward = need_backward;
+    a.mode = mode;
+    return a;
+  }
+
+  // A raw Forward, for requests the client library would never build.
+  absl::Status RawForward(const v1::ForwardRequest& request,
+                          absl::Duration timeout = absl::Seconds(30)) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         absl::ToChronoMilliseconds(timeout));
+    v1::ForwardResponse response;
+    return FromGrpcStatus(stub_->Forward(&context, request, &response));
+  }
+
+  // Waits until the server runs `n` engine calls.
+  void WaitUntilRunning(int64_t n) {
+    for (int i = 0; i < 2000; ++i) {
+      auto info = client_->GetServerInfo();
+      if (info.ok() && info->running_requests() >= n) return;
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    FAIL() << "the server never ran " << n << " request(s)";
+  }
+
+  // The server still answers a good request correctly.
+  void ExpectStillServing() {
+    OwnedProblem p = Problem(3, 4, 5);
+    auto fwd = client_->Forward(Args(p, /*need_backward=*/false));
+    EXPECT_TRUE(fwd.ok()) << fwd.status();
+  }
+
+  std::unique_ptr<LossServer> server_;
+  std::string address_;
+  std::unique_ptr<LossClient> client_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::LossService::Stub> stub_;
+};
+
+// --- results -------------------------------------------------------------
+
+void ExpectMatchesReference(LossClient& client, const OwnedProblem& p,
+                            BackwardMode mode, bool keep_session = false) {
+  ForwardArgs args;
+  args.problem = p.view();
+  args.need_backward = true;
+  args.mode = mode;
+  args.want_lse = true;
+  auto fwd = client.Forward(args);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  ASSERT_FALSE(fwd->session_id.empty());
+  std::vector<double> g;
+  HostTensor g_tensor(DType::kFloat32, p.options.reduction == Reduction::kNone
+                                           ? std::vector<int64_t>{p.hidden.shape[0]}
+                                           : std::vector<int64_t>{});
+  for (int64_t i = 0; i < g_tensor.num_elements(); ++i) {
+    g_tensor.mutable_data<float>()[i] = 0.5f + 0.25f * static_cast<float>(i % 5);
+    g.push_back(g_tensor.data_as<float>()[i]);
+  }
+  BackwardArgs b;
+  b.session_id = fwd->session_id;
+  b.grad_output = g_tensor.view();
+  b.keep_session = keep_session;
+  auto grads = client.Backward(b);
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  EngineOutputs out;
+  out.loss = TensorToFloats(fwd->loss.view());
+  out.z_loss = TensorToFloats(fwd->z_loss.view());
+  out.lse = TensorToFloats(fwd->lse->view());
+  out.num_valid = fwd->num_valid;
+  out.has_gradients = true;
+  out.grad_hidden = TensorToFloats(grads->grad_hidden.view());
+  out.grad_weight = TensorToFloats(grads->grad_weight.view());
+  if (grads->grad_bias) out.grad_bias = TensorToFloats(grads->grad_bias->view());
+  const AccuracyReport report = CheckAccuracy(p.view(), g, out);
+  EXPECT_TRUE(report.ok()) << report.ToString();
+}
+
+TEST_F(ServerTest, ForwardBackwardMatchesReferenceForEveryDTypeAndMode) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
+      for (BackwardMode m : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+        if (r == Reduction::kNone && m == BackwardMode::kStoreGrads) continue;
+        SCOPED_TRACE(std::string(DTypeName(dtype)) + " " + ReductionName(r) + " " +
+                     BackwardModeName(m));
+        RandomProblemSpec spec;
+        spec.rows = 23;
+        spec.hidden = 17;
+        spec.vocab = 301;
+        spec.dtype = dtype;
+        spec.bias = true;
+        spec.class_weight = true;
+        spec.ignore_fraction = 0.2;
+        spec.options.reduction = r;
+        spec.options.label_smoothing = 0.1f;
+        spec.options.logit_softcap = 20.0f;
+        spec.options.z_loss_scale = 1e-3f;
+        ExpectMatchesReference(*client_, MakeRandomProblem(spec), m);
+      }
+    }
+  }
+  EXPECT_EQ(server_->engine().backend(), "cpu");
+}
+
+TEST_F(ServerTest, AutoModeResolvesPerReduction) {
+  OwnedProblem mean = Problem(5, 4, 9);
+  auto fwd = client_->Forward(Args(mean));
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_EQ(fwd->mode, BackwardMode::kStoreGrads);
+  OwnedProblem none = Problem(5, 4, 9, DType::kFloat32, Reduction::kNone);
+  fwd = client_->Forward(Args(none));
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_EQ(fwd->mode, BackwardMode::kRecompute);
+  EXPECT_EQ(fwd->loss.shape, std::vector<int64_t>({5}));
+}
+
+TEST_F(ServerTest, MeanOverNoValidRowsIsNaNAndNoRowsIsServed) {
+  RandomProblemSpec spec;
+  spec.rows = 4;
+  spec.ignore_fraction = 1.0;
+  OwnedProblem all_ignored = MakeRandomProblem(spec);
+  auto fwd = client_->Forward(Args(all_ignored, false));
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_TRUE(std::isnan(fwd->loss.data_as<float>()[0]));
+  EXPECT_EQ(fwd->num_valid, 0);
+
+  OwnedProblem empty = Problem(0, 4, 9, DType::kFloat32, Reduction::kSum);
+  fwd = client_->Forward(Args(empty));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_EQ(fwd->loss.data_as<float>()[0], 0.0f);
+  BackwardArgs b;
+  b.session_id = fwd->session_id;
+  auto grads = client_->Backward(b);
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  EXPECT_EQ(grads->grad_hidden.shape, std::vector<int64_t>({0, 4}));
+  for (float w : TensorToFloats(grads->grad_weight.view())) EXPECT_EQ(w, 0.0f);
+}
+
+// --- the error table -----------------------------------------------------
+
+TEST_F(ServerTest, InvalidArgumentForMalformedTensorsAndOptions) {
+  OwnedProblem p = Problem(4, 3, 6, DType::kBFloat16);
+  const v1::ForwardRequest valid = BuildForwardRequest(Args(p));
+  v1::ForwardRequest r = valid;
+  r.mutable_hidden()->mutable_data()->pop_back();
+  EXPECT_THAT(RawForward(r), StatusIs(Code::kInvalidArgument,
+                                      HasSubstr("hidden: expected 4×3 bf16 = 24 bytes, got 23")));
+  r = valid;
+  r.mutable_weight()->set_shape(1, 4);
+  EXPECT_THAT(RawForward(r), StatusIs(Code::kInvalidArgument, HasSubstr("weight:")));
+  r = valid;
+  r.mutable_options()->set_label_smoothing(-1.0f);
+  EXPECT_THAT(RawForward(r),
+              StatusIs(Code::kInvalidArgument, HasSubstr("options.label_smoothing")));
+  r = valid;
+  r.mutable_hidden()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  EXPECT_THAT(RawForward(r), StatusIs(Code::kInvalidArgument, HasSubstr("hidden: unknown dtype")));
+  ExpectStillServing();
+}
+
+TEST_F(ServerTest, OutOfRangeTargetNamesRowAndValue) {
+  OwnedProblem p = Problem(4, 3, 6);
+  p.target.mutable_data<int64_t>()[2] = 6;
+  p.target.mutable_data<int64_t>()[3] = 60;
+  auto fwd = client_->Forward(Args(p));
+  EXPECT_THAT(fwd, StatusIs(Code::kOutOfRange, HasSubstr("target[2] = 6 is outside [0, 6)")));
+  EXPECT_EQ(server_->engine().backend(), "cpu");
+  ExpectStillServing();
+}
+
+TEST_F(ServerTest, UnknownSessionIsNotFound) {
+  BackwardArgs b;
+  b.session_id = "0123456789abcdef0123456789abcdef";
+  EXPECT_THAT(client_->Backward(b), StatusIs(Code::kNotFound, HasSubstr("unknown session")));
+}
+
+TEST_F(ServerTest, SecondBackwardIsFailedPreconditionUnlessKept) {
+  OwnedProblem p = Problem(6, 5, 11);
+  auto fwd = client_->Forward(Args(p));
+  ASSERT_TRUE(fwd.ok());
+  BackwardArgs b;
+  b.session_id = fwd->session_id;
+  b.keep_session = true;
+  auto first = client_->Backward(b);
+  ASSERT_TRUE(first.ok()) << first.status();
+  b.keep_session = false;
+  auto second = client_->Backward(b);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(first->grad_weight.data, second->grad_weight.data);
+  EXPECT_THAT(client_->Backward(b),
+              StatusIs(Code::kFailedPrecondition, HasSubstr("already consumed")));
+  ExpectStillServing();
+}
+
+TEST_F(ServerTest, ReleaseSessionIsIdempotent) {
+  OwnedProblem p = Problem(6, 5, 11);
+  auto fwd = client_->Forward(Args(p));
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_EQ(*client_->ReleaseSession(fwd->session_id), true);
+  EXPECT_EQ(*client_->ReleaseSession(fwd->session_id), false);
+  EXPECT_EQ(*client_->ReleaseSession("never-issued"), false);
+  BackwardArgs b;
+  b.session_id = fwd->session_id;
+  EXPECT_THAT(client_->Backward(b), StatusIs(Code::kFailedPrecondition, HasSubstr("released")));
+  EXPECT_EQ(client_->GetServerInfo()->live_sessions(), 0);
+}
+
+TEST_F(ServerTest, GradOutputOfTheWrongShapeIsInvalidArgument) {
+  OwnedProblem p = Problem(6, 5, 11, DType::kFloat32, Reduction::kNone);
+  auto fwd = client_->Forward(Args(p));
+  ASSERT_TRUE(fwd.ok());
+  HostTensor g(DType::kFloat32, {5});
+  BackwardArgs b;
+  b.session_id = fwd->session_id;
+  b.grad_output = g.view();
+  EXPECT_THAT(client_->Backward(b),
+              StatusIs(Code::kInvalidArgument, HasSubstr("grad_output: expected shape [N] = 6")));
+  // The session survives a rejected Backward.
+  b.grad_output.reset();
+  EXPECT_TRUE(client_->Backward(b).ok());
+}
+
+TEST_F(ServerTest, SessionLimitIsResourceExhaustedAndNothingIsEvicted) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.sessions.max_sessions = 1;
+  StartServer(o);
+  OwnedProblem p = Problem(4, 3, 7);
+  auto first = client_->Forward(Args(p));
+  ASSERT_TRUE(first.ok());
+  EXPECT_THAT(client_->Forward(Args(p)),
+              StatusIs(Code::kResourceExhausted, HasSubstr("1 live of at most 1")));
+  BackwardArgs b;
+  b.session_id = first->session_id;
+  EXPECT_TRUE(client_->Backward(b).ok());
+  EXPECT_TRUE(client_->Forward(Args(p)).ok());
+}
+
+TEST_F(ServerTest, MemoryBudgetIsResourceExhaustedWithTheNumbers) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.sessions.memory_budget_bytes = 1000;
+  StartServer(o);
+  OwnedProblem p = Problem(40, 30, 70);
+  EXPECT_THAT(client_->Forward(Args(p)),
+              StatusIs(Code::kResourceExhausted, HasSubstr("budget of 1000 bytes")));
+  ExpectStillServing();  // evaluation needs no session memory
+}
+
+TEST_F(ServerTest, OversizedMessageIsResourceExhausted) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.max_message_bytes = 64 << 10;
+  StartServer(o);
+  OwnedProblem p = Problem(100, 100, 200);  // ~120 KB of tensors
+  EXPECT_THAT(client_->Forward(Args(p)), StatusIs(Code::kResourceExhausted, HasSubstr("")));
+  ExpectStillServing();
+}
+
+TEST_F(ServerTest, ExpiredSessionIsNotFound) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.sessions.ttl = absl::Milliseconds(100);
+  StartServer(o);
+  OwnedProblem p = Problem(4, 3, 7);
+  auto fwd = client_->Forward(Args(p));
+  ASSERT_TRUE(fwd.ok());
+  absl::SleepFor(absl::Milliseconds(400));
+  EXPECT_EQ(client_->GetServerInfo()->live_sessions(), 0);
+  BackwardArgs b;
+  b.session_id = fwd->session_id;
+  EXPECT_THAT(client_->Backward(b), StatusIs(Code::kNotFound, HasSubstr("expired")));
+}
+
+TEST_F(ServerTest, DeadlineExceededLeavesNoSessionBehind) {
+  ClientOptions quick;
+  quick.timeout = absl::Milliseconds(30);
+  auto impatient = LossClient::Create(address_, quick);
+  // About a second of CPU work: far past the deadline.
+  OwnedProblem p = Problem(512, 256, 20000);
+  EXPECT_THAT(impatient->Forward(Args(p)), StatusIs(Code::kDeadlineExceeded, HasSubstr("")));
+  // The server notices between chunks, stops and keeps nothing.
+  for (int i = 0; i < 100 && client_->GetServerInfo()->session_memory_bytes() > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(client_->GetServerInfo()->live_sessions(), 0);
+  EXPECT_EQ(client_->GetServerInfo()->session_memory_bytes(), 0);
+  ExpectStillServing();
+}
+
+TEST_F(ServerTest, FullWorkQueueIsResourceExhausted) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.workers = 1;
+  o.max_queued_requests = 0;
+  StartServer(o);
+  OwnedProblem big = Problem(512, 256, 20000);
+  std::thread slow([&] { EXPECT_TRUE(client_->Forward(Args(big, false)).ok()); });
+  WaitUntilRunning(1);
+  OwnedProblem p = Problem(3, 4, 5);
+  const absl::Status status = client_->Forward(Args(p, false)).status();
+  EXPECT_THAT(status, StatusIs(Code::kResourceExhausted, HasSubstr("work queue")));
+  slow.join();
+}
+
+TEST_F(ServerTest, ConcurrentClientsAllGetCorrectResults) {
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      auto client = LossClient::Create(address_);
+      for (int i = 0; i < 4; ++i) {
+        RandomProblemSpec spec;
+        spec.rows = 9 + t;
+        spec.hidden = 7 + i;
+        spec.vocab = 97;
+        spec.seed = static_cast<uint64_t>(100 * t + i);
+        spec.options.reduction = i % 2 ? Reduction::kSum : Reduction::kMean;
+        const OwnedProblem p = MakeRandomProblem(spec);
+        ExpectMatchesReference(*client, p,
+                               i % 3 ? BackwardMode::kStoreGrads : BackwardMode::kRecompute);
+        if (::testing::Test::HasFailure()) ++failures;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(client_->GetServerInfo()->live_sessions(), 0);
+}
+
+TEST_F(ServerTest, ShutdownLetsARequestInFlightFinish) {
+  OwnedProblem big = Problem(256, 256, 20000);
+  absl::Status result;
+  std::thread request([&] { result = client_->Forward(Args(big, false)).status(); });
+  WaitUntilRunning(1);
+  server_->Shutdown(absl::Seconds(30));
+  request.join();
+  EXPECT_TRUE(result.ok()) << result;
+  // New calls are refused once the server is down.
+  OwnedProblem p = Problem(3, 4, 5);
+  EXPECT_THAT(client_->Forward(Args(p, false)), StatusIs(Code::kUnavailable, HasSubstr("")));
+}
+
+TEST_F(ServerTest, ShutdownPastItsGraceCancelsWorkInFlight) {
+  OwnedProblem big = Problem(1024, 256, 20000);  // several seconds of work
+  absl::Status result;
+  std::thread request([&] { result = client_->Forward(Args(big)).status(); });
+  WaitUntilRunning(1);
+  const absl::Time start = absl::Now();
+  server_->Shutdown(absl::Milliseconds(50));
+  request.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_THAT(result, StatusIs(AnyOf(Code::kCancelled, Code::kUnavailable), HasSubstr("")));
+}
+
+TEST_F(ServerTest, InfoAndHealth) {
+  auto info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->backend(), "cpu");
+  EXPECT_FALSE(info->version().empty());
+  EXPECT_EQ(info->limits().max_sessions(), 1024);
+  EXPECT_EQ(info->devices_size(), 1);
+  auto health = client_->CheckHealth("flce.v1.LossService");
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST(ServerStartTest, BadOptionsAndMissingBackends) {
+  ServerOptions o = TestOptions();
+  o.backend = "cuda";
+  EXPECT_THAT(LossServer::Start(o), StatusIs(Code::kUnimplemented, HasSubstr("--backend=cuda")));
+  o.backend = "tpu";
+  EXPECT_THAT(LossServer::Start(o), StatusIs(Code::kInvalidArgument, HasSubstr("--backend")));
+  o = TestOptions();
+  o.workers = 0;
+  EXPECT_THAT(LossServer::Start(o), StatusIs(Code::kInvalidArgument, HasSubstr("--workers")));
+  o = TestOptions();
+  o.listen_address = "256.0.0.1:1";
+  EXPECT_THAT(LossServer::Start(o), StatusIs(Code::kUnavailable, HasSubstr("--listen_address")));
+}
+
+}  // namespace
+}  // namespace flce
