@@ -1,0 +1,188 @@
+"""End to end: the real flce_server binary and the real `flce` CLI.
+
+Starts flce_server on a free loopback port, then drives it with the CLI the
+way a user would: health, info, the smoke matrix, and forward/backward on
+.npy files checked against a NumPy float64 computation written here
+independently of the C++ reference. Ends with SIGTERM and a clean exit.
+
+Run by Bazel (tests/BUILD) with the two binaries' paths as arguments.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import unittest
+import xml.etree.ElementTree as ET
+
+import numpy as np
+
+SERVER, CLI = sys.argv[1], sys.argv[2]
+
+
+def softmax_ce_reference(x, w, b, t, ignore_index, smoothing, reduction):
+    """PyTorch's cross_entropy(x @ w.T + b, t, ...) and its gradients, float64."""
+    z = x @ w.T + b
+    m = z.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    p = np.exp(z - lse[:, None])
+    n, v = z.shape
+    valid = t != ignore_index
+    tt = np.where(valid, t, 0)
+    nll = lse - z[np.arange(n), tt]
+    smooth = v * lse - z.sum(axis=1)
+    rows = np.where(valid, (1 - smoothing) * nll + smoothing / v * smooth, 0.0)
+    denom = valid.sum() if reduction == "mean" else 1.0
+    dz = (p - (1 - smoothing) * np.eye(v)[tt] - smoothing / v) * valid[:, None] / denom
+    loss = rows.sum() / denom if reduction != "none" else rows
+    return loss, lse, dz @ w, dz.T @ x, dz.sum(axis=0)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300)
+
+
+class CliEndToEndTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+        cls.log = open(os.path.join(cls.tmp, "server.log"), "w+")
+        cls.server = subprocess.Popen(
+            [SERVER, "--listen_address=127.0.0.1:0", "--backend=auto",
+             "--session_ttl=60s"],
+            stderr=cls.log)
+        port = None
+        for _ in range(200):
+            cls.log.seek(0)
+            found = re.search(r"listening on port (\d+)", cls.log.read())
+            if found:
+                port = found.group(1)
+                break
+            if cls.server.poll() is not None:
+                break
+            subprocess.run(["sleep", "0.05"])
+        if port is None:
+            cls.server.kill()
+            raise RuntimeError("flce_server did not start")
+        cls.address = "127.0.0.1:" + port
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.server.poll() is None:
+            cls.server.kill()
+            cls.server.wait()
+
+    def flce(self, *args, check=True):
+        result = subprocess.run([CLI, "--server=" + self.address, *args],
+                                capture_output=True, text=True, timeout=300)
+        if check and result.returncode != 0:
+            self.fail("flce %s failed (%d):\n%s%s" % (" ".join(args), result.returncode,
+                                                      result.stdout, result.stderr))
+        return result
+
+    def test_1_health_and_info(self):
+        self.assertIn("SERVING", self.flce("health").stdout)
+        info = self.flce("info").stdout
+        self.assertRegex(info, r"backend\s+cpu")
+        self.assertRegex(info, r"max_sessions\s+1024")
+
+    def test_2_smoke_matrix_passes(self):
+        out = self.flce("smoke", "--matrix", "--n=33", "--h=17", "--v=257").stdout
+        self.assertIn("PASS: 15 passed, 0 failed", out)
+        self.assertNotIn("FAIL", out)
+
+    def test_3_forward_backward_on_npy_files_match_numpy(self):
+        rng = np.random.default_rng(5)
+        n, h, v = 19, 11, 53
+        x = rng.standard_normal((n, h)).astype(np.float32)
+        w = (rng.standard_normal((v, h)) / np.sqrt(h)).astype(np.float32)
+        b = rng.standard_normal(v).astype(np.float32)
+        t = rng.integers(0, v, n).astype(np.int64)
+        t[[2, 7]] = -100
+        for name, a in [("x", x), ("w", w), ("b", b), ("t", t)]:
+            np.save(os.path.join(self.tmp, name + ".npy"), a)
+        out_dir = os.path.join(self.tmp, "out")
+        os.makedirs(out_dir, exist_ok=True)
+        fwd = self.flce("forward", "--dtype=fp32", "--hidden=" + self.tmp + "/x.npy",
+                        "--weight=" + self.tmp + "/w.npy", "--bias_npy=" + self.tmp + "/b.npy",
+                        "--target=" + self.tmp + "/t.npy", "--label_smoothing=0.1",
+                        "--need_backward", "--mode=recompute", "--out=" + out_dir).stdout
+        session = re.search(r"session ([0-9a-f]{32})", fwd).group(1)
+        g = np.float32(1.5)
+        np.save(os.path.join(self.tmp, "g.npy"), g)
+        self.flce("backward", "--session=" + session, "--grad_output=" + self.tmp + "/g.npy",
+                  "--out=" + out_dir)
+        loss, lse, dx, dw, db = softmax_ce_reference(
+            x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), t, -100,
+            np.float64(np.float32(0.1)), "mean")
+        load = lambda name: np.load(os.path.join(out_dir, name + ".npy"))
+        self.assertLess(rel_err(load("loss"), loss), 1e-5)
+        self.assertLess(rel_err(load("lse"), lse), 1e-5)
+        self.assertLess(rel_err(load("grad_hidden"), 1.5 * dx), 1e-5)
+        self.assertLess(rel_err(load("grad_weight"), 1.5 * dw), 1e-5)
+        self.assertLess(rel_err(load("grad_bias"), 1.5 * db), 1e-5)
+        # The session was consumed.
+        again = self.flce("backward", "--session=" + session, "--out=" + out_dir, check=False)
+        self.assertNotEqual(again.returncode, 0)
+        self.assertIn("FAILED_PRECONDITION", again.stderr)
+
+    def test_4_bad_input_is_rejected_and_the_server_keeps_serving(self):
+        np.save(os.path.join(self.tmp, "x5.npy"), np.zeros((3, 5), np.float32) + 1)
+        np.save(os.path.join(self.tmp, "w4.npy"), np.ones((7, 4), np.float32))
+        np.save(os.path.join(self.tmp, "t3.npy"), np.array([1, 2, 3], np.int64))
+        bad = self.flce("forward", "--dtype=fp32", "--hidden=" + self.tmp + "/x5.npy",
+                        "--weight=" + self.tmp + "/w4.npy", "--target=" + self.tmp + "/t3.npy",
+                        check=False)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("INVALID_ARGUMENT", bad.stderr)
+        self.assertIn("weight:", bad.stderr)
+        np.save(os.path.join(self.tmp, "t_bad.npy"), np.array([1, 9, 3], np.int64))
+        np.save(os.path.join(self.tmp, "w5.npy"), np.ones((7, 5), np.float32))
+        bad = self.flce("forward", "--dtype=fp32", "--hidden=" + self.tmp + "/x5.npy",
+                        "--weight=" + self.tmp + "/w5.npy", "--target=" + self.tmp + "/t_bad.npy",
+                        check=False)
+        self.assertIn("OUT_OF_RANGE", bad.stderr)
+        self.assertIn("target[1] = 9", bad.stderr)
+        missing = self.flce("backward", "--session=" + "ab" * 16, check=False)
+        self.assertIn("NOT_FOUND", missing.stderr)
+        self.assertIn("SERVING", self.flce("health").stdout)
+
+    def test_5_sigterm_drains_and_exits_zero(self):
+        self.server.send_signal(signal.SIGTERM)
+        self.assertEqual(self.server.wait(timeout=60), 0)
+        self.log.seek(0)
+        log = self.log.read()
+        self.assertIn("shutdown: done", log)
+        self.assertIn("rpc=Forward", log)
+
+
+def write_junit(result, path):
+    suite = ET.Element("testsuite", name="cli_e2e", tests=str(result.testsRun),
+                       failures=str(len(result.failures)), errors=str(len(result.errors)))
+    bad = {t.id(): msg for t, msg in result.failures + result.errors}
+    for test_id in result.ran:
+        case = ET.SubElement(suite, "testcase", name=test_id.split(".")[-1],
+                             classname="CliEndToEndTest")
+        if test_id in bad:
+            ET.SubElement(case, "failure", message="failed").text = bad[test_id]
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.ElementTree(root).write(path)
+
+
+class RecordingResult(unittest.TextTestResult):
+    def startTest(self, test):
+        super().startTest(test)
+        self.ran = getattr(self, "ran", []) + [test.id()]
+
+
+if __name__ == "__main__":
+    suite = unittest.defaultTestLoader.loadTestsFromTestCase(CliEndToEndTest)
+    runner = unittest.TextTestRunner(verbosity=2, resultclass=RecordingResult)
+    result = runner.run(suite)
+    if os.environ.get("XML_OUTPUT_FILE"):
+        write_junit(result, os.environ["XML_OUTPUT_FILE"])
+    sys.exit(0 if result.wasSuccessful() else 1)
