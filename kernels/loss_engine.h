@@ -96,6 +96,9 @@ struct BackwardSpec {
   std::optional<TensorView> grad_output;
   // dtype of the returned gradients: the input dtype or kFloat32.
   std::optional<DType> grad_dtype;
+  // The caller frees the state after this call, so the engine may hand the
+  // state's buffers over to the result instead of copying them.
+  bool last_use = false;
 };
 
 struct Gradients {
@@ -132,10 +135,12 @@ class LossEngine {
                                                 const ForwardSpec& spec,
                                                 const CancelFn& cancelled) = 0;
 
-  // Gradients for `state` (made by this engine's Forward). The state is not
-  // modified, so Backward may run on it again.
-  // REQUIRES: spec.grad_output has the shape the reduction implies.
-  virtual absl::StatusOr<Gradients> Backward(const SavedState& state,
+  // Gradients for `state` (made by this engine's Forward). Unless
+  // spec.last_use, the state is left as it was, so Backward may run on it
+  // again; on error it is always left as it was.
+  // REQUIRES: spec.grad_output has the shape the reduction implies; the
+  // caller holds the state exclusively for the call.
+  virtual absl::StatusOr<Gradients> Backward(SavedState& state,
                                              const BackwardSpec& spec,
                                              const CancelFn& cancelled) = 0;
 };

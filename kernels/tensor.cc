@@ -1,5 +1,9 @@
 #include "kernels/tensor.h"
 
+#include <sys/mman.h>
+
+#include <cstdint>
+
 namespace flce {
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
@@ -12,9 +16,22 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return out;
 }
 
+void AdviseHugePages(void* data, size_t bytes) {
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) {
+    // Advice only: failure (no THP support) leaves ordinary pages.
+    madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  }
+}
+
 HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape)
     : dtype(dtype), shape(std::move(shape)) {
-  data.assign(static_cast<size_t>(num_elements()) * DTypeSize(dtype), '\xff');
+  const size_t bytes = static_cast<size_t>(num_elements()) * DTypeSize(dtype);
+  data.reserve(bytes);  // allocated, not yet touched
+  AdviseHugePages(&data[0], bytes);
+  data.assign(bytes, '\xff');
 }
 
 std::vector<float> TensorToFloats(const TensorView& tensor) {

@@ -19,6 +19,12 @@ inline int64_t NumElements(const std::vector<int64_t>& shape) {
 // "8192×4096" (or "scalar").
 std::string ShapeString(const std::vector<int64_t>& shape);
 
+// Asks the kernel to back [data, data + bytes) with transparent huge pages
+// where it can (whole 2 MiB pages inside the range; no-op elsewhere). Call
+// before the memory is first touched: on virtual machines a 4 KiB page
+// fault can cost more than the arithmetic done on the page.
+void AdviseHugePages(void* data, size_t bytes);
+
 // A read-only view of contiguous row-major host memory owned elsewhere.
 struct TensorView {
   DType dtype = DType::kFloat32;

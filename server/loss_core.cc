@@ -63,6 +63,7 @@ absl::StatusOr<Gradients> LossCore::Backward(const BackwardCall& call,
   BackwardSpec spec;
   if (call.grad_output) spec.grad_output = call.grad_output->view();
   spec.grad_dtype = call.grad_dtype;
+  spec.last_use = !call.keep_session;
   absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
   sessions_->Finish(lease, /*consume=*/grads.ok() && !call.keep_session);
   return grads;

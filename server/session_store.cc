@@ -189,7 +189,7 @@ void SessionStore::EndLocked(const std::string& id, Ended how) {
 
 int SessionStore::ReapExpired() {
   // Declared before the lock so the freed states are destroyed after it.
-  std::vector<std::shared_ptr<const SavedState>> freed;
+  std::vector<std::shared_ptr<SavedState>> freed;
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_();
   std::vector<std::string> expired;

@@ -65,7 +65,7 @@ class Reservation {
 struct SessionLease {
   std::string id;
   SessionInfo info;
-  std::shared_ptr<const SavedState> state;
+  std::shared_ptr<SavedState> state;
 };
 
 class SessionStore {
@@ -114,7 +114,7 @@ class SessionStore {
   friend class Reservation;
 
   struct Session {
-    std::shared_ptr<const SavedState> state;
+    std::shared_ptr<SavedState> state;
     SessionInfo info;
     std::string principal;
     int64_t bytes = 0;

@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
 bazel build //server:flce_server //client:flce
+# Transparent huge pages for glibc's large allocations (request and response
+# buffers): page faults are costly on virtual machines (see DESIGN.md).
+export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
 exec bazel-bin/server/flce_server "$@"

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/buffer_pool.h"
 
 namespace flce {
 namespace {
@@ -26,7 +27,7 @@ struct Prepared {
   DType dtype = DType::kFloat32;
   TensorView hidden;
   const float* w32 = nullptr;  // [V, H]
-  std::vector<float> w_storage;
+  PooledBuffer w_storage;       // w32 when converted from bf16/fp16
   std::vector<float> bias;         // [V] or empty
   std::vector<float> class_weight; // [V] or empty (all 1)
   float class_weight_sum = 0;
@@ -45,7 +46,7 @@ struct Prepared {
   }
 };
 
-Prepared Prepare(const LossProblem& p) {
+Prepared Prepare(const LossProblem& p, BufferPool& pool) {
   Prepared q;
   q.n = p.rows();
   q.h = p.hidden_size();
@@ -56,7 +57,7 @@ Prepared Prepare(const LossProblem& p) {
   if (p.weight.dtype == DType::kFloat32) {
     q.w32 = static_cast<const float*>(p.weight.data);
   } else {
-    q.w_storage.resize(static_cast<size_t>(q.v * q.h));
+    q.w_storage = pool.Take(q.v * q.h);
     ToFloat(p.weight.dtype, p.weight.data, q.v * q.h, q.w_storage.data());
     q.w32 = q.w_storage.data();
   }
@@ -237,19 +238,22 @@ struct LoopIO {
   // Per-row upstream scale (already divided by the reduction's divisor).
   const float* row_scale = nullptr;  // [N]
   float* dx = nullptr;   // [N, H] fp32, overwritten
-  float* dw = nullptr;   // [V, H] fp32, accumulated (must start at 0)
-  float* db = nullptr;   // [V] fp32, accumulated, or null
+  float* dw = nullptr;   // [V, H] fp32, overwritten
+  float* db = nullptr;   // [V] fp32, overwritten, or null
 };
 
 absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
-                       const CancelFn& cancelled, LoopIO& io) {
+                       const CancelFn& cancelled, BufferPool& pool, LoopIO& io) {
   const int64_t n = q.n, h = q.h, v = q.v;
   const bool grad = pass != Pass::kLoss;
-  std::vector<float> logits(static_cast<size_t>(std::min(chunk_rows, n) * v));
-  std::vector<float> x_chunk;
-  if (q.dtype != DType::kFloat32) {
-    x_chunk.resize(static_cast<size_t>(std::min(chunk_rows, n) * h));
+  if (grad && n == 0) {
+    // No chunk will write dW and db.
+    std::fill(io.dw, io.dw + v * h, 0.0f);
+    if (io.db) std::fill(io.db, io.db + v, 0.0f);
   }
+  PooledBuffer logits = pool.Take(std::min(chunk_rows, n) * v);
+  PooledBuffer x_chunk;
+  if (q.dtype != DType::kFloat32) x_chunk = pool.Take(std::min(chunk_rows, n) * h);
   const std::vector<float> ones(grad && io.db ? chunk_rows : 0, 1.0f);
   for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
     if (cancelled && cancelled()) {
@@ -291,33 +295,51 @@ absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
     // dX_c[rows, H] = dZ[rows, V] · W[V, H].
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, v, 1.0f,
                 logits.data(), v, q.w32, h, 0.0f, io.dx + r0 * h, h);
-    // dW[V, H] += dZᵀ · X_c: dZ is [rows, V] row-major, used transposed.
+    // dW[V, H] (+)= dZᵀ · X_c: dZ is [rows, V] row-major, used transposed.
+    // The first chunk overwrites (beta 0), so dW needs no zeroing pass.
+    const float beta = r0 == 0 ? 0.0f : 1.0f;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, rows, 1.0f,
-                logits.data(), v, x, h, 1.0f, io.dw, h);
+                logits.data(), v, x, h, beta, io.dw, h);
     if (io.db) {
-      // db[V] += dZᵀ · 1.
+      // db[V] (+)= dZᵀ · 1.
       cblas_sgemv(CblasRowMajor, CblasTrans, rows, v, 1.0f, logits.data(), v,
-                  ones.data(), 1, 1.0f, io.db, 1);
+                  ones.data(), 1, beta, io.db, 1);
     }
   }
   return absl::OkStatus();
 }
 
-// Converts fp32 values times `scale` to `dtype`, rounding once.
-void ScaleInto(const std::vector<float>& src, float scale, HostTensor& out) {
-  const int64_t count = static_cast<int64_t>(src.size());
-  if (scale == 1.0f) {
-    FromFloat(out.dtype, src.data(), count, &out.data[0]);
+// Writes src[i] × scale, rounded once to `dtype`, to dst. `dst` may equal
+// `src`: elements are narrowed in increasing order through a block buffer, so
+// every write lands on bytes already read.
+void ScaleAndConvert(const float* src, int64_t count, float scale, DType dtype,
+                     void* dst) {
+  if (scale == 1.0f && dtype == DType::kFloat32) {
+    if (dst != src) std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
     return;
   }
   constexpr int64_t kBlock = 4096;
   float buffer[kBlock];
-  char* dst = &out.data[0];
+  char* out = static_cast<char*>(dst);
   for (int64_t i = 0; i < count; i += kBlock) {
     const int64_t m = std::min(kBlock, count - i);
     for (int64_t k = 0; k < m; ++k) buffer[k] = src[i + k] * scale;
-    FromFloat(out.dtype, buffer, m, dst + i * DTypeSize(out.dtype));
+    FromFloat(dtype, buffer, m, out + i * DTypeSize(dtype));
   }
+}
+
+// Narrows an fp32 tensor to `dtype` (times `scale`) in its own storage.
+void NarrowInPlace(HostTensor& t, float scale, DType dtype) {
+  ScaleAndConvert(t.data_as<float>(), t.num_elements(), scale, dtype, &t.data[0]);
+  t.dtype = dtype;
+  t.data.resize(static_cast<size_t>(t.num_elements()) * DTypeSize(dtype));
+}
+
+// A new tensor of src × scale in `dtype`.
+HostTensor ScaledCopy(const HostTensor& src, float scale, DType dtype) {
+  HostTensor out(dtype, src.shape);
+  ScaleAndConvert(src.data_as<float>(), src.num_elements(), scale, dtype, &out.data[0]);
+  return out;
 }
 
 HostTensor FloatTensor(std::vector<int64_t> shape) {
@@ -330,12 +352,12 @@ HostTensor FloatTensor(std::vector<int64_t> shape) {
 // STORE_GRADS: the gradients for grad_output = 1, in fp32.
 class StoredGradients : public SavedState {
  public:
-  DType dtype;
-  int64_t n, h, v;
-  std::vector<float> dx, dw, db;
+  DType dtype = DType::kFloat32;  // of the inputs
+  HostTensor dx, dw;
+  std::optional<HostTensor> db;
   int64_t bytes() const override {
-    return static_cast<int64_t>((dx.size() + dw.size() + db.size()) *
-                                sizeof(float));
+    return static_cast<int64_t>(dx.data.size() + dw.data.size() +
+                                (db ? db->data.size() : 0));
   }
 };
 
@@ -385,7 +407,11 @@ std::string CpuModelName() {
 
 }  // namespace
 
-CpuEngine::CpuEngine(CpuEngineOptions options) : options_(options) {}
+CpuEngine::CpuEngine(CpuEngineOptions options)
+    : options_(options),
+      pool_(std::make_unique<BufferPool>(options.workspace_cache_bytes)) {}
+
+CpuEngine::~CpuEngine() = default;
 
 std::vector<DeviceInfo> CpuEngine::devices() const {
   DeviceInfo info;
@@ -413,7 +439,7 @@ int64_t CpuEngine::SavedStateBytes(const LossProblem& p,
 absl::StatusOr<ForwardResult> CpuEngine::Forward(const LossProblem& problem,
                                                  const ForwardSpec& spec,
                                                  const CancelFn& cancelled) {
-  const Prepared q = Prepare(problem);
+  const Prepared q = Prepare(problem, *pool_);
   const int64_t n = q.n;
   const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
   if (store && q.options.reduction == Reduction::kNone) {
@@ -431,20 +457,17 @@ absl::StatusOr<ForwardResult> CpuEngine::Forward(const LossProblem& problem,
     scale.assign(n, static_cast<float>(1.0 / q.denom));
     grads = std::make_unique<StoredGradients>();
     grads->dtype = q.dtype;
-    grads->n = n;
-    grads->h = q.h;
-    grads->v = q.v;
-    grads->dx.resize(n * q.h);
-    grads->dw.assign(q.v * q.h, 0.0f);
-    if (!q.bias.empty()) grads->db.assign(q.v, 0.0f);
+    grads->dx = FloatTensor({n, q.h});
+    grads->dw = FloatTensor({q.v, q.h});
+    if (!q.bias.empty()) grads->db = FloatTensor({q.v});
     io.row_scale = scale.data();
-    io.dx = grads->dx.data();
-    io.dw = grads->dw.data();
-    io.db = q.bias.empty() ? nullptr : grads->db.data();
+    io.dx = grads->dx.mutable_data<float>();
+    io.dw = grads->dw.mutable_data<float>();
+    io.db = grads->db ? grads->db->mutable_data<float>() : nullptr;
   }
   absl::Status status = RunChunks(q, ChunkRows(n, q.v),
                                   store ? Pass::kLossAndGrad : Pass::kLoss,
-                                  cancelled, io);
+                                  cancelled, *pool_, io);
   if (!status.ok()) return status;
 
   ForwardResult result;
@@ -496,24 +519,32 @@ absl::StatusOr<ForwardResult> CpuEngine::Forward(const LossProblem& problem,
   return result;
 }
 
-absl::StatusOr<Gradients> CpuEngine::Backward(const SavedState& state,
+absl::StatusOr<Gradients> CpuEngine::Backward(SavedState& state,
                                               const BackwardSpec& spec,
                                               const CancelFn& cancelled) {
   std::vector<float> grad_output;
   if (spec.grad_output) grad_output = TensorToFloats(*spec.grad_output);
   Gradients out;
 
-  if (const auto* stored = dynamic_cast<const StoredGradients*>(&state)) {
+  if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
     const DType dtype = spec.grad_dtype.value_or(stored->dtype);
     const float g = grad_output.empty() ? 1.0f : grad_output[0];
-    out.grad_hidden = HostTensor(dtype, {stored->n, stored->h});
-    out.grad_weight = HostTensor(dtype, {stored->v, stored->h});
-    ScaleInto(stored->dx, g, out.grad_hidden);
-    ScaleInto(stored->dw, g, out.grad_weight);
-    if (!stored->db.empty()) {
-      out.grad_bias = HostTensor(dtype, {stored->v});
-      ScaleInto(stored->db, g, *out.grad_bias);
+    if (spec.last_use) {
+      // The state is dropped after this call: scale and narrow in place and
+      // hand the buffers over instead of allocating new ones.
+      NarrowInPlace(stored->dx, g, dtype);
+      NarrowInPlace(stored->dw, g, dtype);
+      out.grad_hidden = std::move(stored->dx);
+      out.grad_weight = std::move(stored->dw);
+      if (stored->db) {
+        NarrowInPlace(*stored->db, g, dtype);
+        out.grad_bias = std::move(*stored->db);
+      }
+      return out;
     }
+    out.grad_hidden = ScaledCopy(stored->dx, g, dtype);
+    out.grad_weight = ScaledCopy(stored->dw, g, dtype);
+    if (stored->db) out.grad_bias = ScaledCopy(*stored->db, g, dtype);
     return out;
   }
 
@@ -521,7 +552,7 @@ absl::StatusOr<Gradients> CpuEngine::Backward(const SavedState& state,
   if (saved == nullptr) {
     return absl::InternalError("saved state was not made by the CPU engine");
   }
-  const Prepared q = Prepare(saved->problem());
+  const Prepared q = Prepare(saved->problem(), *pool_);
   const int64_t n = q.n;
   std::vector<float> scale(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -530,25 +561,22 @@ absl::StatusOr<Gradients> CpuEngine::Backward(const SavedState& state,
                                                : grad_output[i];
     scale[i] = static_cast<float>(g / q.denom);
   }
-  std::vector<float> dx(n * q.h), dw(q.v * q.h, 0.0f), db(q.bias.empty() ? 0 : q.v, 0.0f);
+  out.grad_hidden = FloatTensor({n, q.h});
+  out.grad_weight = FloatTensor({q.v, q.h});
+  if (!q.bias.empty()) out.grad_bias = FloatTensor({q.v});
   LoopIO io;
   io.lse_in = saved->lse.data();
   io.row_scale = scale.data();
-  io.dx = dx.data();
-  io.dw = dw.data();
-  io.db = q.bias.empty() ? nullptr : db.data();
+  io.dx = out.grad_hidden.mutable_data<float>();
+  io.dw = out.grad_weight.mutable_data<float>();
+  io.db = out.grad_bias ? out.grad_bias->mutable_data<float>() : nullptr;
   absl::Status status =
-      RunChunks(q, ChunkRows(n, q.v), Pass::kGradFromLse, cancelled, io);
+      RunChunks(q, ChunkRows(n, q.v), Pass::kGradFromLse, cancelled, *pool_, io);
   if (!status.ok()) return status;
   const DType dtype = spec.grad_dtype.value_or(q.dtype);
-  out.grad_hidden = HostTensor(dtype, {n, q.h});
-  out.grad_weight = HostTensor(dtype, {q.v, q.h});
-  ScaleInto(dx, 1.0f, out.grad_hidden);
-  ScaleInto(dw, 1.0f, out.grad_weight);
-  if (!q.bias.empty()) {
-    out.grad_bias = HostTensor(dtype, {q.v});
-    ScaleInto(db, 1.0f, *out.grad_bias);
-  }
+  NarrowInPlace(out.grad_hidden, 1.0f, dtype);
+  NarrowInPlace(out.grad_weight, 1.0f, dtype);
+  if (out.grad_bias) NarrowInPlace(*out.grad_bias, 1.0f, dtype);
   return out;
 }
 

@@ -12,7 +12,11 @@ struct CpuEngineOptions {
   // Upper bound on the fp32 logits chunk (rows × V × 4 bytes). The chunk
   // holds at least kMinChunkRows rows whatever this says.
   int64_t chunk_bytes = int64_t{64} << 20;
+  // Freed workspace (logits chunks, converted weights) kept for reuse.
+  int64_t workspace_cache_bytes = int64_t{1} << 30;
 };
+
+class BufferPool;
 
 // The CPU engine: the three GEMMs on OpenBLAS (fp32 operands converted from
 // the input dtype, fp32 accumulation), row math in fp32 with OpenMP across
@@ -24,6 +28,7 @@ class CpuEngine : public LossEngine {
   static constexpr int64_t kMinChunkRows = 16;
 
   explicit CpuEngine(CpuEngineOptions options = {});
+  ~CpuEngine() override;
 
   std::string backend() const override { return "cpu"; }
   std::vector<DeviceInfo> devices() const override;
@@ -32,7 +37,7 @@ class CpuEngine : public LossEngine {
   absl::StatusOr<ForwardResult> Forward(const LossProblem& problem,
                                         const ForwardSpec& spec,
                                         const CancelFn& cancelled) override;
-  absl::StatusOr<Gradients> Backward(const SavedState& state,
+  absl::StatusOr<Gradients> Backward(SavedState& state,
                                      const BackwardSpec& spec,
                                      const CancelFn& cancelled) override;
 
@@ -41,6 +46,7 @@ class CpuEngine : public LossEngine {
 
  private:
   CpuEngineOptions options_;
+  std::unique_ptr<BufferPool> pool_;
 };
 
 }  // namespace flce
