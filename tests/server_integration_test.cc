@@ -356,6 +356,32 @@ TEST_F(ServerTest, DeadlineExceededLeavesNoSessionBehind) {
   ExpectStillServing();
 }
 
+TEST_F(ServerTest, ClientCancellationStopsTheWorkAndLeavesNothing) {
+  OwnedProblem big = Problem(1024, 256, 20000);  // seconds of work
+  const v1::ForwardRequest request = BuildForwardRequest(Args(big));
+  grpc::ClientContext context;
+  absl::Status result;
+  std::thread call([&] {
+    v1::ForwardResponse response;
+    result = FromGrpcStatus(stub_->Forward(&context, request, &response));
+  });
+  WaitUntilRunning(1);
+  context.TryCancel();
+  call.join();
+  EXPECT_THAT(result, StatusIs(Code::kCancelled, HasSubstr("")));
+  // The engine stops at the next chunk and the reservation is returned.
+  for (int i = 0; i < 200; ++i) {
+    auto info = client_->GetServerInfo();
+    if (info.ok() && info->running_requests() == 0 && info->session_memory_bytes() == 0) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  auto info = client_->GetServerInfo();
+  EXPECT_EQ(info->running_requests(), 0);
+  EXPECT_EQ(info->live_sessions(), 0);
+  EXPECT_EQ(info->session_memory_bytes(), 0);
+  ExpectStillServing();
+}
+
 TEST_F(ServerTest, FullWorkQueueIsResourceExhausted) {
   server_.reset();
   ServerOptions o = TestOptions();

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <cmath>
 #include <fstream>
+#include <new>
 #include <limits>
 #include <string>
 #include <utility>
@@ -405,6 +406,12 @@ std::string CpuModelName() {
   return "cpu";
 }
 
+absl::Status OutOfMemory(const LossProblem& p, const char* where) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "CPU engine: out of host memory in ", where, " for N=", p.rows(), " H=",
+      p.hidden_size(), " V=", p.vocab()));
+}
+
 }  // namespace
 
 CpuEngine::CpuEngine(CpuEngineOptions options)
@@ -439,6 +446,28 @@ int64_t CpuEngine::SavedStateBytes(const LossProblem& p,
 absl::StatusOr<ForwardResult> CpuEngine::Forward(const LossProblem& problem,
                                                  const ForwardSpec& spec,
                                                  const CancelFn& cancelled) {
+  try {
+    return ForwardImpl(problem, spec, cancelled);
+  } catch (const std::bad_alloc&) {
+    return OutOfMemory(problem, "Forward");
+  }
+}
+
+absl::StatusOr<Gradients> CpuEngine::Backward(SavedState& state,
+                                              const BackwardSpec& spec,
+                                              const CancelFn& cancelled) {
+  try {
+    return BackwardImpl(state, spec, cancelled);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "CPU engine: out of host memory in Backward (session state ",
+        state.bytes(), " bytes)"));
+  }
+}
+
+absl::StatusOr<ForwardResult> CpuEngine::ForwardImpl(const LossProblem& problem,
+                                                     const ForwardSpec& spec,
+                                                     const CancelFn& cancelled) {
   const Prepared q = Prepare(problem, *pool_);
   const int64_t n = q.n;
   const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
@@ -519,9 +548,9 @@ absl::StatusOr<ForwardResult> CpuEngine::Forward(const LossProblem& problem,
   return result;
 }
 
-absl::StatusOr<Gradients> CpuEngine::Backward(SavedState& state,
-                                              const BackwardSpec& spec,
-                                              const CancelFn& cancelled) {
+absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
+                                                  const BackwardSpec& spec,
+                                                  const CancelFn& cancelled) {
   std::vector<float> grad_output;
   if (spec.grad_output) grad_output = TensorToFloats(*spec.grad_output);
   Gradients out;

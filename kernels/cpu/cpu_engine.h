@@ -21,8 +21,9 @@ class BufferPool;
 // The CPU engine: the three GEMMs on OpenBLAS (fp32 operands converted from
 // the input dtype, fp32 accumulation), row math in fp32 with OpenMP across
 // rows, chunked over tokens so the N×V logits never exist in full. dW and db
-// accumulate across chunks in fp32 and are rounded once. Thread-safe: calls
-// share no mutable state.
+// accumulate across chunks in fp32 and are rounded once. Running out of host
+// memory is RESOURCE_EXHAUSTED. Thread-safe: calls share only the workspace
+// pool.
 class CpuEngine : public LossEngine {
  public:
   static constexpr int64_t kMinChunkRows = 16;
@@ -45,6 +46,12 @@ class CpuEngine : public LossEngine {
   int64_t ChunkRows(int64_t rows, int64_t vocab) const;
 
  private:
+  absl::StatusOr<ForwardResult> ForwardImpl(const LossProblem& problem,
+                                            const ForwardSpec& spec,
+                                            const CancelFn& cancelled);
+  absl::StatusOr<Gradients> BackwardImpl(SavedState& state, const BackwardSpec& spec,
+                                         const CancelFn& cancelled);
+
   CpuEngineOptions options_;
   std::unique_ptr<BufferPool> pool_;
 };
