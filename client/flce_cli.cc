@@ -190,11 +190,14 @@ bool SmokeOne(LossClient& client, const RandomProblemSpec& spec, BackwardMode mo
   if (grads->grad_bias) out.grad_bias = TensorToFloats(grads->grad_bias->view());
   const AccuracyReport report = CheckAccuracy(p.view(), g_values, out);
   std::printf("%s %s\n", report.ok() ? "PASS" : "FAIL", title.c_str());
+  double loss_total = 0;
+  for (float l : out.loss) loss_total += l;
   std::printf(
-      "  loss %.6g  valid %lld  correct %lld  session mode %s\n"
+      "  loss %.6g%s  valid %lld  correct %lld  session mode %s\n"
       "  forward: rpc %.1f ms (engine %.1f, queue %.1f)  backward: rpc %.1f ms "
       "(engine %.1f, queue %.1f)\n",
-      out.loss.size() == 1 ? out.loss[0] : 0.0, static_cast<long long>(fwd->num_valid),
+      loss_total, per_row ? " (sum of per-row losses)" : "",
+      static_cast<long long>(fwd->num_valid),
       static_cast<long long>(fwd->num_correct), BackwardModeName(fwd->mode),
       fwd->times.rpc_ms, fwd->times.engine_ms, fwd->times.queue_ms, grads->times.rpc_ms,
       grads->times.engine_ms, grads->times.queue_ms);

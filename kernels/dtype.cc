@@ -2,7 +2,44 @@
 
 #include <cmath>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace flce {
+namespace {
+
+#if defined(__x86_64__)
+// Bulk IEEE half conversions with the F16C instructions (round to nearest
+// even, subnormals kept, as the portable functions), chosen at run time.
+bool HasF16c() {
+  static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return has;
+}
+
+__attribute__((target("avx,f16c"))) void HalfToFloatF16c(const uint16_t* src,
+                                                        int64_t count, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < count; ++i) dst[i] = HalfToFloat(src[i]);
+}
+
+__attribute__((target("avx,f16c"))) void FloatToHalfF16c(const float* src,
+                                                        int64_t count, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < count; ++i) dst[i] = FloatToHalf(src[i]);
+}
+#endif
+
+}  // namespace
 
 int DTypeSize(DType dtype) {
   switch (dtype) {
@@ -95,6 +132,9 @@ void ToFloat(DType dtype, const void* src, int64_t count, float* dst) {
     }
     case DType::kFloat16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
+#if defined(__x86_64__)
+      if (HasF16c()) return HalfToFloatF16c(s, count, dst);
+#endif
       for (int64_t i = 0; i < count; ++i) dst[i] = HalfToFloat(s[i]);
       return;
     }
@@ -115,6 +155,9 @@ void FromFloat(DType dtype, const float* src, int64_t count, void* dst) {
     }
     case DType::kFloat16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
+#if defined(__x86_64__)
+      if (HasF16c()) return FloatToHalfF16c(src, count, d);
+#endif
       for (int64_t i = 0; i < count; ++i) d[i] = FloatToHalf(src[i]);
       return;
     }

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -44,6 +45,39 @@ TEST(DTypeTest, HalfRoundsOverflowAndSubnormals) {
   EXPECT_EQ(FloatToHalf(std::ldexp(1.5f, -25)), 1);
   EXPECT_EQ(HalfToFloat(FloatToHalf(0.1f)), 0.0999755859375f);
   EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(std::nanf("")))));
+}
+
+// The bulk conversions (F16C where the CPU has it) agree with the scalar ones
+// bit for bit on every half and on floats around every rounding boundary.
+TEST(DTypeTest, BulkHalfConversionsMatchScalar) {
+  std::vector<uint16_t> halves(0x10000);
+  for (uint32_t b = 0; b < 0x10000; ++b) halves[b] = static_cast<uint16_t>(b);
+  std::vector<float> floats(halves.size());
+  ToFloat(DType::kFloat16, halves.data(), static_cast<int64_t>(halves.size()), floats.data());
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const float scalar = HalfToFloat(static_cast<uint16_t>(b));
+    if (std::isnan(scalar)) {
+      ASSERT_TRUE(std::isnan(floats[b])) << b;
+    } else {
+      ASSERT_EQ(floats[b], scalar) << b;
+    }
+  }
+  std::vector<float> inputs;
+  for (uint32_t b = 0; b < 0x7c00; b += 3) {
+    const float f = HalfToFloat(static_cast<uint16_t>(b));
+    const float next = HalfToFloat(static_cast<uint16_t>(b + 1));
+    inputs.push_back(f);
+    inputs.push_back((f + next) / 2);  // a tie
+    inputs.push_back(std::nextafter((f + next) / 2, 1e9f));
+    inputs.push_back(-std::nextafter((f + next) / 2, 0.0f));
+  }
+  inputs.push_back(1e6f);
+  inputs.push_back(-INFINITY);
+  std::vector<uint16_t> bulk(inputs.size());
+  FromFloat(DType::kFloat16, inputs.data(), static_cast<int64_t>(inputs.size()), bulk.data());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ASSERT_EQ(bulk[i], FloatToHalf(inputs[i])) << inputs[i];
+  }
 }
 
 TEST(DTypeTest, ConvertsArrays) {
