@@ -118,14 +118,7 @@ std::string CheckAccuracyOf(LossEngine& engine, DType dtype, BackwardMode mode) 
   ForwardResult fwd;
   absl::StatusOr<Gradients> grads = RunOnce(engine, p.view(), mode, &fwd);
   if (!grads.ok()) return grads.status().ToString();
-  EngineOutputs out;
-  out.loss = TensorToFloats(fwd.loss.view());
-  out.z_loss = TensorToFloats(fwd.z_loss.view());
-  out.lse = TensorToFloats(fwd.lse->view());
-  out.num_valid = fwd.num_valid;
-  out.has_gradients = true;
-  out.grad_hidden = TensorToFloats(grads->grad_hidden.view());
-  out.grad_weight = TensorToFloats(grads->grad_weight.view());
+  const EngineOutputs out = CollectOutputs(fwd, &*grads);
   const AccuracyReport report = CheckAccuracy(p.view(), {}, out);
   char buf[160];
   std::snprintf(buf, sizeof(buf), "loss %.1e dX %.1e dW %.1e %s",

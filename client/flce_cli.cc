@@ -179,15 +179,7 @@ bool SmokeOne(LossClient& client, const RandomProblemSpec& spec, BackwardMode mo
     std::printf("FAIL %s: Backward: %s\n", title.c_str(), grads.status().ToString().c_str());
     return false;
   }
-  EngineOutputs out;
-  out.loss = TensorToFloats(fwd->loss.view());
-  out.z_loss = TensorToFloats(fwd->z_loss.view());
-  if (fwd->lse) out.lse = TensorToFloats(fwd->lse->view());
-  out.num_valid = fwd->num_valid;
-  out.has_gradients = true;
-  out.grad_hidden = TensorToFloats(grads->grad_hidden.view());
-  out.grad_weight = TensorToFloats(grads->grad_weight.view());
-  if (grads->grad_bias) out.grad_bias = TensorToFloats(grads->grad_bias->view());
+  const EngineOutputs out = CollectOutputs(*fwd, &*grads);
   const AccuracyReport report = CheckAccuracy(p.view(), g_values, out);
   std::printf("%s %s\n", report.ok() ? "PASS" : "FAIL", title.c_str());
   double loss_total = 0;

@@ -62,6 +62,21 @@ struct LossProblem {
   int64_t vocab() const { return weight.dim(0); }
 };
 
+// A problem that owns its tensors.
+struct OwnedProblem {
+  HostTensor hidden, weight, target;
+  std::optional<HostTensor> bias, class_weight;
+  LossOptions options;
+
+  // A view that stays valid while this object lives and is not moved.
+  LossProblem view() const;
+  // Bytes of all the tensors.
+  int64_t bytes() const;
+};
+
+// A deep copy of `problem`'s tensors.
+OwnedProblem CopyProblem(const LossProblem& problem);
+
 struct ForwardSpec {
   // No gradient work and no saved state when false (evaluation).
   bool need_backward = false;

@@ -131,15 +131,7 @@ void ExpectMatchesReference(LossClient& client, const OwnedProblem& p,
   b.keep_session = keep_session;
   auto grads = client.Backward(b);
   ASSERT_TRUE(grads.ok()) << grads.status();
-  EngineOutputs out;
-  out.loss = TensorToFloats(fwd->loss.view());
-  out.z_loss = TensorToFloats(fwd->z_loss.view());
-  out.lse = TensorToFloats(fwd->lse->view());
-  out.num_valid = fwd->num_valid;
-  out.has_gradients = true;
-  out.grad_hidden = TensorToFloats(grads->grad_hidden.view());
-  out.grad_weight = TensorToFloats(grads->grad_weight.view());
-  if (grads->grad_bias) out.grad_bias = TensorToFloats(grads->grad_bias->view());
+  const EngineOutputs out = CollectOutputs(*fwd, &*grads);
   const AccuracyReport report = CheckAccuracy(p.view(), g, out);
   EXPECT_TRUE(report.ok()) << report.ToString();
 }

@@ -365,34 +365,12 @@ class StoredGradients : public SavedState {
 // RECOMPUTE: the inputs (own copies) and per-row lse.
 class RecomputeInputs : public SavedState {
  public:
-  HostTensor hidden, weight, target;
-  std::optional<HostTensor> bias, class_weight;
-  LossOptions options;
+  OwnedProblem inputs;
   std::vector<float> lse;
   int64_t bytes() const override {
-    int64_t total = hidden.data.size() + weight.data.size() +
-                    target.data.size() + lse.size() * sizeof(float);
-    if (bias) total += bias->data.size();
-    if (class_weight) total += class_weight->data.size();
-    return total;
-  }
-  LossProblem problem() const {
-    LossProblem p;
-    p.hidden = hidden.view();
-    p.weight = weight.view();
-    if (bias) p.bias = bias->view();
-    p.target = target.view();
-    if (class_weight) p.class_weight = class_weight->view();
-    p.options = options;
-    return p;
+    return inputs.bytes() + static_cast<int64_t>(lse.size() * sizeof(float));
   }
 };
-
-HostTensor Copy(const TensorView& view) {
-  HostTensor t(view.dtype, view.shape);
-  std::memcpy(&t.data[0], view.data, t.data.size());
-  return t;
-}
 
 std::string CpuModelName() {
   std::ifstream in("/proc/cpuinfo");
@@ -536,12 +514,7 @@ absl::StatusOr<ForwardResult> CpuEngine::ForwardImpl(const LossProblem& problem,
     result.saved = std::move(grads);
   } else if (spec.need_backward) {
     auto saved = std::make_unique<RecomputeInputs>();
-    saved->hidden = Copy(problem.hidden);
-    saved->weight = Copy(problem.weight);
-    saved->target = Copy(problem.target);
-    if (problem.bias) saved->bias = Copy(*problem.bias);
-    if (problem.class_weight) saved->class_weight = Copy(*problem.class_weight);
-    saved->options = problem.options;
+    saved->inputs = CopyProblem(problem);
     saved->lse = std::move(lse);
     result.saved = std::move(saved);
   }
@@ -581,7 +554,7 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
   if (saved == nullptr) {
     return absl::InternalError("saved state was not made by the CPU engine");
   }
-  const Prepared q = Prepare(saved->problem(), *pool_);
+  const Prepared q = Prepare(saved->inputs.view(), *pool_);
   const int64_t n = q.n;
   std::vector<float> scale(n);
   for (int64_t i = 0; i < n; ++i) {

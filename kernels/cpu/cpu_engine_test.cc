@@ -67,15 +67,7 @@ void RunCase(LossEngine& engine, const Case& c) {
   absl::StatusOr<Gradients> grads = engine.Backward(*fwd->saved, bs, nullptr);
   ASSERT_TRUE(grads.ok()) << grads.status();
 
-  EngineOutputs out;
-  out.loss = TensorToFloats(fwd->loss.view());
-  out.z_loss = TensorToFloats(fwd->z_loss.view());
-  out.lse = TensorToFloats(fwd->lse->view());
-  out.num_valid = fwd->num_valid;
-  out.has_gradients = true;
-  out.grad_hidden = TensorToFloats(grads->grad_hidden.view());
-  out.grad_weight = TensorToFloats(grads->grad_weight.view());
-  if (grads->grad_bias) out.grad_bias = TensorToFloats(grads->grad_bias->view());
+  const EngineOutputs out = CollectOutputs(*fwd, &*grads);
   EXPECT_EQ(grads->grad_bias.has_value(), c.spec.bias);
   EXPECT_EQ(grads->grad_hidden.dtype, c.spec.dtype);
   const AccuracyReport report = CheckAccuracy(problem, g, out);

@@ -22,6 +22,25 @@ struct EngineOutputs {
   std::vector<float> grad_hidden, grad_weight, grad_bias;
 };
 
+// Collects the floats of a Forward result and, when given, its gradients.
+// Works for any result types with the engine's field names (ForwardResult
+// and Gradients, or the client's RemoteForward and RemoteGradients).
+template <typename ForwardLike, typename GradientsLike>
+EngineOutputs CollectOutputs(const ForwardLike& fwd, const GradientsLike* grads) {
+  EngineOutputs out;
+  out.loss = TensorToFloats(fwd.loss.view());
+  out.z_loss = TensorToFloats(fwd.z_loss.view());
+  if (fwd.lse) out.lse = TensorToFloats(fwd.lse->view());
+  out.num_valid = fwd.num_valid;
+  if (grads != nullptr) {
+    out.has_gradients = true;
+    out.grad_hidden = TensorToFloats(grads->grad_hidden.view());
+    out.grad_weight = TensorToFloats(grads->grad_weight.view());
+    if (grads->grad_bias) out.grad_bias = TensorToFloats(grads->grad_bias->view());
+  }
+  return out;
+}
+
 struct AccuracyReport {
   struct Entry {
     std::string name;

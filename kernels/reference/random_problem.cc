@@ -6,17 +6,6 @@
 
 namespace flce {
 
-LossProblem OwnedProblem::view() const {
-  LossProblem p;
-  p.hidden = hidden.view();
-  p.weight = weight.view();
-  if (bias) p.bias = bias->view();
-  p.target = target.view();
-  if (class_weight) p.class_weight = class_weight->view();
-  p.options = options;
-  return p;
-}
-
 namespace {
 
 HostTensor RandomFloats(DType dtype, std::vector<int64_t> shape, double stddev,

@@ -27,16 +27,6 @@ struct RandomProblemSpec {
   uint64_t seed = 1;
 };
 
-// A problem that owns its tensors.
-struct OwnedProblem {
-  HostTensor hidden, weight, target;
-  std::optional<HostTensor> bias, class_weight;
-  LossOptions options;
-
-  // A view that stays valid while this object lives and is not moved.
-  LossProblem view() const;
-};
-
 OwnedProblem MakeRandomProblem(const RandomProblemSpec& spec);
 
 }  // namespace flce
