@@ -138,6 +138,10 @@ class LossEngine {
   virtual std::string backend() const = 0;
   virtual std::vector<DeviceInfo> devices() const = 0;
 
+  // OK while the engine can serve; UNAVAILABLE after an unrecoverable
+  // device failure, after which every call fails with it.
+  virtual absl::Status health() const { return absl::OkStatus(); }
+
   // Bytes the SavedState of `mode` will hold for `problem`'s shapes, so the
   // caller can reserve its memory budget before computing.
   virtual int64_t SavedStateBytes(const LossProblem& problem,

@@ -3,19 +3,49 @@
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
-namespace flce {
+#ifdef FLCE_WITH_CUDA
+#include "kernels/cuda/cuda_engine.h"
+#endif
 
-absl::StatusOr<std::unique_ptr<LossEngine>> CreateEngine(
-    const std::string& backend, const CpuEngineOptions& cpu_options) {
-  if (backend == "cpu") return std::make_unique<CpuEngine>(cpu_options);
-  if (backend == "cuda") {
-    return absl::UnimplementedError(
-        "--backend=cuda: this build of flce has no CUDA engine; use --backend=cpu "
-        "or auto");
-  }
+namespace flce {
+namespace {
+
+absl::StatusOr<std::unique_ptr<LossEngine>> CreateCudaEngine(const EngineOptions& options) {
+#ifdef FLCE_WITH_CUDA
+  CudaEngineOptions cuda;
+  cuda.device = options.cuda_device;
+  cuda.lanes = options.cuda_lanes;
+  cuda.chunk_bytes = options.cuda_chunk_bytes;
+  absl::StatusOr<std::unique_ptr<CudaEngine>> engine = CudaEngine::Create(cuda);
+  if (!engine.ok()) return engine.status();
+  return std::unique_ptr<LossEngine>(std::move(*engine));
+#else
+  (void)options;
+  return absl::UnimplementedError(
+      "--backend=cuda: this build of flce has no CUDA engine (built without a CUDA "
+      "toolkit); use --backend=cpu or auto");
+#endif
+}
+
+}  // namespace
+
+bool CudaBuiltIn() {
+#ifdef FLCE_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+absl::StatusOr<std::unique_ptr<LossEngine>> CreateEngine(const std::string& backend,
+                                                         const EngineOptions& options) {
+  if (backend == "cpu") return std::make_unique<CpuEngine>(options.cpu);
+  if (backend == "cuda") return CreateCudaEngine(options);
   if (backend == "auto") {
-    SPDLOG_WARN("backend auto: no CUDA engine in this build; serving on the CPU");
-    return std::make_unique<CpuEngine>(cpu_options);
+    absl::StatusOr<std::unique_ptr<LossEngine>> cuda = CreateCudaEngine(options);
+    if (cuda.ok()) return cuda;
+    SPDLOG_WARN("backend auto: serving on the CPU ({})", std::string(cuda.status().message()));
+    return std::make_unique<CpuEngine>(options.cpu);
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "--backend: unknown value '", backend, "'; expected auto, cuda or cpu"));

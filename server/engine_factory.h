@@ -10,11 +10,22 @@
 
 namespace flce {
 
+struct EngineOptions {
+  CpuEngineOptions cpu;
+  int cuda_device = 0;
+  int cuda_lanes = 2;
+  int64_t cuda_chunk_bytes = int64_t{768} << 20;
+};
+
+// True if this build has the CUDA engine.
+bool CudaBuiltIn();
+
 // The engine for --backend: "cpu"; "cuda" (UNIMPLEMENTED when this build has
-// no CUDA engine); "auto": CUDA when built in and a device is present, else
-// CPU (with a logged warning). INVALID_ARGUMENT for anything else.
-absl::StatusOr<std::unique_ptr<LossEngine>> CreateEngine(
-    const std::string& backend, const CpuEngineOptions& cpu_options);
+// no CUDA engine, UNAVAILABLE without a usable device); "auto": CUDA when
+// built in and a device is usable, else CPU (with a logged warning saying
+// why). INVALID_ARGUMENT for anything else.
+absl::StatusOr<std::unique_ptr<LossEngine>> CreateEngine(const std::string& backend,
+                                                         const EngineOptions& options);
 
 }  // namespace flce
 

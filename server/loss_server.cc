@@ -48,12 +48,14 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   FLCE_RETURN_IF_ERROR(CheckOptions(options));
   std::unique_ptr<LossServer> s(new LossServer());
   s->options_ = options;
-  FLCE_ASSIGN_OR_RETURN(s->engine_, CreateEngine(options.backend, options.cpu));
+  FLCE_ASSIGN_OR_RETURN(s->engine_, CreateEngine(options.backend, options.engine));
   s->sessions_ = std::make_unique<SessionStore>(options.sessions);
   s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get());
   s->queue_ = std::make_unique<WorkQueue>(options.workers, options.max_queued_requests);
+  LossServer* raw = s.get();
   s->service_ = std::make_unique<LossServiceImpl>(
-      s->core_.get(), s->queue_.get(), ServiceLimits{options.max_message_bytes});
+      s->core_.get(), s->queue_.get(), ServiceLimits{options.max_message_bytes},
+      [raw] { raw->MarkUnhealthy(); });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -71,7 +73,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(true);
-  s->reaper_ = std::thread([raw = s.get()] { raw->ReaperLoop(); });
+  s->reaper_ = std::thread([raw] { raw->ReaperLoop(); });
 
   std::string devices;
   for (const DeviceInfo& d : s->engine_->devices()) devices += d.name;
@@ -87,6 +89,14 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
 }
 
 LossServer::~LossServer() { Shutdown(absl::ZeroDuration()); }
+
+void LossServer::MarkUnhealthy() {
+  SPDLOG_ERROR("engine unhealthy ({}); health is NOT_SERVING",
+               std::string(engine_->health().message()));
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, false);
+  health->SetServingStatus(false);
+}
 
 void LossServer::ReaperLoop() {
   while (!stop_reaper_.WaitForNotificationWithTimeout(options_.reap_interval)) {

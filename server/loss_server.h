@@ -12,8 +12,8 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
-#include "kernels/cpu/cpu_engine.h"
 #include "kernels/loss_engine.h"
+#include "server/engine_factory.h"
 #include "server/loss_core.h"
 #include "server/loss_service.h"
 #include "server/session_store.h"
@@ -30,7 +30,7 @@ struct ServerOptions {
   int max_queued_requests = 64;  // waiting beyond the running ones
   int64_t max_message_bytes = int64_t{256} << 20;
   absl::Duration reap_interval = absl::Seconds(5);
-  CpuEngineOptions cpu;
+  EngineOptions engine;
 };
 
 class LossServer {
@@ -45,6 +45,9 @@ class LossServer {
   // The bound port.
   int port() const { return port_; }
   const LossEngine& engine() const { return *engine_; }
+
+  // Turns health NOT_SERVING for good (the engine reported a sticky failure).
+  void MarkUnhealthy();
 
   // Graceful stop: health turns NOT_SERVING, new RPCs are refused, RPCs in
   // flight get up to `grace` to finish and are cancelled after it; then the

@@ -40,18 +40,6 @@ absl::Status CheckAlive(const grpc::CallbackServerContext* context,
   return absl::OkStatus();
 }
 
-// The engine stops with CANCELLED when the cancel hook fires; report which.
-absl::Status Explain(absl::Status status,
-                     const grpc::CallbackServerContext* context) {
-  if (status.code() == absl::StatusCode::kCancelled && DeadlinePassed(context)) {
-    return absl::DeadlineExceededError("deadline exceeded while computing");
-  }
-  if (status.code() == absl::StatusCode::kInternal) {
-    SPDLOG_ERROR("internal error: {}", std::string(status.message()));
-  }
-  return status;
-}
-
 double MillisSince(absl::Time start) {
   return absl::ToDoubleMilliseconds(absl::Now() - start);
 }
@@ -103,9 +91,27 @@ grpc::ServerUnaryReactor* Reject(grpc::CallbackServerContext* context,
 
 }  // namespace
 
-LossServiceImpl::LossServiceImpl(LossCore* core, WorkQueue* queue,
-                                 ServiceLimits limits)
-    : core_(core), queue_(queue), limits_(limits) {}
+LossServiceImpl::LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
+                                 std::function<void()> on_engine_unhealthy)
+    : core_(core),
+      queue_(queue),
+      limits_(limits),
+      on_engine_unhealthy_(std::move(on_engine_unhealthy)) {}
+
+absl::Status LossServiceImpl::Explain(absl::Status status,
+                                      const grpc::CallbackServerContext* context) {
+  // The engine stops with CANCELLED when the cancel hook fires; say which.
+  if (status.code() == absl::StatusCode::kCancelled && DeadlinePassed(context)) {
+    return absl::DeadlineExceededError("deadline exceeded while computing");
+  }
+  if (status.code() == absl::StatusCode::kInternal) {
+    SPDLOG_ERROR("internal error: {}", std::string(status.message()));
+  }
+  if (!core_->engine().health().ok() && on_engine_unhealthy_) {
+    std::call_once(unhealthy_once_, on_engine_unhealthy_);
+  }
+  return status;
+}
 
 grpc::ServerUnaryReactor* LossServiceImpl::Forward(
     grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
@@ -119,7 +125,7 @@ grpc::ServerUnaryReactor* LossServiceImpl::Forward(
                const absl::Time engine_start = absl::Now();
                absl::StatusOr<ForwardOutcome> outcome =
                    core->Forward(call, PrincipalOf(context), CancelFor(context));
-               if (!outcome.ok()) return Explain(outcome.status(), context);
+               if (!outcome.ok()) return this->Explain(outcome.status(), context);
                if (!outcome->session_id.empty()) {
                  // Nobody will learn this id if the caller is gone: free it.
                  absl::Status alive = CheckAlive(context, "while computing");
@@ -160,7 +166,7 @@ grpc::ServerUnaryReactor* LossServiceImpl::Backward(
                const absl::Time engine_start = absl::Now();
                absl::StatusOr<Gradients> grads =
                    core->Backward(call, PrincipalOf(context), CancelFor(context));
-               if (!grads.ok()) return Explain(grads.status(), context);
+               if (!grads.ok()) return this->Explain(grads.status(), context);
                MoveToProto(std::move(grads->grad_hidden),
                            response->mutable_grad_hidden());
                MoveToProto(std::move(grads->grad_weight),

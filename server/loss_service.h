@@ -8,6 +8,8 @@
 // chunks; one log line is written per finished RPC.
 
 #include <cstdint>
+#include <functional>
+#include <mutex>
 
 #include "grpcpp/grpcpp.h"
 #include "proto/flce/v1/loss_service.grpc.pb.h"
@@ -22,8 +24,10 @@ struct ServiceLimits {
 
 class LossServiceImpl final : public v1::LossService::CallbackService {
  public:
-  // All pointers must outlive the service.
-  LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits);
+  // All pointers must outlive the service. `on_engine_unhealthy` runs once,
+  // the first time a failed call leaves the engine unhealthy.
+  LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
+                  std::function<void()> on_engine_unhealthy);
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
                                     const v1::ForwardRequest* request,
@@ -41,9 +45,15 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
       v1::GetServerInfoResponse* response) override;
 
  private:
+  // Context for an engine error: deadline vs cancellation, INTERNAL logged
+  // once, and the health hook when the engine stopped.
+  absl::Status Explain(absl::Status status, const grpc::CallbackServerContext* context);
+
   LossCore* const core_;
   WorkQueue* const queue_;
   const ServiceLimits limits_;
+  const std::function<void()> on_engine_unhealthy_;
+  std::once_flag unhealthy_once_;
 };
 
 }  // namespace flce

@@ -29,6 +29,10 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20,
           "largest request or response message, in bytes");
 ABSL_FLAG(int64_t, cpu_chunk_bytes, int64_t{64} << 20,
           "CPU engine: bytes of fp32 logits per token chunk");
+ABSL_FLAG(int, cuda_device, 0, "CUDA engine: device ordinal");
+ABSL_FLAG(int, cuda_lanes, 2, "CUDA engine: concurrent calls (streams)");
+ABSL_FLAG(int64_t, cuda_chunk_bytes, int64_t{768} << 20,
+          "CUDA engine: bytes of fp32 logits per token chunk");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "on SIGTERM/SIGINT, how long RPCs in flight may take to finish");
 ABSL_FLAG(std::string, log_level, "info",
@@ -65,7 +69,10 @@ int main(int argc, char** argv) {
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  options.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes);
+  options.engine.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes);
+  options.engine.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  options.engine.cuda_lanes = absl::GetFlag(FLAGS_cuda_lanes);
+  options.engine.cuda_chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
 
   absl::StatusOr<std::unique_ptr<flce::LossServer>> server =
       flce::LossServer::Start(options);

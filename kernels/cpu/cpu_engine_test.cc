@@ -3,164 +3,31 @@
 #include "kernels/cpu/cpu_engine.h"
 
 #include <cmath>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/reference/accuracy.h"
+#include "kernels/engine_conformance.h"
 #include "kernels/reference/random_problem.h"
 #include "kernels/tensor.h"
 
 namespace flce {
 namespace {
 
-struct Case {
-  std::string name;
-  RandomProblemSpec spec;
-  BackwardMode mode = BackwardMode::kStoreGrads;
-};
-
-std::vector<double> RandomGradOutput(const RandomProblemSpec& spec) {
-  std::mt19937_64 rng(spec.seed + 99);
-  std::uniform_real_distribution<double> dist(-2.0, 2.0);
-  if (spec.options.reduction == Reduction::kNone) {
-    std::vector<double> g(spec.rows);
-    for (double& value : g) value = dist(rng);
-    return g;
-  }
-  return {dist(rng)};
-}
-
-HostTensor GradOutputTensor(const std::vector<double>& g, Reduction reduction) {
-  HostTensor t(DType::kFloat32, reduction == Reduction::kNone
-                                    ? std::vector<int64_t>{static_cast<int64_t>(g.size())}
-                                    : std::vector<int64_t>{});
-  for (size_t i = 0; i < g.size(); ++i) {
-    t.mutable_data<float>()[i] = static_cast<float>(g[i]);
-  }
-  return t;
-}
-
-// Runs Forward + Backward and checks everything against the reference.
-void RunCase(LossEngine& engine, const Case& c) {
-  SCOPED_TRACE(c.name);
-  OwnedProblem p = MakeRandomProblem(c.spec);
-  const LossProblem problem = p.view();
-  ForwardSpec fs;
-  fs.need_backward = true;
-  fs.mode = c.mode;
-  fs.want_lse = true;
-  fs.want_per_row_loss = true;
-  absl::StatusOr<ForwardResult> fwd = engine.Forward(problem, fs, nullptr);
-  ASSERT_TRUE(fwd.ok()) << fwd.status();
-  ASSERT_NE(fwd->saved, nullptr);
-  EXPECT_GT(fwd->saved->bytes(), 0);
-  EXPECT_EQ(fwd->saved->bytes(), engine.SavedStateBytes(problem, c.mode));
-
-  std::vector<double> g = RandomGradOutput(c.spec);
-  // grad_output is sent as fp32: judge against the value actually sent.
-  for (double& value : g) value = static_cast<float>(value);
-  const HostTensor g_tensor = GradOutputTensor(g, c.spec.options.reduction);
-  BackwardSpec bs;
-  bs.grad_output = g_tensor.view();
-  absl::StatusOr<Gradients> grads = engine.Backward(*fwd->saved, bs, nullptr);
-  ASSERT_TRUE(grads.ok()) << grads.status();
-
-  const EngineOutputs out = CollectOutputs(*fwd, &*grads);
-  EXPECT_EQ(grads->grad_bias.has_value(), c.spec.bias);
-  EXPECT_EQ(grads->grad_hidden.dtype, c.spec.dtype);
-  const AccuracyReport report = CheckAccuracy(problem, g, out);
-  EXPECT_TRUE(report.ok()) << report.ToString();
-
-  // Backward leaves the state as it was: a second call gives the same bits.
-  absl::StatusOr<Gradients> again = engine.Backward(*fwd->saved, bs, nullptr);
-  ASSERT_TRUE(again.ok());
-  EXPECT_EQ(again->grad_weight.data, grads->grad_weight.data);
-  EXPECT_EQ(again->grad_hidden.data, grads->grad_hidden.data);
-}
-
-Case Make(std::string name, int64_t n, int64_t h, int64_t v, DType dtype,
-          Reduction reduction, BackwardMode mode) {
-  Case c;
-  c.name = std::move(name);
-  c.spec.rows = n;
-  c.spec.hidden = h;
-  c.spec.vocab = v;
-  c.spec.dtype = dtype;
-  c.spec.options.reduction = reduction;
-  c.spec.seed = static_cast<uint64_t>(n * 131 + h * 17 + v);
-  c.mode = mode;
-  return c;
-}
-
 class CpuEngineTest : public ::testing::TestWithParam<DType> {
  protected:
+  void RunAll(const std::vector<ConformanceCase>& cases) {
+    for (const ConformanceCase& c : cases) RunConformanceCase(engine_, c);
+  }
   // A small chunk budget so that every case runs several chunks.
   CpuEngine engine_{CpuEngineOptions{/*chunk_bytes=*/4096}};
 };
 
-TEST_P(CpuEngineTest, OddSizesBothModesAllReductions) {
-  const DType dtype = GetParam();
-  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
-    for (Reduction reduction : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
-      if (mode == BackwardMode::kStoreGrads && reduction == Reduction::kNone) continue;
-      const std::string tag = std::string(BackwardModeName(mode)) + "/" +
-                              ReductionName(reduction) + "/" + DTypeName(dtype);
-      RunCase(engine_, Make("1x1x1 " + tag, 1, 1, 1, dtype, reduction, mode));
-      RunCase(engine_, Make("3x5x7 " + tag, 3, 5, 7, dtype, reduction, mode));
-      RunCase(engine_, Make("17x64x1000 " + tag, 17, 64, 1000, dtype, reduction, mode));
-      RunCase(engine_, Make("733x64x257 " + tag, 733, 64, 257, dtype, reduction, mode));
-    }
-  }
-}
-
-TEST_P(CpuEngineTest, EveryOptionTogether) {
-  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
-    Case c = Make("all options", 37, 33, 1001, GetParam(), Reduction::kMean, mode);
-    c.spec.bias = true;
-    c.spec.class_weight = true;
-    c.spec.ignore_fraction = 0.25;
-    c.spec.target_dtype = DType::kInt32;
-    c.spec.options.ignore_index = 5;
-    c.spec.options.label_smoothing = 0.1f;
-    c.spec.options.logit_softcap = 15.0f;
-    c.spec.options.z_loss_scale = 1e-3f;
-    RunCase(engine_, c);
-  }
-}
-
-TEST_P(CpuEngineTest, EachOptionAlone) {
-  const DType dtype = GetParam();
-  for (int option = 0; option < 6; ++option) {
-    Case c = Make("option " + std::to_string(option), 29, 19, 503, dtype,
-                  option % 2 ? Reduction::kSum : Reduction::kMean,
-                  option % 3 ? BackwardMode::kStoreGrads : BackwardMode::kRecompute);
-    switch (option) {
-      case 0: c.spec.bias = true; break;
-      case 1: c.spec.class_weight = true; break;
-      case 2: c.spec.ignore_fraction = 0.5; break;
-      case 3: c.spec.options.label_smoothing = 0.3f; break;
-      case 4: c.spec.options.logit_softcap = 3.0f; break;
-      case 5: c.spec.options.z_loss_scale = 0.1f; break;
-    }
-    RunCase(engine_, c);
-  }
-}
-
-TEST_P(CpuEngineTest, PeakedAndFlatSoftmaxes) {
-  for (double scale : {0.01, 30.0}) {
-    Case c = Make("scale " + std::to_string(scale), 41, 16, 777, GetParam(),
-                  Reduction::kMean, BackwardMode::kStoreGrads);
-    c.spec.logit_scale = scale;
-    RunCase(engine_, c);
-  }
-}
-
-TEST_P(CpuEngineTest, LargeVocabulary) {
-  RunCase(engine_, Make("17x5x32003", 17, 5, 32003, GetParam(), Reduction::kMean,
-                        BackwardMode::kRecompute));
-}
+TEST_P(CpuEngineTest, OddSizesBothModesAllReductions) { RunAll(OddSizeCases(GetParam())); }
+TEST_P(CpuEngineTest, EveryOptionTogether) { RunAll(EveryOptionCases(GetParam())); }
+TEST_P(CpuEngineTest, EachOptionAlone) { RunAll(EachOptionCases(GetParam())); }
+TEST_P(CpuEngineTest, PeakedAndFlatSoftmaxes) { RunAll(SoftmaxShapeCases(GetParam())); }
+TEST_P(CpuEngineTest, LargeVocabulary) { RunAll(LargeVocabularyCases(GetParam())); }
 
 INSTANTIATE_TEST_SUITE_P(AllDTypes, CpuEngineTest,
                          ::testing::Values(DType::kFloat32, DType::kBFloat16,

@@ -1,0 +1,662 @@
+#include "kernels/cuda/cuda_engine.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/cuda/cuda_resources.h"
+#include "kernels/cuda/loss_kernels.h"
+#include "kernels/status_macros.h"
+
+namespace flce {
+namespace internal_cuda {
+namespace {
+
+cudaDataType_t CudaType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return CUDA_R_16F;
+    case DType::kBFloat16:
+      return CUDA_R_16BF;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+// A stream and a cuBLAS handle bound to it: one concurrent call.
+struct Lane {
+  CudaStream stream;
+  CublasHandle blas;
+};
+
+// A problem's tensors on the device.
+struct DeviceInputs {
+  DType dtype = DType::kFloat32;
+  int64_t n = 0, h = 0, v = 0;
+  LossOptions options;
+  float class_weight_sum = 0;
+  DeviceBuffer hidden, weight;  // input dtype
+  DeviceBuffer bias;            // fp32 [V], or empty
+  DeviceBuffer target;          // int64 [N]
+  DeviceBuffer class_weight;    // fp32 [V], or empty
+
+  int64_t bytes() const {
+    return hidden.bytes() + weight.bytes() + bias.bytes() + target.bytes() +
+           class_weight.bytes();
+  }
+  const char* x_row(int64_t r) const {
+    return hidden.as<const char>() + r * h * DTypeSize(dtype);
+  }
+  RowParams Params(int64_t row0, int64_t rows) const {
+    RowParams p;
+    p.rows = rows;
+    p.row0 = row0;
+    p.vocab = v;
+    p.bias = bias.bytes() > 0 ? bias.as<const float>() : nullptr;
+    p.class_weight = class_weight.bytes() > 0 ? class_weight.as<const float>() : nullptr;
+    p.class_weight_sum = class_weight_sum;
+    p.target = target.as<const int64_t>();
+    p.ignore_index = options.ignore_index;
+    p.label_smoothing = options.label_smoothing;
+    p.z_loss_scale = options.z_loss_scale;
+    p.softcap = options.logit_softcap.value_or(0.0f);
+    return p;
+  }
+};
+
+// STORE_GRADS: gradients for grad_output 1, fp32, on the device.
+class StoredGradients : public SavedState {
+ public:
+  DType dtype = DType::kFloat32;
+  int64_t n = 0, h = 0, v = 0;
+  DeviceBuffer dx, dw, db;
+  int64_t bytes() const override { return dx.bytes() + dw.bytes() + db.bytes(); }
+};
+
+// RECOMPUTE: the inputs and per-row lse, on the device.
+class RecomputeState : public SavedState {
+ public:
+  DeviceInputs inputs;
+  DeviceBuffer lse;
+  int64_t bytes() const override { return inputs.bytes() + lse.bytes(); }
+};
+
+// Per-row forward outputs and the reduction scalars.
+struct RowBuffers {
+  DeviceBuffer lse, loss, z_loss, correct, row_scale, denom, num_valid, totals;
+  RowOutputs outputs() const {
+    return {lse.as<float>(), loss.as<float>(), z_loss.as<float>(), correct.as<int32_t>()};
+  }
+};
+
+enum class Pass { kLoss, kLossAndGrad, kGradFromLse };
+
+}  // namespace
+
+class EngineImpl {
+ public:
+  EngineImpl(const CudaEngineOptions& options, cudaDeviceProp props)
+      : options_(options), props_(props) {}
+
+  absl::Status Init() {
+    for (int i = 0; i < std::max(1, options_.lanes); ++i) {
+      auto lane = std::make_unique<Lane>();
+      FLCE_ASSIGN_OR_RETURN(lane->stream, CudaStream::Create());
+      FLCE_ASSIGN_OR_RETURN(lane->blas, CublasHandle::Create(lane->stream.get()));
+      free_lanes_.push_back(lane.get());
+      lanes_.push_back(std::move(lane));
+    }
+    return absl::OkStatus();
+  }
+
+  ~EngineImpl() {
+    for (auto& lane : lanes_) cudaStreamSynchronize(lane->stream.get());
+  }
+
+  const cudaDeviceProp& props() const { return props_; }
+
+  absl::Status health() const {
+    if (healthy_.load()) return absl::OkStatus();
+    absl::MutexLock lock(&mu_);
+    return absl::UnavailableError(absl::StrCat(
+        "CUDA engine stopped after an unrecoverable device error: ", sticky_error_));
+  }
+
+  int64_t ChunkRows(int64_t rows, int64_t vocab) const {
+    int64_t by_budget = options_.chunk_bytes / (vocab * int64_t{4});
+    if (by_budget >= 256) by_budget -= by_budget % 128;  // whole GEMM tiles
+    return std::max<int64_t>(1, std::min(rows, std::max(CudaEngine::kMinChunkRows, by_budget)));
+  }
+
+  // Holds one lane for a call.
+  class LaneLease {
+   public:
+    explicit LaneLease(EngineImpl* impl) : impl_(impl) {
+      absl::MutexLock lock(&impl_->mu_);
+      impl_->mu_.Await(absl::Condition(
+          +[](std::vector<Lane*>* free) { return !free->empty(); }, &impl_->free_lanes_));
+      lane_ = impl_->free_lanes_.back();
+      impl_->free_lanes_.pop_back();
+    }
+    ~LaneLease() {
+      absl::MutexLock lock(&impl_->mu_);
+      impl_->free_lanes_.push_back(lane_);
+    }
+    Lane& operator*() const { return *lane_; }
+    Lane* operator->() const { return lane_; }
+
+   private:
+    EngineImpl* impl_;
+    Lane* lane_;
+  };
+
+  // Records a failed CUDA status; sticky errors stop the engine.
+  absl::Status Check(cudaError_t error, const char* what) {
+    if (error == cudaSuccess) return absl::OkStatus();
+    if (IsStickyError(error)) {
+      absl::MutexLock lock(&mu_);
+      if (healthy_.exchange(false)) {
+        sticky_error_ = absl::StrCat(what, ": ", cudaGetErrorName(error));
+      }
+      return absl::UnavailableError(absl::StrCat(
+          "CUDA engine stopped after an unrecoverable device error in ", what, ": ",
+          cudaGetErrorName(error)));
+    }
+    return CudaStatus(error, what);
+  }
+
+  absl::Status SetDevice() { return Check(cudaSetDevice(options_.device), "cudaSetDevice"); }
+
+  // C[m×n] (column-major, ldc) = op(A)·op(B) + beta·C with input-dtype
+  // operands and fp32 accumulation (no TF32 for fp32 inputs).
+  absl::Status Gemm(Lane& lane, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m,
+                    int64_t n, int64_t k, const void* a, DType a_type, int64_t lda,
+                    const void* b, DType b_type, int64_t ldb, float beta, void* c,
+                    DType c_type, int64_t ldc) {
+    if (m == 0 || n == 0) return absl::OkStatus();
+    const float alpha = 1.0f;
+    return CublasStatus(
+        cublasGemmEx(lane.blas.get(), op_a, op_b, static_cast<int>(m), static_cast<int>(n),
+                     static_cast<int>(k), &alpha, a, CudaType(a_type), static_cast<int>(lda), b,
+                     CudaType(b_type), static_cast<int>(ldb), &beta, c, CudaType(c_type),
+                     static_cast<int>(ldc),
+                     // fp32 operands: no TF32 or other reduced-precision path.
+                     a_type == DType::kFloat32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx");
+  }
+
+  absl::StatusOr<DeviceBuffer> Upload(Lane& lane, const void* data, int64_t bytes) {
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::Allocate(bytes, lane.stream.get()));
+    if (bytes > 0) {
+      FLCE_RETURN_IF_ERROR(Check(cudaMemcpyAsync(buffer.data(), data, bytes,
+                                                 cudaMemcpyHostToDevice, lane.stream.get()),
+                                 "upload"));
+    }
+    return buffer;
+  }
+
+  absl::StatusOr<DeviceInputs> UploadProblem(Lane& lane, const LossProblem& p) {
+    DeviceInputs in;
+    in.dtype = p.hidden.dtype;
+    in.n = p.rows();
+    in.h = p.hidden_size();
+    in.v = p.vocab();
+    in.options = p.options;
+    const int64_t elem = DTypeSize(in.dtype);
+    FLCE_ASSIGN_OR_RETURN(in.hidden, Upload(lane, p.hidden.data, in.n * in.h * elem));
+    FLCE_ASSIGN_OR_RETURN(in.weight, Upload(lane, p.weight.data, in.v * in.h * elem));
+    if (p.bias) {
+      const std::vector<float> bias = TensorToFloats(*p.bias);
+      FLCE_ASSIGN_OR_RETURN(in.bias, Upload(lane, bias.data(), in.v * 4));
+      // The host vector must outlive the copy.
+      FLCE_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane.stream.get()), "upload bias"));
+    }
+    if (p.target.dtype == DType::kInt64) {
+      FLCE_ASSIGN_OR_RETURN(in.target, Upload(lane, p.target.data, in.n * 8));
+    } else {
+      FLCE_ASSIGN_OR_RETURN(DeviceBuffer narrow, Upload(lane, p.target.data, in.n * 4));
+      FLCE_ASSIGN_OR_RETURN(in.target, DeviceBuffer::Allocate(in.n * 8, lane.stream.get()));
+      FLCE_RETURN_IF_ERROR(Check(LaunchWidenTargets(narrow.as<int32_t>(), in.n,
+                                                    in.target.as<int64_t>(), lane.stream.get()),
+                                 "widen targets"));
+    }
+    in.class_weight_sum = static_cast<float>(in.v);
+    if (p.class_weight) {
+      FLCE_ASSIGN_OR_RETURN(in.class_weight, Upload(lane, p.class_weight->data, in.v * 4));
+      double sum = 0;
+      const float* w = static_cast<const float*>(p.class_weight->data);
+      for (int64_t j = 0; j < in.v; ++j) sum += w[j];
+      in.class_weight_sum = static_cast<float>(sum);
+    }
+    return in;
+  }
+
+  absl::StatusOr<RowBuffers> AllocateRows(Lane& lane, int64_t n) {
+    RowBuffers b;
+    cudaStream_t s = lane.stream.get();
+    FLCE_ASSIGN_OR_RETURN(b.lse, DeviceBuffer::Allocate(n * 4, s));
+    FLCE_ASSIGN_OR_RETURN(b.loss, DeviceBuffer::Allocate(n * 4, s));
+    FLCE_ASSIGN_OR_RETURN(b.z_loss, DeviceBuffer::Allocate(n * 4, s));
+    FLCE_ASSIGN_OR_RETURN(b.correct, DeviceBuffer::Allocate(n * 4, s));
+    FLCE_ASSIGN_OR_RETURN(b.row_scale, DeviceBuffer::Allocate(n * 4, s));
+    FLCE_ASSIGN_OR_RETURN(b.denom, DeviceBuffer::Allocate(8, s));
+    FLCE_ASSIGN_OR_RETURN(b.num_valid, DeviceBuffer::Allocate(8, s));
+    FLCE_ASSIGN_OR_RETURN(b.totals, DeviceBuffer::Allocate(3 * 8, s));
+    return b;
+  }
+
+  // Row scales and the reduction divisor; grad_output is a device pointer
+  // (or null for 1).
+  absl::Status RowScales(Lane& lane, const DeviceInputs& in, const float* grad_output,
+                         int64_t grad_output_count, RowBuffers& rows) {
+    return Check(LaunchRowScales(in.target.as<const int64_t>(), in.n, in.options.ignore_index,
+                                 in.class_weight.bytes() > 0 ? in.class_weight.as<float>()
+                                                             : nullptr,
+                                 in.options.reduction == Reduction::kMean, grad_output,
+                                 grad_output_count, rows.row_scale.as<float>(),
+                                 rows.denom.as<double>(), rows.num_valid.as<int64_t>(),
+                                 lane.stream.get()),
+                 "row scales");
+  }
+
+  // The chunk loop. dx, dw, db are fp32 device outputs (db may be null);
+  // the gradient passes overwrite them.
+  absl::Status RunChunks(Lane& lane, const DeviceInputs& in, Pass pass, const RowBuffers& rows,
+                         const float* lse_in, float* dx, float* dw, float* db,
+                         const CancelFn& cancelled) {
+    cudaStream_t s = lane.stream.get();
+    const bool grad = pass != Pass::kLoss;
+    const int64_t chunk = ChunkRows(in.n, in.v);
+    if (grad && in.n == 0) {
+      FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(dw, 0, in.v * in.h * 4, s), "zero dW"));
+      if (db) FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(db, 0, in.v * 4, s), "zero db"));
+    }
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer logits,
+                          DeviceBuffer::Allocate(std::min(chunk, in.n) * in.v * 4, s));
+    // The in-place gradient has the input dtype and a row stride of V fp32s.
+    const int64_t ld_grad = in.v * 4 / DTypeSize(in.dtype);
+    for (int64_t r0 = 0; r0 < in.n; r0 += chunk) {
+      if (cancelled && cancelled()) return absl::CancelledError("cancelled between chunks");
+      const int64_t count = std::min(chunk, in.n - r0);
+      // logits[count, V] (row-major) = X_c · Wᵀ. Column-major view:
+      // logitsᵀ (V×count, ld V) = op(A)·op(B) with
+      //   A = W, stored row-major [V, H] = column-major H×V (ld H), op T → V×H;
+      //   B = X_c, stored row-major [count, H] = column-major H×count (ld H), op N.
+      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_T, CUBLAS_OP_N, in.v, count, in.h,
+                                in.weight.data(), in.dtype, in.h, in.x_row(r0), in.dtype, in.h,
+                                0.0f, logits.data(), DType::kFloat32, in.v));
+      const RowParams params = in.Params(r0, count);
+      if (pass == Pass::kGradFromLse) {
+        FLCE_RETURN_IF_ERROR(Check(LaunchGradientRows(params, logits.as<float>(), in.dtype,
+                                                      lse_in, rows.row_scale.as<float>(), s),
+                                   "gradient rows"));
+      } else {
+        FLCE_RETURN_IF_ERROR(Check(LaunchForwardRows(params, logits.as<float>(), grad, in.dtype,
+                                                     rows.row_scale.as<float>(), rows.outputs(),
+                                                     s),
+                                   "forward rows"));
+      }
+      if (!grad) continue;
+      // dX_c[count, H] (row-major, fp32) = dZ · W. Column-major view:
+      // dX_cᵀ (H×count, ld H) = A·B with
+      //   A = W as column-major H×V (ld H), op N;
+      //   B = dZ, stored row-major [count, V] with row stride ld_grad =
+      //       column-major V×count (ld ld_grad), op N.
+      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_N, in.h, count, in.v,
+                                in.weight.data(), in.dtype, in.h, logits.data(), in.dtype,
+                                ld_grad, 0.0f, dx + r0 * in.h, DType::kFloat32, in.h));
+      // dW[V, H] (row-major, fp32) (+)= dZᵀ · X_c. Column-major view:
+      // dWᵀ (H×V, ld H) = A·op(B) with
+      //   A = X_c as column-major H×count (ld H), op N;
+      //   B = dZ as column-major V×count (ld ld_grad), op T → count×V.
+      // The first chunk overwrites (beta 0): dW needs no zeroing pass.
+      const float beta = r0 == 0 ? 0.0f : 1.0f;
+      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count,
+                                in.x_row(r0), in.dtype, in.h, logits.data(), in.dtype, ld_grad,
+                                beta, dw, DType::kFloat32, in.h));
+      if (db) {
+        FLCE_RETURN_IF_ERROR(Check(LaunchColumnSums(logits.data(), in.dtype, count, in.v,
+                                                    ld_grad, r0 > 0, db, s),
+                                   "bias gradient"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Elements converted per slice when narrowing fp32 results: bounds the
+  // conversion buffer (128 MiB of bf16) whatever the size of dW.
+  static constexpr int64_t kSliceElements = int64_t{64} << 20;
+
+  // Converts `count` fp32 device elements × scale to `dtype` slice by slice
+  // into `slice` (kSliceElements of dtype) and hands each slice to `sink`
+  // (device pointer, first element, element count), in stream order.
+  template <typename Sink>
+  absl::Status ConvertInSlices(Lane& lane, const float* src32, int64_t count, DType dtype,
+                               float scale, DeviceBuffer& slice, Sink&& sink) {
+    cudaStream_t s = lane.stream.get();
+    for (int64_t first = 0; first < count; first += kSliceElements) {
+      const int64_t m = std::min(kSliceElements, count - first);
+      FLCE_RETURN_IF_ERROR(Check(
+          LaunchConvert(src32 + first, DType::kFloat32, slice.data(), dtype, m, scale, s),
+          "convert"));
+      FLCE_RETURN_IF_ERROR(sink(slice.data(), first, m));
+    }
+    return absl::OkStatus();
+  }
+
+  // An fp32 device buffer × scale as a new host tensor of `dtype`, rounded
+  // once on the device.
+  absl::StatusOr<HostTensor> Download(Lane& lane, const DeviceBuffer& src32,
+                                      std::vector<int64_t> shape, DType dtype, float scale) {
+    HostTensor out(dtype, std::move(shape));
+    const int64_t count = out.num_elements();
+    if (count == 0) return out;
+    cudaStream_t s = lane.stream.get();
+    const int64_t elem = DTypeSize(dtype);
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer slice,
+                          DeviceBuffer::Allocate(std::min(count, kSliceElements) * elem, s));
+    FLCE_RETURN_IF_ERROR(ConvertInSlices(
+        lane, src32.as<float>(), count, dtype, scale, slice,
+        [&](const void* data, int64_t first, int64_t m) {
+          return Check(cudaMemcpyAsync(&out.data[first * elem], data, m * elem,
+                                       cudaMemcpyDeviceToHost, s),
+                       "download");
+        }));
+    FLCE_RETURN_IF_ERROR(Check(cudaStreamSynchronize(s), "download"));
+    return out;
+  }
+
+  absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
+                                        const CancelFn& cancelled) {
+    FLCE_RETURN_IF_ERROR(health());
+    FLCE_RETURN_IF_ERROR(SetDevice());
+    LaneLease lane(this);
+    cudaStream_t s = lane->stream.get();
+    FLCE_ASSIGN_OR_RETURN(DeviceInputs in, UploadProblem(*lane, problem));
+    const int64_t n = in.n;
+    FLCE_ASSIGN_OR_RETURN(RowBuffers rows, AllocateRows(*lane, n));
+    const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
+    if (store && in.options.reduction == Reduction::kNone) {
+      return absl::InternalError("STORE_GRADS with reduction none");
+    }
+    FLCE_RETURN_IF_ERROR(RowScales(*lane, in, nullptr, 0, rows));
+    std::unique_ptr<StoredGradients> grads;
+    if (store) {
+      grads = std::make_unique<StoredGradients>();
+      grads->dtype = in.dtype;
+      grads->n = n;
+      grads->h = in.h;
+      grads->v = in.v;
+      FLCE_ASSIGN_OR_RETURN(grads->dx, DeviceBuffer::Allocate(n * in.h * 4, s));
+      FLCE_ASSIGN_OR_RETURN(grads->dw, DeviceBuffer::Allocate(in.v * in.h * 4, s));
+      if (in.bias.bytes() > 0) {
+        FLCE_ASSIGN_OR_RETURN(grads->db, DeviceBuffer::Allocate(in.v * 4, s));
+      }
+    }
+    FLCE_RETURN_IF_ERROR(RunChunks(
+        *lane, in, store ? Pass::kLossAndGrad : Pass::kLoss, rows, nullptr,
+        store ? grads->dx.as<float>() : nullptr, store ? grads->dw.as<float>() : nullptr,
+        store && grads->db.bytes() > 0 ? grads->db.as<float>() : nullptr, cancelled));
+    const bool divide = in.options.reduction == Reduction::kMean;
+    FLCE_RETURN_IF_ERROR(Check(LaunchReduceRows(rows.outputs(), n, rows.denom.as<double>(),
+                                                divide, rows.totals.as<double>(), s),
+                               "reduce rows"));
+    double totals[3];
+    int64_t num_valid = 0;
+    FLCE_RETURN_IF_ERROR(Check(cudaMemcpyAsync(totals, rows.totals.data(), sizeof(totals),
+                                               cudaMemcpyDeviceToHost, s),
+                               "download totals"));
+    FLCE_RETURN_IF_ERROR(Check(cudaMemcpyAsync(&num_valid, rows.num_valid.data(), 8,
+                                               cudaMemcpyDeviceToHost, s),
+                               "download totals"));
+    ForwardResult result;
+    auto download_rows = [&](const DeviceBuffer& src, HostTensor& dst) -> absl::Status {
+      dst = HostTensor(DType::kFloat32, {n});
+      if (n == 0) return absl::OkStatus();
+      return Check(cudaMemcpyAsync(&dst.data[0], src.data(), n * 4, cudaMemcpyDeviceToHost, s),
+                   "download rows");
+    };
+    if (in.options.reduction == Reduction::kNone) {
+      FLCE_RETURN_IF_ERROR(download_rows(rows.loss, result.loss));
+      FLCE_RETURN_IF_ERROR(download_rows(rows.z_loss, result.z_loss));
+    }
+    if (spec.want_lse) {
+      result.lse.emplace();
+      FLCE_RETURN_IF_ERROR(download_rows(rows.lse, *result.lse));
+    }
+    if (spec.want_per_row_loss) {
+      result.per_row_loss.emplace();
+      FLCE_RETURN_IF_ERROR(download_rows(rows.loss, *result.per_row_loss));
+    }
+    FLCE_RETURN_IF_ERROR(Check(cudaStreamSynchronize(s), "Forward"));
+    if (in.options.reduction != Reduction::kNone) {
+      result.loss = HostTensor(DType::kFloat32, {});
+      result.z_loss = HostTensor(DType::kFloat32, {});
+      result.loss.mutable_data<float>()[0] = static_cast<float>(totals[0]);
+      result.z_loss.mutable_data<float>()[0] = static_cast<float>(totals[1]);
+    }
+    result.num_valid = num_valid;
+    result.num_correct = static_cast<int64_t>(totals[2]);
+    if (store) {
+      result.saved = std::move(grads);
+    } else if (spec.need_backward) {
+      auto saved = std::make_unique<RecomputeState>();
+      saved->lse = std::move(rows.lse);
+      saved->inputs = std::move(in);
+      result.saved = std::move(saved);
+    }
+    return result;
+  }
+
+  absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
+                                     const CancelFn& cancelled) {
+    FLCE_RETURN_IF_ERROR(health());
+    FLCE_RETURN_IF_ERROR(SetDevice());
+    LaneLease lane(this);
+    cudaStream_t s = lane->stream.get();
+    std::vector<float> g;
+    if (spec.grad_output) g = TensorToFloats(*spec.grad_output);
+    Gradients out;
+    if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
+      const DType dtype = spec.grad_dtype.value_or(stored->dtype);
+      const float scale = g.empty() ? 1.0f : g[0];
+      FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
+                            Download(*lane, stored->dx, {stored->n, stored->h}, dtype, scale));
+      FLCE_ASSIGN_OR_RETURN(out.grad_weight,
+                            Download(*lane, stored->dw, {stored->v, stored->h}, dtype, scale));
+      if (stored->db.bytes() > 0) {
+        FLCE_ASSIGN_OR_RETURN(out.grad_bias,
+                              Download(*lane, stored->db, {stored->v}, dtype, scale));
+      }
+      return out;
+    }
+    auto* saved = dynamic_cast<RecomputeState*>(&state);
+    if (saved == nullptr) {
+      return absl::InternalError("saved state was not made by the CUDA engine");
+    }
+    const DeviceInputs& in = saved->inputs;
+    FLCE_ASSIGN_OR_RETURN(RowBuffers rows, AllocateRows(*lane, in.n));
+    DeviceBuffer g_device;
+    if (!g.empty()) {
+      FLCE_ASSIGN_OR_RETURN(g_device, Upload(*lane, g.data(), static_cast<int64_t>(g.size()) * 4));
+    }
+    FLCE_RETURN_IF_ERROR(RowScales(*lane, in, g.empty() ? nullptr : g_device.as<float>(),
+                                   static_cast<int64_t>(g.size()), rows));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(in.n * in.h * 4, s));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(in.v * in.h * 4, s));
+    DeviceBuffer db;
+    if (in.bias.bytes() > 0) {
+      FLCE_ASSIGN_OR_RETURN(db, DeviceBuffer::Allocate(in.v * 4, s));
+    }
+    FLCE_RETURN_IF_ERROR(RunChunks(*lane, in, Pass::kGradFromLse, rows, saved->lse.as<float>(),
+                                   dx.as<float>(), dw.as<float>(),
+                                   db.bytes() > 0 ? db.as<float>() : nullptr, cancelled));
+    // g (host) must outlive its upload: Download synchronises the stream.
+    const DType dtype = spec.grad_dtype.value_or(in.dtype);
+    FLCE_ASSIGN_OR_RETURN(out.grad_hidden, Download(*lane, dx, {in.n, in.h}, dtype, 1.0f));
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight, Download(*lane, dw, {in.v, in.h}, dtype, 1.0f));
+    if (db.bytes() > 0) {
+      FLCE_ASSIGN_OR_RETURN(out.grad_bias, Download(*lane, db, {in.v}, dtype, 1.0f));
+    }
+    return out;
+  }
+
+  // Benchmark path: inputs resident, Forward + Backward device work only.
+  class DeviceRunImpl : public CudaEngine::DeviceRun {
+   public:
+    DeviceRunImpl(EngineImpl* impl, BackwardMode mode) : impl_(impl), mode_(mode) {}
+
+    absl::Status Prepare(const LossProblem& problem) {
+      FLCE_RETURN_IF_ERROR(impl_->SetDevice());
+      LaneLease lane(impl_);
+      cudaStream_t s = lane->stream.get();
+      FLCE_ASSIGN_OR_RETURN(in_, impl_->UploadProblem(*lane, problem));
+      FLCE_ASSIGN_OR_RETURN(rows_, impl_->AllocateRows(*lane, in_.n));
+      FLCE_ASSIGN_OR_RETURN(dx_, DeviceBuffer::Allocate(in_.n * in_.h * 4, s));
+      FLCE_ASSIGN_OR_RETURN(dw_, DeviceBuffer::Allocate(in_.v * in_.h * 4, s));
+      FLCE_ASSIGN_OR_RETURN(
+          slice_, DeviceBuffer::Allocate(kSliceElements * DTypeSize(in_.dtype), s));
+      // Beyond X, W and the dX, dW the session keeps (fp32): the logits
+      // chunk, the per-row buffers, the targets and the conversion slice.
+      extra_ = impl_->ChunkRows(in_.n, in_.v) * in_.v * 4 + 5 * in_.n * 4 +
+               in_.target.bytes() + slice_.bytes();
+      return impl_->Check(cudaStreamSynchronize(s), "prepare");
+    }
+
+    absl::Status Run() override {
+      FLCE_RETURN_IF_ERROR(impl_->SetDevice());
+      LaneLease lane(impl_);
+      cudaStream_t s = lane->stream.get();
+      FLCE_RETURN_IF_ERROR(impl_->RowScales(*lane, in_, nullptr, 0, rows_));
+      if (mode_ == BackwardMode::kStoreGrads) {
+        FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLossAndGrad, rows_, nullptr,
+                                              dx_.as<float>(), dw_.as<float>(), nullptr,
+                                              nullptr));
+      } else {
+        FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLoss, rows_, nullptr, nullptr,
+                                              nullptr, nullptr, nullptr));
+        FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kGradFromLse, rows_,
+                                              rows_.lse.as<float>(), dx_.as<float>(),
+                                              dw_.as<float>(), nullptr, nullptr));
+      }
+      FLCE_RETURN_IF_ERROR(impl_->Check(
+          LaunchReduceRows(rows_.outputs(), in_.n, rows_.denom.as<double>(), true,
+                           rows_.totals.as<double>(), s),
+          "reduce rows"));
+      // The gradients narrowed to their final dtype, as Backward does
+      // before its download.
+      auto no_download = [](const void*, int64_t, int64_t) { return absl::OkStatus(); };
+      FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dx_.as<float>(), in_.n * in_.h,
+                                                  in_.dtype, 1.0f, slice_, no_download));
+      FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dw_.as<float>(), in_.v * in_.h,
+                                                  in_.dtype, 1.0f, slice_, no_download));
+      return impl_->Check(cudaStreamSynchronize(s), "run");
+    }
+
+    int64_t extra_bytes() const override { return extra_; }
+
+   private:
+    EngineImpl* impl_;
+    BackwardMode mode_;
+    DeviceInputs in_;
+    RowBuffers rows_;
+    DeviceBuffer dx_, dw_, slice_;
+    int64_t extra_ = 0;
+  };
+
+ private:
+  const CudaEngineOptions options_;
+  const cudaDeviceProp props_;
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  mutable absl::Mutex mu_;
+  std::vector<Lane*> free_lanes_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> healthy_{true};
+  std::string sticky_error_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace internal_cuda
+
+absl::StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Create(const CudaEngineOptions& options) {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    return absl::UnavailableError(
+        absl::StrCat("no usable CUDA device: ", cudaGetErrorString(error)));
+  }
+  if (options.device < 0 || options.device >= count) {
+    return absl::UnavailableError(absl::StrCat("CUDA device ", options.device,
+                                               " not present (", count, " device(s))"));
+  }
+  FLCE_RETURN_IF_ERROR(internal_cuda::CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"));
+  cudaDeviceProp props;
+  FLCE_RETURN_IF_ERROR(internal_cuda::CudaStatus(
+      cudaGetDeviceProperties(&props, options.device), "cudaGetDeviceProperties"));
+  // Keep freed memory in the stream-ordered pool so requests reuse it.
+  cudaMemPool_t pool;
+  FLCE_RETURN_IF_ERROR(internal_cuda::CudaStatus(
+      cudaDeviceGetDefaultMemPool(&pool, options.device), "cudaDeviceGetDefaultMemPool"));
+  uint64_t threshold = std::numeric_limits<uint64_t>::max();
+  FLCE_RETURN_IF_ERROR(internal_cuda::CudaStatus(
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+      "cudaMemPoolSetAttribute"));
+  auto impl = std::make_unique<internal_cuda::EngineImpl>(options, props);
+  FLCE_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
+}
+
+CudaEngine::CudaEngine(std::unique_ptr<internal_cuda::EngineImpl> impl)
+    : impl_(std::move(impl)) {}
+
+CudaEngine::~CudaEngine() = default;
+
+std::vector<DeviceInfo> CudaEngine::devices() const {
+  DeviceInfo info;
+  info.name = impl_->props().name;
+  info.total_memory_bytes = static_cast<int64_t>(impl_->props().totalGlobalMem);
+  return {info};
+}
+
+absl::Status CudaEngine::health() const { return impl_->health(); }
+
+int64_t CudaEngine::ChunkRows(int64_t rows, int64_t vocab) const {
+  return impl_->ChunkRows(rows, vocab);
+}
+
+int64_t CudaEngine::SavedStateBytes(const LossProblem& p, BackwardMode mode) const {
+  const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
+  if (mode == BackwardMode::kStoreGrads) {
+    return (n * h + v * h + (p.bias ? v : 0)) * int64_t{4};
+  }
+  return (n * h + v * h) * DTypeSize(p.hidden.dtype) + (p.bias ? v * 4 : 0) + n * 8 +
+         (p.class_weight ? v * 4 : 0) + n * 4;
+}
+
+absl::StatusOr<ForwardResult> CudaEngine::Forward(const LossProblem& problem,
+                                                  const ForwardSpec& spec,
+                                                  const CancelFn& cancelled) {
+  return impl_->Forward(problem, spec, cancelled);
+}
+
+absl::StatusOr<Gradients> CudaEngine::Backward(SavedState& state, const BackwardSpec& spec,
+                                               const CancelFn& cancelled) {
+  return impl_->Backward(state, spec, cancelled);
+}
+
+absl::StatusOr<std::unique_ptr<CudaEngine::DeviceRun>> CudaEngine::PrepareDeviceRun(
+    const LossProblem& problem, BackwardMode mode) {
+  auto run = std::make_unique<internal_cuda::EngineImpl::DeviceRunImpl>(impl_.get(), mode);
+  FLCE_RETURN_IF_ERROR(run->Prepare(problem));
+  return std::unique_ptr<DeviceRun>(std::move(run));
+}
+
+}  // namespace flce

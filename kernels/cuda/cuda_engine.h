@@ -1,0 +1,77 @@
+#ifndef FLCE_KERNELS_CUDA_CUDA_ENGINE_H_
+#define FLCE_KERNELS_CUDA_CUDA_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/loss_engine.h"
+
+namespace flce {
+
+struct CudaEngineOptions {
+  int device = 0;
+  // Calls that run concurrently, each on its own stream and cuBLAS handle.
+  int lanes = 2;
+  // Upper bound on the fp32 logits chunk (rows × V × 4 bytes); the chunk
+  // holds at least kMinChunkRows rows. Large chunks keep the GEMMs near
+  // peak; the chunk is most of the engine's memory beyond X, W, dX, dW.
+  int64_t chunk_bytes = int64_t{768} << 20;
+};
+
+namespace internal_cuda {
+class EngineImpl;
+}  // namespace internal_cuda
+
+// The CUDA engine. Per token chunk: the logits GEMM on cuBLAS (input-dtype
+// operands, fp32 accumulate and output) into a reused chunk buffer; one fused
+// row kernel (online max/sum-exp, loss, lse, z-loss, softcap, smoothing,
+// class weights, ignore_index, accuracy) that writes the gradient in place
+// over the logits in the input dtype; then dX = dZ·W and dW += dZᵀ·X (fp32
+// across chunks), db likewise. No host synchronisation inside the chunk loop.
+// Device OOM is RESOURCE_EXHAUSTED and the engine keeps serving; after a
+// sticky CUDA error every call is UNAVAILABLE (see health()).
+class CudaEngine : public LossEngine {
+ public:
+  static constexpr int64_t kMinChunkRows = 64;
+
+  // UNAVAILABLE when no usable CUDA device is present (the message says why).
+  static absl::StatusOr<std::unique_ptr<CudaEngine>> Create(
+      const CudaEngineOptions& options = {});
+  ~CudaEngine() override;
+
+  std::string backend() const override { return "cuda"; }
+  std::vector<DeviceInfo> devices() const override;
+  absl::Status health() const override;
+  int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;
+  absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
+                                        const CancelFn& cancelled) override;
+  absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
+                                     const CancelFn& cancelled) override;
+
+  int64_t ChunkRows(int64_t rows, int64_t vocab) const;
+
+  // For benchmarks: `problem` uploaded once, then each Run() does the
+  // device work of Forward(need_backward, mode) + Backward(grad_output 1)
+  // on the resident inputs, with no host transfers, and waits for it.
+  class DeviceRun {
+   public:
+    virtual ~DeviceRun() = default;
+    virtual absl::Status Run() = 0;
+    // Device memory held beyond the inputs X, W (and the gradients dX, dW
+    // in their final dtype) at the peak of Run(), in bytes.
+    virtual int64_t extra_bytes() const = 0;
+  };
+  absl::StatusOr<std::unique_ptr<DeviceRun>> PrepareDeviceRun(const LossProblem& problem,
+                                                              BackwardMode mode);
+
+ private:
+  explicit CudaEngine(std::unique_ptr<internal_cuda::EngineImpl> impl);
+  std::unique_ptr<internal_cuda::EngineImpl> impl_;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_CUDA_CUDA_ENGINE_H_

@@ -1,0 +1,182 @@
+// The CUDA engine against the fp64 reference and the CPU engine. Tagged
+// `gpu`: skips without a device, fails without one when REQUIRE_GPU=1.
+
+#include "kernels/cuda/cuda_engine.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_engine.h"
+#include "kernels/engine_conformance.h"
+#include "kernels/reference/random_problem.h"
+
+namespace flce {
+namespace {
+
+bool RequireGpu() {
+  const char* v = std::getenv("REQUIRE_GPU");
+  return v != nullptr && std::string(v) == "1";
+}
+
+// One engine for the whole binary; a small chunk budget so that every case
+// runs several token chunks (at least kMinChunkRows rows each).
+CudaEngine* Engine(std::string* why) {
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* engine = [] {
+    CudaEngineOptions options;
+    options.chunk_bytes = 64 << 10;
+    return new absl::StatusOr<std::unique_ptr<CudaEngine>>(CudaEngine::Create(options));
+  }();
+  if (!engine->ok()) {
+    *why = engine->status().ToString();
+    return nullptr;
+  }
+  return engine->value().get();
+}
+
+#define FLCE_GET_ENGINE_OR_SKIP(engine)                                     \
+  std::string why_;                                                       \
+  CudaEngine* engine = Engine(&why_);                                     \
+  if (engine == nullptr) {                                                \
+    if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why_;             \
+    GTEST_SKIP() << "no CUDA device: " << why_;                           \
+  }
+
+class CudaEngineTest : public ::testing::TestWithParam<DType> {
+ protected:
+  void RunAll(const std::vector<ConformanceCase>& cases) {
+    FLCE_GET_ENGINE_OR_SKIP(engine);
+    for (const ConformanceCase& c : cases) RunConformanceCase(*engine, c);
+  }
+};
+
+TEST_P(CudaEngineTest, OddSizesBothModesAllReductions) { RunAll(OddSizeCases(GetParam())); }
+TEST_P(CudaEngineTest, EveryOptionTogether) { RunAll(EveryOptionCases(GetParam())); }
+TEST_P(CudaEngineTest, EachOptionAlone) { RunAll(EachOptionCases(GetParam())); }
+TEST_P(CudaEngineTest, PeakedAndFlatSoftmaxes) { RunAll(SoftmaxShapeCases(GetParam())); }
+TEST_P(CudaEngineTest, LargeVocabulary) { RunAll(LargeVocabularyCases(GetParam())); }
+
+INSTANTIATE_TEST_SUITE_P(AllDTypes, CudaEngineTest,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+TEST(CudaEngineSemanticsTest, AgreesWithTheCpuEngine) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  CpuEngine cpu;
+  RandomProblemSpec spec;
+  spec.rows = 300;
+  spec.hidden = 96;
+  spec.vocab = 5003;
+  spec.bias = true;
+  spec.options.label_smoothing = 0.05f;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  ForwardSpec fs;
+  fs.want_lse = true;
+  auto gpu = engine->Forward(p.view(), fs, nullptr);
+  auto host = cpu.Forward(p.view(), fs, nullptr);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ASSERT_TRUE(host.ok()) << host.status();
+  const float a = gpu->loss.data_as<float>()[0], b = host->loss.data_as<float>()[0];
+  EXPECT_NEAR(a, b, 1e-5 * std::fabs(b));
+  EXPECT_EQ(gpu->num_valid, host->num_valid);
+  EXPECT_EQ(gpu->num_correct, host->num_correct);
+  for (int64_t i = 0; i < spec.rows; ++i) {
+    ASSERT_NEAR(gpu->lse->data_as<float>()[i], host->lse->data_as<float>()[i], 1e-4) << i;
+  }
+}
+
+TEST(CudaEngineSemanticsTest, MeanOverAllIgnoredRowsIsNaNWithZeroGradients) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  RandomProblemSpec spec;
+  spec.rows = 70;
+  spec.ignore_fraction = 1.0;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  ForwardSpec fs;
+  fs.need_backward = true;
+  auto fwd = engine->Forward(p.view(), fs, nullptr);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_TRUE(std::isnan(fwd->loss.data_as<float>()[0]));
+  auto grads = engine->Backward(*fwd->saved, {}, nullptr);
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  for (float v : TensorToFloats(grads->grad_weight.view())) ASSERT_EQ(v, 0.0f);
+}
+
+TEST(CudaEngineSemanticsTest, NoRowsGiveZeroWeightGradient) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  RandomProblemSpec spec;
+  spec.rows = 0;
+  spec.options.reduction = Reduction::kSum;
+  spec.bias = true;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    ForwardSpec fs;
+    fs.need_backward = true;
+    fs.mode = mode;
+    auto fwd = engine->Forward(p.view(), fs, nullptr);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    EXPECT_EQ(fwd->loss.data_as<float>()[0], 0.0f);
+    auto grads = engine->Backward(*fwd->saved, {}, nullptr);
+    ASSERT_TRUE(grads.ok()) << grads.status();
+    for (float v : TensorToFloats(grads->grad_weight.view())) ASSERT_EQ(v, 0.0f);
+    for (float v : TensorToFloats(grads->grad_bias->view())) ASSERT_EQ(v, 0.0f);
+  }
+}
+
+TEST(CudaEngineSemanticsTest, NonFiniteInputsGiveNaNLoss) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  RandomProblemSpec spec;
+  spec.rows = 5;
+  OwnedProblem p = MakeRandomProblem(spec);
+  p.hidden.mutable_data<float>()[7] = std::nanf("");
+  auto fwd = engine->Forward(p.view(), {}, nullptr);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_TRUE(std::isnan(fwd->loss.data_as<float>()[0]));
+  EXPECT_TRUE(engine->health().ok());
+}
+
+TEST(CudaEngineSemanticsTest, CancellationStopsBetweenChunks) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  RandomProblemSpec spec;
+  spec.rows = 500;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  auto fwd = engine->Forward(p.view(), {}, [] { return true; });
+  EXPECT_EQ(fwd.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(engine->health().ok());
+}
+
+TEST(CudaEngineSemanticsTest, OutOfMemoryIsResourceExhaustedAndTheEngineKeepsServing) {
+  std::string why;
+  if (Engine(&why) == nullptr) {
+    if (RequireGpu()) FAIL() << why;
+    GTEST_SKIP() << why;
+  }
+  // A chunk budget far beyond the card: the logits chunk cannot be had.
+  CudaEngineOptions options;
+  options.chunk_bytes = int64_t{1} << 40;
+  auto greedy = CudaEngine::Create(options);
+  ASSERT_TRUE(greedy.ok()) << greedy.status();
+  RandomProblemSpec spec;
+  spec.rows = 1 << 20;
+  spec.hidden = 1;
+  spec.vocab = 100000;  // 1 Mi rows × 100000 × 4 bytes = 400 GiB of logits
+  const OwnedProblem p = MakeRandomProblem(spec);
+  auto fwd = (*greedy)->Forward(p.view(), {}, nullptr);
+  EXPECT_EQ(fwd.status().code(), absl::StatusCode::kResourceExhausted) << fwd.status();
+  EXPECT_TRUE((*greedy)->health().ok());
+  RandomProblemSpec small;
+  const OwnedProblem q = MakeRandomProblem(small);
+  EXPECT_TRUE((*greedy)->Forward(q.view(), {}, nullptr).ok());
+}
+
+TEST(CudaEngineSemanticsTest, ReportsTheDevice) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  ASSERT_EQ(engine->devices().size(), 1u);
+  EXPECT_FALSE(engine->devices()[0].name.empty());
+  EXPECT_GT(engine->devices()[0].total_memory_bytes, 0);
+  EXPECT_EQ(engine->backend(), "cuda");
+}
+
+}  // namespace
+}  // namespace flce

@@ -1,0 +1,91 @@
+#ifndef FLCE_KERNELS_CUDA_CUDA_RESOURCES_H_
+#define FLCE_KERNELS_CUDA_CUDA_RESOURCES_H_
+
+// Move-only RAII owners of CUDA and cuBLAS resources, and the conversion of
+// their errors to absl::Status. No chains of cudaFree on error paths.
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace flce {
+namespace internal_cuda {
+
+// OK for cudaSuccess; RESOURCE_EXHAUSTED for an allocation failure (the
+// engine keeps serving); INTERNAL otherwise, naming `what`.
+absl::Status CudaStatus(cudaError_t error, const char* what);
+absl::Status CublasStatus(cublasStatus_t status, const char* what);
+
+// True for errors after which the CUDA context is unusable (illegal
+// address, launch failure, ...): the engine must stop serving.
+bool IsStickyError(cudaError_t error);
+
+class CudaStream {
+ public:
+  static absl::StatusOr<CudaStream> Create();
+  CudaStream() = default;
+  CudaStream(CudaStream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
+  CudaStream& operator=(CudaStream&& o) noexcept;
+  ~CudaStream();
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  explicit CudaStream(cudaStream_t s) : stream_(s) {}
+  cudaStream_t stream_ = nullptr;
+};
+
+class CublasHandle {
+ public:
+  // A handle bound to `stream`.
+  static absl::StatusOr<CublasHandle> Create(cudaStream_t stream);
+  CublasHandle() = default;
+  CublasHandle(CublasHandle&& o) noexcept : handle_(std::exchange(o.handle_, nullptr)) {}
+  CublasHandle& operator=(CublasHandle&& o) noexcept;
+  ~CublasHandle();
+  cublasHandle_t get() const { return handle_; }
+
+ private:
+  explicit CublasHandle(cublasHandle_t h) : handle_(h) {}
+  cublasHandle_t handle_ = nullptr;
+};
+
+// Device memory from the stream-ordered allocator (cudaMallocAsync on the
+// device's default pool, which the engine keeps from releasing memory, so a
+// request reuses what the last one freed). Freed on the allocating stream.
+class DeviceBuffer {
+ public:
+  static absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes, cudaStream_t stream);
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)),
+        bytes_(std::exchange(o.bytes_, 0)),
+        stream_(o.stream_) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  ~DeviceBuffer();
+
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  DeviceBuffer(void* data, int64_t bytes, cudaStream_t stream)
+      : data_(data), bytes_(bytes), stream_(stream) {}
+  void Free();
+  void* data_ = nullptr;
+  int64_t bytes_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace internal_cuda
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_CUDA_CUDA_RESOURCES_H_

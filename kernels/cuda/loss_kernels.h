@@ -1,0 +1,95 @@
+#ifndef FLCE_KERNELS_CUDA_LOSS_KERNELS_H_
+#define FLCE_KERNELS_CUDA_LOSS_KERNELS_H_
+
+// Launchers of the CUDA engine's fused row kernels. Plain C++ and the CUDA
+// runtime's types only (no Abseil, no gRPC), so nvcc stays simple. Every
+// launcher takes an explicit stream, never allocates, never synchronises,
+// and returns cudaGetLastError() after its launches.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace flce {
+namespace internal_cuda {
+
+// One token chunk of the loss. Pointers are device pointers.
+struct RowParams {
+  int64_t rows = 0;   // rows in this chunk
+  int64_t row0 = 0;   // global index of the chunk's first row
+  int64_t vocab = 0;
+  const float* bias = nullptr;          // [V] fp32, or null
+  const float* class_weight = nullptr;  // [V] fp32, or null (all 1)
+  float class_weight_sum = 0.0f;        // Σ class_weight (V without)
+  const int64_t* target = nullptr;      // [N], global
+  int64_t ignore_index = -100;
+  float label_smoothing = 0.0f;
+  float z_loss_scale = 0.0f;
+  float softcap = 0.0f;  // 0: none
+};
+
+// Per-row results of the forward pass, indexed by global row.
+struct RowOutputs {
+  float* lse = nullptr;       // [N]
+  float* loss = nullptr;      // [N], 0 for ignored rows; includes z-loss
+  float* z_loss = nullptr;    // [N]
+  int32_t* correct = nullptr; // [N], argmax == target on valid rows
+};
+
+// Forward over a chunk of logits z [rows, V] (fp32, row stride V):
+//   z' = softcap(z + b); lse = log Σ exp(z'); the row loss of loss_engine.h.
+// With `grad_dtype` set (write_grad), also writes the gradient of the row
+// loss times row_scale[row], in grad_dtype, IN PLACE over the row: element j
+// of row r lands at ((grad_dtype*)(z + r·V))[j], so the gradient matrix has
+// a leading dimension of V·4/sizeof(grad_dtype) elements. Ignored rows get
+// zero gradient. The target column's p − 1 is formed in fp32.
+// Traffic: reads each logit twice (statistics, gradient) and writes the
+// gradient once; per-row outputs are O(rows).
+cudaError_t LaunchForwardRows(const RowParams& p, float* logits, bool write_grad,
+                              DType grad_dtype, const float* row_scale,
+                              const RowOutputs& out, cudaStream_t stream);
+
+// The gradient pass alone, from saved per-row lse (RECOMPUTE backward):
+// same in-place output as LaunchForwardRows. Reads each logit once.
+cudaError_t LaunchGradientRows(const RowParams& p, float* logits, DType grad_dtype,
+                               const float* lse, const float* row_scale,
+                               cudaStream_t stream);
+
+// Reduction divisor and per-row gradient scale, on the device:
+//   denom = Σ_{valid rows} class_weight[t] (mean) or 1 (sum, none);
+//   row_scale[i] = g_i / denom, with g_i = grad_output[0] (count 1),
+//   grad_output[i] (count N) or 1 (grad_output null).
+// Also writes num_valid. `denom` and `num_valid` are single device values.
+cudaError_t LaunchRowScales(const int64_t* target, int64_t n, int64_t ignore_index,
+                            const float* class_weight, bool mean,
+                            const float* grad_output, int64_t grad_output_count,
+                            float* row_scale, double* denom, int64_t* num_valid,
+                            cudaStream_t stream);
+
+// Totals over all N rows: totals[0] = Σ loss / denom (mean) or Σ loss,
+// totals[1] the same for z-loss, totals[2] = Σ correct. One block, fp64
+// accumulation, deterministic.
+cudaError_t LaunchReduceRows(const RowOutputs& rows, int64_t n, const double* denom,
+                             bool divide, double* totals, cudaStream_t stream);
+
+// db[j] (+)= Σ_r grad[r, j] over a chunk's in-place gradient (grad_dtype,
+// leading dimension ld elements). accumulate = false overwrites db.
+cudaError_t LaunchColumnSums(const void* grad, DType grad_dtype, int64_t rows,
+                             int64_t vocab, int64_t ld, bool accumulate, float* db,
+                             cudaStream_t stream);
+
+// dst[i] = src[i] × scale converted from src_dtype to dst_dtype (floating
+// dtypes), rounded once. dst may equal src only when the element sizes match.
+cudaError_t LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                          int64_t count, float scale, cudaStream_t stream);
+
+// dst[i] = src[i]: int32 targets widened to int64.
+cudaError_t LaunchWidenTargets(const int32_t* src, int64_t count, int64_t* dst,
+                               cudaStream_t stream);
+
+}  // namespace internal_cuda
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_CUDA_LOSS_KERNELS_H_

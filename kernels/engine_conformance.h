@@ -1,0 +1,42 @@
+#ifndef FLCE_KERNELS_ENGINE_CONFORMANCE_H_
+#define FLCE_KERNELS_ENGINE_CONFORMANCE_H_
+
+// The checks every LossEngine must pass, shared by the CPU and CUDA engine
+// tests: Forward + Backward on random problems (odd sizes, every option,
+// both backward modes, peaked and flat softmaxes) judged against the fp64
+// reference with DESIGN.md's accuracy bar.
+
+#include <string>
+#include <vector>
+
+#include "kernels/loss_engine.h"
+#include "kernels/reference/random_problem.h"
+
+namespace flce {
+
+struct ConformanceCase {
+  std::string name;
+  RandomProblemSpec spec;
+  BackwardMode mode = BackwardMode::kStoreGrads;
+};
+
+// A case of shape rows×hidden×vocab in `dtype` with `reduction` and `mode`.
+ConformanceCase MakeCase(std::string name, int64_t n, int64_t h, int64_t v, DType dtype,
+                         Reduction reduction, BackwardMode mode);
+
+// Runs Forward (need_backward, lse, per-row loss) and Backward with a random
+// grad_output, checks the results against the fp64 reference, the saved
+// state's size against SavedStateBytes, and that a second Backward on a kept
+// state gives the same bits. Reports through gtest assertions.
+void RunConformanceCase(LossEngine& engine, const ConformanceCase& c);
+
+// Case lists, each for one dtype.
+std::vector<ConformanceCase> OddSizeCases(DType dtype);     // 1x1x1 … 733x64x257
+std::vector<ConformanceCase> EveryOptionCases(DType dtype); // all options at once
+std::vector<ConformanceCase> EachOptionCases(DType dtype);  // one option at a time
+std::vector<ConformanceCase> SoftmaxShapeCases(DType dtype);// peaked and flat
+std::vector<ConformanceCase> LargeVocabularyCases(DType dtype);
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_ENGINE_CONFORMANCE_H_
