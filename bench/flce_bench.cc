@@ -4,6 +4,13 @@
 // smaller problem of the same options.
 //
 //   flce_bench --backend=cpu --shapes=512x1024x32000 --dtypes=bf16,fp32
+//   flce_bench --backend=cuda --shapes=8192x4096x128256 --dtypes=bf16
+//
+// CPU: the engine's host API, floor = OpenBLAS sgemm. CUDA: the engine's
+// device work on resident inputs (CudaEngine::DeviceRun: no host transfers),
+// floor = cuBLAS GEMMs in the input dtype; the extra device memory is the
+// stream-ordered pool's measured high-water mark minus X, W and the fp32
+// dX, dW the session keeps.
 //
 // Effective rate = 6·N·H·V / time (the useful FLOP of fwd+bwd), as in
 // DESIGN.md §7. Prints a table; --json prints one JSON object per row.
@@ -24,12 +31,19 @@
 #include "kernels/reference/accuracy.h"
 #include "kernels/reference/random_problem.h"
 
-ABSL_FLAG(std::string, backend, "cpu", "engine to time (cpu)");
+#ifdef FLCE_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "bench/cublas_floor.h"
+#include "kernels/cuda/cuda_engine.h"
+#endif
+
+ABSL_FLAG(std::string, backend, "cpu", "engine to time: cpu or cuda");
 ABSL_FLAG(std::string, shapes, "512x1024x32000", "comma-separated NxHxV");
 ABSL_FLAG(std::string, dtypes, "bf16,fp32", "comma-separated bf16, fp16, fp32");
 ABSL_FLAG(std::string, modes, "store_grads,recompute", "backward modes");
 ABSL_FLAG(int, warmup, 1, "untimed runs first");
-ABSL_FLAG(int, iters, 5, "timed runs (median reported)");
+ABSL_FLAG(int, iters, 10, "timed runs (median reported)");
 ABSL_FLAG(std::string, check_shape, "257x128x4099",
           "NxHxV of the accuracy check against fp64 (0 to skip)");
 ABSL_FLAG(bool, json, false, "print JSON lines instead of a table");
@@ -106,6 +120,7 @@ absl::StatusOr<Gradients> RunOnce(LossEngine& engine, const LossProblem& p,
 }
 
 std::string CheckAccuracyOf(LossEngine& engine, DType dtype, BackwardMode mode) {
+  // Run through the engine's host API, as the service calls it.
   const Shape s = ParseShape(absl::GetFlag(FLAGS_check_shape));
   if (s.n == 0) return "skipped";
   RandomProblemSpec spec;
@@ -127,57 +142,147 @@ std::string CheckAccuracyOf(LossEngine& engine, DType dtype, BackwardMode mode) 
   return buf;
 }
 
-int Main() {
-  if (absl::GetFlag(FLAGS_backend) != "cpu") {
-    std::fprintf(stderr, "--backend: only cpu is built in\n");
-    return 2;
+RandomProblemSpec SpecFor(const Shape& s, DType dtype) {
+  RandomProblemSpec spec;
+  spec.rows = s.n;
+  spec.hidden = s.h;
+  spec.vocab = s.v;
+  spec.dtype = dtype;
+  spec.fast_fill = true;
+  return spec;
+}
+
+BackwardMode ParseMode(const std::string& text) {
+  return text == "recompute" ? BackwardMode::kRecompute : BackwardMode::kStoreGrads;
+}
+
+void PrintHeader(bool json, const char* memory_column) {
+  if (!json) {
+    std::printf("%-20s %-5s %-12s %10s %10s %7s %10s %10s  %s\n", "N×H×V", "dtype", "mode",
+                "engine ms", "floor ms", "ratio", "eff TF/s", memory_column,
+                "accuracy vs fp64");
   }
+}
+
+void PrintRow(bool json, const std::string& backend, const std::string& shape_text,
+              const Shape& s, DType dtype, BackwardMode mode, double ms, double floor_ms,
+              double extra_gib, const std::string& accuracy, const std::string& error) {
+  const double tflops = 6.0 * s.n * s.h * s.v / (ms * 1e9);
+  if (json) {
+    std::printf(
+        "{\"backend\":\"%s\",\"n\":%lld,\"h\":%lld,\"v\":%lld,\"dtype\":\"%s\","
+        "\"mode\":\"%s\",\"engine_ms\":%.3f,\"floor_ms\":%.3f,\"ratio\":%.3f,"
+        "\"effective_tflops\":%.3f,\"extra_gib\":%.3f,\"accuracy\":\"%s\","
+        "\"error\":\"%s\"}\n",
+        backend.c_str(), static_cast<long long>(s.n), static_cast<long long>(s.h),
+        static_cast<long long>(s.v), DTypeName(dtype), BackwardModeName(mode), ms, floor_ms,
+        ms / floor_ms, tflops, extra_gib, accuracy.c_str(), error.c_str());
+  } else {
+    std::printf("%-20s %-5s %-12s %10.2f %10.2f %7.3f %10.1f %10.3f  %s%s\n",
+                shape_text.c_str(), DTypeName(dtype), BackwardModeName(mode), ms, floor_ms,
+                ms / floor_ms, tflops, extra_gib, accuracy.c_str(), error.c_str());
+  }
+  std::fflush(stdout);
+}
+
+int RunCpu() {
   CpuEngine engine;
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
   const bool json = absl::GetFlag(FLAGS_json);
-  if (!json) {
-    std::printf("%-20s %-5s %-12s %10s %10s %8s %10s  %s\n", "N×H×V", "dtype", "mode",
-                "engine ms", "floor ms", "ratio", "eff GF/s", "accuracy vs fp64");
-  }
-  for (const std::string& shape_text : std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_shapes), ','))) {
+  PrintHeader(json, "extra GiB");
+  for (const std::string& shape_text :
+       std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_shapes), ','))) {
     const Shape s = ParseShape(shape_text);
-    for (const std::string& dtype_text : std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_dtypes), ','))) {
+    for (const std::string& dtype_text :
+         std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_dtypes), ','))) {
       const DType dtype = ParseDType(dtype_text);
-      RandomProblemSpec spec;
-      spec.rows = s.n;
-      spec.hidden = s.h;
-      spec.vocab = s.v;
-      spec.dtype = dtype;
-      const OwnedProblem p = MakeRandomProblem(spec);
-      for (const std::string& mode_text : std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_modes), ','))) {
-        const BackwardMode mode = mode_text == "recompute" ? BackwardMode::kRecompute
-                                                           : BackwardMode::kStoreGrads;
+      const OwnedProblem p = MakeRandomProblem(SpecFor(s, dtype));
+      for (const std::string& mode_text :
+           std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_modes), ','))) {
+        const BackwardMode mode = ParseMode(mode_text);
         bool failed = false;
         const double ms = MedianMs(warmup, iters, [&] {
           failed |= !RunOnce(engine, p.view(), mode, nullptr).ok();
         });
         const double floor_ms =
             BlasFloorMs(s, mode == BackwardMode::kRecompute, warmup, iters);
-        const double gflops = 6.0 * s.n * s.h * s.v / (ms * 1e6);
-        const std::string accuracy = CheckAccuracyOf(engine, dtype, mode);
-        if (json) {
-          std::printf(
-              "{\"backend\":\"cpu\",\"n\":%lld,\"h\":%lld,\"v\":%lld,\"dtype\":\"%s\","
-              "\"mode\":\"%s\",\"engine_ms\":%.3f,\"floor_ms\":%.3f,\"ratio\":%.3f,"
-              "\"effective_gflops\":%.2f,\"accuracy\":\"%s\",\"error\":%s}\n",
-              static_cast<long long>(s.n), static_cast<long long>(s.h),
-              static_cast<long long>(s.v), DTypeName(dtype), BackwardModeName(mode), ms,
-              floor_ms, ms / floor_ms, gflops, accuracy.c_str(), failed ? "true" : "false");
-        } else {
-          std::printf("%-20s %-5s %-12s %10.1f %10.1f %8.2f %10.1f  %s%s\n",
-                      shape_text.c_str(), DTypeName(dtype), BackwardModeName(mode), ms,
-                      floor_ms, ms / floor_ms, gflops, accuracy.c_str(),
-                      failed ? " (engine error)" : "");
-        }
+        PrintRow(json, "cpu", shape_text, s, dtype, mode, ms, floor_ms, 0.0,
+                 CheckAccuracyOf(engine, dtype, mode), failed ? " (engine error)" : "");
       }
     }
   }
   return 0;
+}
+
+#ifdef FLCE_WITH_CUDA
+int RunCuda() {
+  auto engine = CudaEngine::Create();
+  if (!engine.ok()) {
+    std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  const bool json = absl::GetFlag(FLAGS_json);
+  cudaMemPool_t pool;
+  cudaDeviceGetDefaultMemPool(&pool, 0);
+  if (!json) {
+    std::printf("device: %s\n", (*engine)->devices()[0].name.c_str());
+  }
+  PrintHeader(json, "extra GiB");
+  int failures = 0;
+  for (const std::string& shape_text :
+       std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_shapes), ','))) {
+    const Shape s = ParseShape(shape_text);
+    for (const std::string& dtype_text :
+         std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_dtypes), ','))) {
+      const DType dtype = ParseDType(dtype_text);
+      const OwnedProblem p = MakeRandomProblem(SpecFor(s, dtype));
+      for (const std::string& mode_text :
+           std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_modes), ','))) {
+        const BackwardMode mode = ParseMode(mode_text);
+        std::string error;
+        double ms = 0, extra_gib = 0;
+        {
+          auto run = (*engine)->PrepareDeviceRun(p.view(), mode);
+          if (!run.ok()) {
+            error = " " + run.status().ToString();
+          } else {
+            uint64_t zero = 0;
+            cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero);
+            absl::Status status;
+            ms = MedianMs(warmup, iters, [&] {
+              if (status.ok()) status = (*run)->Run();
+            });
+            if (!status.ok()) error = " " + status.ToString();
+            uint64_t high = 0;
+            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
+            const int64_t resident = (s.n * s.h + s.v * s.h) * DTypeSize(dtype) +  // X, W
+                                     (s.n * s.h + s.v * s.h) * 4;  // dX, dW (fp32, kept)
+            extra_gib = (static_cast<double>(high) - resident) / (1 << 30);
+          }
+        }
+        auto floor = MeasureGemmFloor(s.n, s.h, s.v, dtype,
+                                      mode == BackwardMode::kRecompute ? 2 : 1, warmup, iters);
+        if (!floor.ok()) error += " floor: " + floor.status().ToString();
+        const std::string accuracy = CheckAccuracyOf(**engine, dtype, mode);
+        if (!error.empty() || accuracy.find("ok") == std::string::npos) ++failures;
+        PrintRow(json, "cuda", shape_text, s, dtype, mode, ms, floor.ok() ? floor->ms : 0.0,
+                 extra_gib, accuracy, error);
+      }
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+#endif
+
+int Main() {
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (backend == "cpu") return RunCpu();
+#ifdef FLCE_WITH_CUDA
+  if (backend == "cuda") return RunCuda();
+#endif
+  std::fprintf(stderr, "--backend: %s is not built in\n", backend.c_str());
+  return 2;
 }
 
 }  // namespace

@@ -25,6 +25,9 @@ struct RandomProblemSpec {
   bool class_weight = false;     // random weights in [0.25, 2)
   LossOptions options;
   uint64_t seed = 1;
+  // Uniform values of the same standard deviation from a counter-based
+  // generator: about 20× faster, for benchmark-sized tensors.
+  bool fast_fill = false;
 };
 
 OwnedProblem MakeRandomProblem(const RandomProblemSpec& spec);

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds flce's binaries for a GPU machine and packs them, with the shared
+# libraries they need that are neither glibc/libstdc++ nor CUDA's (gRPC,
+# protobuf, Abseil, spdlog, fmt, re2, c-ares, OpenSSL, zlib, OpenBLAS, ...),
+# into .devbin/bundle.tar.xz (git-ignored). tools/device_run.sh unpacks and
+# runs them there. Usage: tools/device_bundle.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TARGETS=(
+  //server:flce_server
+  //client:flce
+  //bench:flce_bench
+  //kernels/cuda:cuda_engine_test
+  //tests:server_integration_gpu_test
+)
+bazel build -c opt "${TARGETS[@]}"
+
+stage="$(mktemp -d)"
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/bin" "$stage/lib"
+for target in "${TARGETS[@]}"; do
+  path="bazel-bin/$(echo "${target#//}" | tr ':' '/')"
+  install -m 755 "$path" "$stage/bin/"
+  strip --strip-debug "$stage/bin/$(basename "$path")"
+done
+# Libraries the GPU machine's own system provides (or must provide: the
+# driver and cuBLAS) stay behind.
+skip='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libcublas|libcublasLt|libcuda)'
+for bin in "$stage"/bin/*; do
+  ldd "$bin" | awk '/=>/ {print $1, $3}' | while read -r name lib; do
+    if ! echo "$name" | grep -Eq "$skip" && [ -f "$lib" ]; then
+      cp -L "$lib" "$stage/lib/$name"
+    fi
+  done
+done
+mkdir -p .devbin
+tar -C "$stage" -cJf .devbin/bundle.tar.xz bin lib
+ls -la .devbin/bundle.tar.xz

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, after
+# tools/device_bundle.sh packed .devbin/bundle.tar.xz here: the GPU test
+# suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
+# server, and flce_bench. Logs and gtest XML go to $OUT.
+# Usage: tools/device_run.sh [tests] [smoke] [bench [SHAPES]]
+set -uo pipefail
+OUT="${OUT:-/tmp/flce-out}"
+mkdir -p "$OUT" /tmp/flce
+tar -C /tmp/flce -xJf .devbin/bundle.tar.xz
+cublas="$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)"
+export LD_LIBRARY_PATH="/tmp/flce/lib:$(dirname "${cublas:-/usr/local/cuda/lib64/x}"):/usr/local/cuda/lib64"
+export GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+bin=/tmp/flce/bin
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+status=0
+want() { [ "$#" -eq 0 ] || [[ " ${ARGS} " == *" $1 "* ]]; }
+ARGS="$*"
+
+if [ -z "$ARGS" ] || want tests; then
+  echo "== GPU tests"
+  REQUIRE_GPU=1 "$bin/cuda_engine_test" --gtest_output="xml:$OUT/cuda_engine_test.xml" \
+    > "$OUT/cuda_engine_test.log" 2>&1 || status=1
+  tail -5 "$OUT/cuda_engine_test.log"
+  REQUIRE_GPU=1 FLCE_TEST_BACKEND=cuda "$bin/server_integration_gpu_test" \
+    --gtest_filter='-ServerTimingTest.*' --gtest_output="xml:$OUT/server_integration_gpu_test.xml" \
+    > "$OUT/server_integration_gpu_test.log" 2>&1 || status=1
+  tail -5 "$OUT/server_integration_gpu_test.log"
+fi
+
+if [ -z "$ARGS" ] || want smoke; then
+  echo "== flce smoke against --backend=cuda"
+  "$bin/flce_server" --backend=cuda --listen_address=127.0.0.1:50051 > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 100); do "$bin/flce" health > /dev/null 2>&1 && break; sleep 0.1; done
+  "$bin/flce" info
+  "$bin/flce" smoke --matrix --n=257 --h=129 --v=8191 > "$OUT/smoke.log" 2>&1 || status=1
+  grep -E '^(PASS|FAIL)' "$OUT/smoke.log"
+  kill -TERM "$server"; wait "$server" || status=1
+  tail -2 "$OUT/server.log"
+fi
+
+if [ -z "$ARGS" ] || want bench; then
+  shapes="${BENCH_SHAPES:-8192x4096x128256,8192x2304x256000,4096x4096x32000,32768x4096x128256}"
+  echo "== flce_bench --backend=cuda --shapes=$shapes"
+  "$bin/flce_bench" --backend=cuda --shapes="$shapes" --dtypes="${BENCH_DTYPES:-bf16}" \
+    --modes=store_grads,recompute --warmup=2 --iters=10 2>&1 | tee "$OUT/bench.txt" || status=1
+fi
+exit "$status"
