@@ -47,6 +47,8 @@ ABSL_FLAG(int, iters, 10, "timed runs (median reported)");
 ABSL_FLAG(std::string, check_shape, "257x128x4099",
           "NxHxV of the accuracy check against fp64 (0 to skip)");
 ABSL_FLAG(bool, json, false, "print JSON lines instead of a table");
+ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
+          "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
 
 namespace flce {
 namespace {
@@ -216,7 +218,11 @@ int RunCpu() {
 
 #ifdef FLCE_WITH_CUDA
 int RunCuda() {
-  auto engine = CudaEngine::Create();
+  CudaEngineOptions options;
+  if (absl::GetFlag(FLAGS_cuda_chunk_bytes) > 0) {
+    options.chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
+  }
+  auto engine = CudaEngine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
     return 1;
@@ -226,7 +232,8 @@ int RunCuda() {
   cudaMemPool_t pool;
   cudaDeviceGetDefaultMemPool(&pool, 0);
   if (!json) {
-    std::printf("device: %s\n", (*engine)->devices()[0].name.c_str());
+    std::printf("device: %s, chunk budget %lld MiB\n", (*engine)->devices()[0].name.c_str(),
+                static_cast<long long>(options.chunk_bytes >> 20));
   }
   PrintHeader(json, "extra GiB");
   int failures = 0;

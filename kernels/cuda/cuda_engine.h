@@ -15,10 +15,12 @@ struct CudaEngineOptions {
   int device = 0;
   // Calls that run concurrently, each on its own stream and cuBLAS handle.
   int lanes = 2;
-  // Upper bound on the fp32 logits chunk (rows × V × 4 bytes); the chunk
-  // holds at least kMinChunkRows rows. Large chunks keep the GEMMs near
-  // peak; the chunk is most of the engine's memory beyond X, W, dX, dW.
-  int64_t chunk_bytes = int64_t{768} << 20;
+  // Upper bound on the logits chunk buffers (two of rows × V in the input
+  // dtype, or one holding every row); a chunk holds at least kMinChunkRows
+  // rows. Large chunks keep the GEMMs near peak and re-read the fp32 dW
+  // accumulator less often; the buffers are most of the engine's memory
+  // beyond X, W, dX, dW.
+  int64_t chunk_bytes = int64_t{896} << 20;
 };
 
 namespace internal_cuda {
@@ -26,11 +28,13 @@ class EngineImpl;
 }  // namespace internal_cuda
 
 // The CUDA engine. Per token chunk: the logits GEMM on cuBLAS (input-dtype
-// operands, fp32 accumulate and output) into a reused chunk buffer; one fused
-// row kernel (online max/sum-exp, loss, lse, z-loss, softcap, smoothing,
-// class weights, ignore_index, accuracy) that writes the gradient in place
-// over the logits in the input dtype; then dX = dZ·W and dW += dZᵀ·X (fp32
-// across chunks), db likewise. No host synchronisation inside the chunk loop.
+// operands, fp32 accumulation, logits in the input dtype as PyTorch's
+// F.linear gives them) into a reused chunk buffer; one fused row kernel
+// (online max/sum-exp, loss, lse, z-loss, softcap, smoothing, class weights,
+// ignore_index, accuracy, all in fp32) that writes the gradient in place over
+// the logits; then dX = dZ·W and dW += dZᵀ·X (fp32 across chunks), db
+// likewise. The row kernels run on a second stream, overlapping the GEMMs
+// of the neighbouring chunks. No host synchronisation inside the chunk loop.
 // Device OOM is RESOURCE_EXHAUSTED and the engine keeps serving; after a
 // sticky CUDA error every call is UNAVAILABLE (see health()).
 class CudaEngine : public LossEngine {
@@ -51,7 +55,8 @@ class CudaEngine : public LossEngine {
   absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
                                      const CancelFn& cancelled) override;
 
-  int64_t ChunkRows(int64_t rows, int64_t vocab) const;
+  // Rows per logits chunk for a problem of `rows` × `vocab` in `dtype`.
+  int64_t ChunkRows(int64_t rows, int64_t vocab, DType dtype) const;
 
   // For benchmarks: `problem` uploaded once, then each Run() does the
   // device work of Forward(need_backward, mode) + Backward(grad_output 1)

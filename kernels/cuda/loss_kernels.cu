@@ -134,41 +134,77 @@ __device__ __forceinline__ float Gradient(const RowParams& p, float zp, int64_t 
   return d;
 }
 
-// Writes the scaled gradient of one row in place over its fp32 logits. Tiles
-// of kRowThreads elements: every thread reads its logit, the block
-// synchronises, then every thread writes; a narrower GradT lands on bytes
-// already read, so the in-place narrowing is race-free.
-template <typename GradT>
-__device__ void WriteGradientRow(const RowParams& p, float* z, int64_t t, bool valid,
-                                 float wt, float lse, float scale) {
-  GradT* g = reinterpret_cast<GradT*>(z);
-  for (int64_t base = 0; base < p.vocab; base += kRowThreads) {
-    const int64_t j = base + threadIdx.x;
-    float value = 0.0f;
-    if (j < p.vocab && valid) {
-      value = scale * Gradient(p, Transform(p, z[j], j), j, t, wt, lse);
+// Elements per 16-byte vector of T.
+template <typename T>
+constexpr int kPack = 16 / sizeof(T);
+
+// Calls f(j, z[j] as float) for this thread's elements of a row, in
+// increasing j. kVec: 16-byte loads (REQUIRES V % kPack<T> == 0, so every
+// row starts 16-byte aligned).
+template <typename T, bool kVec, typename F>
+__device__ __forceinline__ void ForEachInRow(const T* z, int64_t vocab, F&& f) {
+  if constexpr (kVec) {
+    constexpr int P = kPack<T>;
+    for (int64_t base = threadIdx.x * static_cast<int64_t>(P); base < vocab;
+         base += static_cast<int64_t>(kRowThreads) * P) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(z + base);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < P; ++k) f(base + k, ToFloatDev(e[k]));
     }
-    if constexpr (sizeof(GradT) < sizeof(float)) __syncthreads();
-    if (j < p.vocab) g[j] = FromFloatDev<GradT>(value);
+  } else {
+    for (int64_t j = threadIdx.x; j < vocab; j += kRowThreads) f(j, ToFloatDev(z[j]));
   }
 }
 
-template <typename GradT, bool kWriteGrad>
+// z[j] = g(j, z[j] as float) for this thread's elements, in place.
+template <typename T, bool kVec, typename G>
+__device__ __forceinline__ void UpdateRow(T* z, int64_t vocab, G&& g) {
+  if constexpr (kVec) {
+    constexpr int P = kPack<T>;
+    for (int64_t base = threadIdx.x * static_cast<int64_t>(P); base < vocab;
+         base += static_cast<int64_t>(kRowThreads) * P) {
+      uint4 raw = *reinterpret_cast<const uint4*>(z + base);
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < P; ++k) e[k] = FromFloatDev<T>(g(base + k, ToFloatDev(e[k])));
+      *reinterpret_cast<uint4*>(z + base) = raw;
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < vocab; j += kRowThreads) {
+      z[j] = FromFloatDev<T>(g(j, ToFloatDev(z[j])));
+    }
+  }
+}
+
+// Overwrites a row of logits with its scaled gradient (zeros for an ignored
+// row). Each element is read and written by the same thread.
+template <typename T, bool kVec>
+__device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid, float wt,
+                                 float lse, float scale) {
+  UpdateRow<T, kVec>(z, p.vocab, [&](int64_t j, float x) {
+    return valid ? scale * Gradient(p, Transform(p, x, j), j, t, wt, lse) : 0.0f;
+  });
+}
+
+// One block per row: statistics, the row's loss outputs, and with
+// kWriteGrad the gradient in place. Reads the row twice, writes it once.
+template <typename T, bool kVec, bool kWriteGrad>
 __global__ void __launch_bounds__(kRowThreads)
-    ForwardRowsKernel(RowParams p, float* logits, const float* row_scale, RowOutputs out) {
+    ForwardRowsKernel(RowParams p, T* logits, const float* row_scale, RowOutputs out) {
   __shared__ SoftmaxState shared_state[kWarps];
   __shared__ float shared_sum[kWarps];
   const int64_t r = blockIdx.x;
   const int64_t row = p.row0 + r;
-  float* z = logits + r * p.vocab;
+  T* z = logits + r * p.vocab;
   const int64_t t = p.target[row];
   const bool valid = t != p.ignore_index;
 
   SoftmaxState s{-CUDART_INF_F, 0.0f, INT64_MAX};
   float weighted_z = 0.0f;  // Σ w_j z'_j, for label smoothing
   bool nan = false;
-  for (int64_t j = threadIdx.x; j < p.vocab; j += kRowThreads) {
-    const float x = Transform(p, z[j], j);
+  ForEachInRow<T, kVec>(z, p.vocab, [&](int64_t j, float raw) {
+    const float x = Transform(p, raw, j);
     nan |= isnan(x);
     if (x > s.max) {
       s.sum = s.sum * expf(s.max - x) + 1.0f;
@@ -180,7 +216,7 @@ __global__ void __launch_bounds__(kRowThreads)
     if (p.label_smoothing > 0.0f) {
       weighted_z += (p.class_weight != nullptr ? p.class_weight[j] : 1.0f) * x;
     }
-  }
+  });
   s = BlockCombine(s, shared_state);
   if (p.label_smoothing > 0.0f) weighted_z = BlockSum(weighted_z, shared_sum);
   nan = BlockAny(nan);
@@ -190,7 +226,7 @@ __global__ void __launch_bounds__(kRowThreads)
   if (threadIdx.x == 0) {
     out.lse[row] = lse;
     if (valid) {
-      const float zt = Transform(p, z[t], t);
+      const float zt = Transform(p, ToFloatDev(z[t]), t);
       const float z_row = p.z_loss_scale * lse * lse;
       const float eps = p.label_smoothing;
       out.loss[row] = (1.0f - eps) * wt * (lse - zt) +
@@ -206,21 +242,20 @@ __global__ void __launch_bounds__(kRowThreads)
     }
   }
   if constexpr (kWriteGrad) {
-    // Thread 0 read z[t] above; the gradient pass overwrites the row.
-    __syncthreads();
-    WriteGradientRow<GradT>(p, z, t, valid, wt, lse, row_scale[row]);
+    __syncthreads();  // thread 0 has read z[t]; the row is overwritten next
+    WriteGradientRow<T, kVec>(p, z, t, valid, wt, lse, row_scale[row]);
   }
 }
 
-template <typename GradT>
+template <typename T, bool kVec>
 __global__ void __launch_bounds__(kRowThreads)
-    GradientRowsKernel(RowParams p, float* logits, const float* lse, const float* row_scale) {
+    GradientRowsKernel(RowParams p, T* logits, const float* lse, const float* row_scale) {
   const int64_t r = blockIdx.x;
   const int64_t row = p.row0 + r;
   const int64_t t = p.target[row];
   const bool valid = t != p.ignore_index;
   const float wt = valid ? (p.class_weight != nullptr ? p.class_weight[t] : 1.0f) : 0.0f;
-  WriteGradientRow<GradT>(p, logits + r * p.vocab, t, valid, wt, lse[row], row_scale[row]);
+  WriteGradientRow<T, kVec>(p, logits + r * p.vocab, t, valid, wt, lse[row], row_scale[row]);
 }
 
 // ---------------------------------------------------------------------------
@@ -345,54 +380,73 @@ cudaError_t ConvertFrom(const Src* src, void* dst, DType dst_dtype, int64_t coun
   return cudaGetLastError();
 }
 
-}  // namespace
-
-cudaError_t LaunchForwardRows(const RowParams& p, float* logits, bool write_grad,
-                              DType grad_dtype, const float* row_scale, const RowOutputs& out,
-                              cudaStream_t stream) {
-  if (p.rows == 0) return cudaSuccess;
+template <typename T>
+cudaError_t ForwardRowsFor(const RowParams& p, void* logits, bool write_grad,
+                           const float* row_scale, const RowOutputs& out, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned int>(p.rows));
-  if (!write_grad) {
-    ForwardRowsKernel<float, false><<<grid, kRowThreads, 0, stream>>>(p, logits, row_scale, out);
-    return cudaGetLastError();
-  }
-  switch (grad_dtype) {
-    case DType::kFloat32:
-      ForwardRowsKernel<float, true><<<grid, kRowThreads, 0, stream>>>(p, logits, row_scale, out);
-      break;
-    case DType::kFloat16:
-      ForwardRowsKernel<__half, true><<<grid, kRowThreads, 0, stream>>>(p, logits, row_scale,
-                                                                         out);
-      break;
-    case DType::kBFloat16:
-      ForwardRowsKernel<__nv_bfloat16, true><<<grid, kRowThreads, 0, stream>>>(p, logits,
-                                                                                row_scale, out);
-      break;
-    default:
-      return cudaErrorInvalidValue;
+  T* z = static_cast<T*>(logits);
+  const bool vec = p.vocab % kPack<T> == 0;
+  if (write_grad) {
+    if (vec) {
+      ForwardRowsKernel<T, true, true><<<grid, kRowThreads, 0, stream>>>(p, z, row_scale, out);
+    } else {
+      ForwardRowsKernel<T, false, true><<<grid, kRowThreads, 0, stream>>>(p, z, row_scale, out);
+    }
+  } else {
+    if (vec) {
+      ForwardRowsKernel<T, true, false><<<grid, kRowThreads, 0, stream>>>(p, z, row_scale, out);
+    } else {
+      ForwardRowsKernel<T, false, false><<<grid, kRowThreads, 0, stream>>>(p, z, row_scale,
+                                                                           out);
+    }
   }
   return cudaGetLastError();
 }
 
-cudaError_t LaunchGradientRows(const RowParams& p, float* logits, DType grad_dtype,
-                               const float* lse, const float* row_scale, cudaStream_t stream) {
-  if (p.rows == 0) return cudaSuccess;
+template <typename T>
+cudaError_t GradientRowsFor(const RowParams& p, void* logits, const float* lse,
+                            const float* row_scale, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned int>(p.rows));
-  switch (grad_dtype) {
+  T* z = static_cast<T*>(logits);
+  if (p.vocab % kPack<T> == 0) {
+    GradientRowsKernel<T, true><<<grid, kRowThreads, 0, stream>>>(p, z, lse, row_scale);
+  } else {
+    GradientRowsKernel<T, false><<<grid, kRowThreads, 0, stream>>>(p, z, lse, row_scale);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, bool write_grad,
+                              const float* row_scale, const RowOutputs& out,
+                              cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  switch (dtype) {
     case DType::kFloat32:
-      GradientRowsKernel<float><<<grid, kRowThreads, 0, stream>>>(p, logits, lse, row_scale);
-      break;
+      return ForwardRowsFor<float>(p, logits, write_grad, row_scale, out, stream);
     case DType::kFloat16:
-      GradientRowsKernel<__half><<<grid, kRowThreads, 0, stream>>>(p, logits, lse, row_scale);
-      break;
+      return ForwardRowsFor<__half>(p, logits, write_grad, row_scale, out, stream);
     case DType::kBFloat16:
-      GradientRowsKernel<__nv_bfloat16><<<grid, kRowThreads, 0, stream>>>(p, logits, lse,
-                                                                            row_scale);
-      break;
+      return ForwardRowsFor<__nv_bfloat16>(p, logits, write_grad, row_scale, out, stream);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
+}
+
+cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, const float* lse,
+                               const float* row_scale, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32:
+      return GradientRowsFor<float>(p, logits, lse, row_scale, stream);
+    case DType::kFloat16:
+      return GradientRowsFor<__half>(p, logits, lse, row_scale, stream);
+    case DType::kBFloat16:
+      return GradientRowsFor<__nv_bfloat16>(p, logits, lse, row_scale, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 cudaError_t LaunchRowScales(const int64_t* target, int64_t n, int64_t ignore_index,

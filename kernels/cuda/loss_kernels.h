@@ -38,24 +38,22 @@ struct RowOutputs {
   int32_t* correct = nullptr; // [N], argmax == target on valid rows
 };
 
-// Forward over a chunk of logits z [rows, V] (fp32, row stride V):
-//   z' = softcap(z + b); lse = log Σ exp(z'); the row loss of loss_engine.h.
-// With `grad_dtype` set (write_grad), also writes the gradient of the row
-// loss times row_scale[row], in grad_dtype, IN PLACE over the row: element j
-// of row r lands at ((grad_dtype*)(z + r·V))[j], so the gradient matrix has
-// a leading dimension of V·4/sizeof(grad_dtype) elements. Ignored rows get
-// zero gradient. The target column's p − 1 is formed in fp32.
-// Traffic: reads each logit twice (statistics, gradient) and writes the
-// gradient once; per-row outputs are O(rows).
-cudaError_t LaunchForwardRows(const RowParams& p, float* logits, bool write_grad,
-                              DType grad_dtype, const float* row_scale,
-                              const RowOutputs& out, cudaStream_t stream);
+// Forward over a chunk of logits z [rows, V] in `dtype` (the input dtype,
+// row stride V; fp32 accumulation happened in the GEMM):
+//   z' = softcap(z + b); lse = log Σ exp(z'); the row loss of loss_engine.h,
+// all in fp32. With write_grad, also overwrites each row with the gradient
+// of its loss times row_scale[row], in `dtype` (zeros for ignored rows; the
+// target column's p − 1 formed in fp32). One block per row, 16-byte loads
+// when V allows. Traffic: reads the chunk twice, writes it once with
+// write_grad; reads it once without.
+cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, bool write_grad,
+                              const float* row_scale, const RowOutputs& out,
+                              cudaStream_t stream);
 
 // The gradient pass alone, from saved per-row lse (RECOMPUTE backward):
-// same in-place output as LaunchForwardRows. Reads each logit once.
-cudaError_t LaunchGradientRows(const RowParams& p, float* logits, DType grad_dtype,
-                               const float* lse, const float* row_scale,
-                               cudaStream_t stream);
+// same in-place output as LaunchForwardRows. Reads and writes each logit once.
+cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, const float* lse,
+                               const float* row_scale, cudaStream_t stream);
 
 // Reduction divisor and per-row gradient scale, on the device:
 //   denom = Σ_{valid rows} class_weight[t] (mean) or 1 (sum, none);
@@ -74,8 +72,8 @@ cudaError_t LaunchRowScales(const int64_t* target, int64_t n, int64_t ignore_ind
 cudaError_t LaunchReduceRows(const RowOutputs& rows, int64_t n, const double* denom,
                              bool divide, double* totals, cudaStream_t stream);
 
-// db[j] (+)= Σ_r grad[r, j] over a chunk's in-place gradient (grad_dtype,
-// leading dimension ld elements). accumulate = false overwrites db.
+// db[j] (+)= Σ_r grad[r, j] over a chunk's gradient (grad_dtype, leading
+// dimension ld elements). accumulate = false overwrites db.
 cudaError_t LaunchColumnSums(const void* grad, DType grad_dtype, int64_t rows,
                              int64_t vocab, int64_t ld, bool accumulate, float* db,
                              cudaStream_t stream);
