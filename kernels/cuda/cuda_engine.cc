@@ -31,14 +31,10 @@ cudaDataType_t CudaType(DType dtype) {
   }
 }
 
-// One concurrent call: the main stream (GEMMs, with the cuBLAS handle bound
-// to it), a second stream for the row kernels so they overlap the GEMMs of
-// the neighbouring chunks, and the events that order the two.
+// One concurrent call: a stream and a cuBLAS handle bound to it.
 struct Lane {
   CudaStream stream;
-  CudaStream rows;
   CublasHandle blas;
-  CudaEvent logits_ready[2], rows_done[2], start, joined;
 };
 
 // A problem's tensors on the device.
@@ -114,12 +110,7 @@ class EngineImpl {
     for (int i = 0; i < std::max(1, options_.lanes); ++i) {
       auto lane = std::make_unique<Lane>();
       FLCE_ASSIGN_OR_RETURN(lane->stream, CudaStream::Create());
-      FLCE_ASSIGN_OR_RETURN(lane->rows, CudaStream::Create());
       FLCE_ASSIGN_OR_RETURN(lane->blas, CublasHandle::Create(lane->stream.get()));
-      for (CudaEvent* e : {&lane->logits_ready[0], &lane->logits_ready[1], &lane->rows_done[0],
-                           &lane->rows_done[1], &lane->start, &lane->joined}) {
-        FLCE_ASSIGN_OR_RETURN(*e, CudaEvent::Create());
-      }
       free_lanes_.push_back(lane.get());
       lanes_.push_back(std::move(lane));
     }
@@ -127,10 +118,7 @@ class EngineImpl {
   }
 
   ~EngineImpl() {
-    for (auto& lane : lanes_) {
-      cudaStreamSynchronize(lane->stream.get());
-      cudaStreamSynchronize(lane->rows.get());
-    }
+    for (auto& lane : lanes_) cudaStreamSynchronize(lane->stream.get());
   }
 
   const cudaDeviceProp& props() const { return props_; }
@@ -142,14 +130,11 @@ class EngineImpl {
         "CUDA engine stopped after an unrecoverable device error: ", sticky_error_));
   }
 
-  // Rows per logits chunk buffer. Two buffers alternate (the row kernel of
-  // one chunk overlaps the GEMMs of its neighbours), so each gets half the
-  // budget unless one chunk holds every row.
+  // Rows per logits chunk: the budget's worth (in whole GEMM tiles of 128
+  // rows once there are enough), at least kMinChunkRows, at most all rows.
   int64_t ChunkRows(int64_t rows, int64_t vocab, DType dtype) const {
-    const int64_t row_bytes = vocab * DTypeSize(dtype);
-    if (rows * row_bytes <= options_.chunk_bytes) return std::max<int64_t>(rows, 1);
-    int64_t by_budget = options_.chunk_bytes / 2 / row_bytes;
-    if (by_budget >= 256) by_budget -= by_budget % 128;  // whole GEMM tiles
+    int64_t by_budget = options_.chunk_bytes / (vocab * DTypeSize(dtype));
+    if (by_budget >= 256) by_budget -= by_budget % 128;
     return std::max<int64_t>(1, std::min(rows, std::max(CudaEngine::kMinChunkRows, by_budget)));
   }
 
@@ -285,113 +270,69 @@ class EngineImpl {
                  "row scales");
   }
 
-  // The chunk loop. dx, dw, db are fp32 device outputs (db may be null);
-  // the gradient passes overwrite them.
+  // The chunk loop, all on the lane's stream. dx, dw, db are fp32 device
+  // outputs (db may be null); the gradient passes overwrite them.
   //
-  // Per chunk i (buffer i % 2), on the main stream: logits GEMM L(i); on the
-  // row stream, after L(i): row kernel R(i) (and db); back on the main
-  // stream, after L(i+1) and R(i): dX and dW GEMMs G(i). So R(i) overlaps
-  // G(i−1) and L(i+1), and a buffer is rewritten only after its row kernel
-  // and GEMMs are done. Every path out joins the row stream back into the
-  // main stream, where the buffers are freed.
+  // Chunks are as large as the budget allows: every chunk after the first
+  // re-reads and re-writes the fp32 dW accumulator, which costs more than
+  // the row kernel does (measured: two half-size buffers alternating so the
+  // row kernels overlapped the neighbouring GEMMs ran 4-16% slower than one
+  // buffer; bench/RESULTS.md).
   absl::Status RunChunks(Lane& lane, const DeviceInputs& in, Pass pass, const RowBuffers& rows,
                          const float* lse_in, float* dx, float* dw, float* db,
                          const CancelFn& cancelled) {
-    cudaStream_t main = lane.stream.get(), side = lane.rows.get();
+    cudaStream_t s = lane.stream.get();
     const bool grad = pass != Pass::kLoss;
     const int64_t chunk = ChunkRows(in.n, in.v, in.dtype);
-    const int64_t elem = DTypeSize(in.dtype);
     if (grad && in.n == 0) {
-      FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(dw, 0, in.v * in.h * 4, main), "zero dW"));
-      if (db) FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(db, 0, in.v * 4, main), "zero db"));
+      FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(dw, 0, in.v * in.h * 4, s), "zero dW"));
+      if (db) FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(db, 0, in.v * 4, s), "zero db"));
     }
-    const int buffers = in.n > chunk ? 2 : 1;
-    DeviceBuffer logits[2];
-    for (int b = 0; b < buffers; ++b) {
-      FLCE_ASSIGN_OR_RETURN(logits[b],
-                            DeviceBuffer::Allocate(std::min(chunk, in.n) * in.v * elem, main));
-    }
-    // The row stream starts after everything already on the main stream.
-    FLCE_RETURN_IF_ERROR(Check(cudaEventRecord(lane.start.get(), main), "event"));
-    FLCE_RETURN_IF_ERROR(Check(cudaStreamWaitEvent(side, lane.start.get(), 0), "event"));
-    struct Join {
-      Lane& lane;
-      ~Join() {
-        cudaEventRecord(lane.joined.get(), lane.rows.get());
-        cudaStreamWaitEvent(lane.stream.get(), lane.joined.get(), 0);
-      }
-    } join{lane};
-
-    // dX and dW GEMMs of chunk (r0, count) in buffer b, after its row kernel.
-    auto gradient_gemms = [&](int b, int64_t r0, int64_t count) -> absl::Status {
-      FLCE_RETURN_IF_ERROR(
-          Check(cudaStreamWaitEvent(main, lane.rows_done[b].get(), 0), "event"));
-      // dX_c[count, H] (row-major, fp32) = dZ · W. Column-major view:
-      // dX_cᵀ (H×count, ld H) = A·B with
-      //   A = W, stored row-major [V, H] = column-major H×V (ld H), op N;
-      //   B = dZ, stored row-major [count, V] = column-major V×count (ld V), op N.
-      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_N, in.h, count, in.v,
-                                in.weight.data(), in.dtype, in.h, logits[b].data(), in.dtype,
-                                in.v, 0.0f, dx + r0 * in.h, DType::kFloat32, in.h));
-      // dW[V, H] (row-major, fp32) (+)= dZᵀ · X_c. Column-major view:
-      // dWᵀ (H×V, ld H) = A·op(B) with
-      //   A = X_c, stored row-major [count, H] = column-major H×count (ld H), op N;
-      //   B = dZ as column-major V×count (ld V), op T → count×V.
-      // The first chunk overwrites (beta 0): dW needs no zeroing pass.
-      return Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count, in.x_row(r0), in.dtype,
-                  in.h, logits[b].data(), in.dtype, in.v, r0 == 0 ? 0.0f : 1.0f, dw,
-                  DType::kFloat32, in.h);
-    };
-
-    int64_t prev_r0 = -1, prev_count = 0;
-    for (int64_t i = 0, r0 = 0; r0 < in.n; ++i, r0 += chunk) {
+    FLCE_ASSIGN_OR_RETURN(
+        DeviceBuffer logits,
+        DeviceBuffer::Allocate(std::min(chunk, in.n) * in.v * DTypeSize(in.dtype), s));
+    for (int64_t r0 = 0; r0 < in.n; r0 += chunk) {
       if (cancelled && cancelled()) return absl::CancelledError("cancelled between chunks");
-      const int b = static_cast<int>(i % buffers);
       const int64_t count = std::min(chunk, in.n - r0);
-      if (i >= buffers) {
-        // The buffer's previous chunk is through its row kernel (its GEMMs
-        // are earlier on this stream).
-        FLCE_RETURN_IF_ERROR(
-            Check(cudaStreamWaitEvent(main, lane.rows_done[b].get(), 0), "event"));
-      }
       // logits[count, V] (row-major, input dtype) = X_c · Wᵀ. Column-major
       // view: logitsᵀ (V×count, ld V) = op(A)·op(B) with
-      //   A = W as column-major H×V (ld H), op T → V×H;
-      //   B = X_c as column-major H×count (ld H), op N.
+      //   A = W, stored row-major [V, H] = column-major H×V (ld H), op T → V×H;
+      //   B = X_c, stored row-major [count, H] = column-major H×count (ld H), op N.
       FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_T, CUBLAS_OP_N, in.v, count, in.h,
                                 in.weight.data(), in.dtype, in.h, in.x_row(r0), in.dtype, in.h,
-                                0.0f, logits[b].data(), in.dtype, in.v));
-      FLCE_RETURN_IF_ERROR(Check(cudaEventRecord(lane.logits_ready[b].get(), main), "event"));
-      FLCE_RETURN_IF_ERROR(
-          Check(cudaStreamWaitEvent(side, lane.logits_ready[b].get(), 0), "event"));
+                                0.0f, logits.data(), in.dtype, in.v));
       const RowParams params = in.Params(r0, count);
       if (pass == Pass::kGradFromLse) {
-        FLCE_RETURN_IF_ERROR(Check(LaunchGradientRows(params, logits[b].data(), in.dtype,
-                                                      lse_in, rows.row_scale.as<float>(), side),
+        FLCE_RETURN_IF_ERROR(Check(LaunchGradientRows(params, logits.data(), in.dtype, lse_in,
+                                                      rows.row_scale.as<float>(), s),
                                    "gradient rows"));
       } else {
-        FLCE_RETURN_IF_ERROR(Check(LaunchForwardRows(params, logits[b].data(), in.dtype, grad,
+        FLCE_RETURN_IF_ERROR(Check(LaunchForwardRows(params, logits.data(), in.dtype, grad,
                                                      rows.row_scale.as<float>(), rows.outputs(),
-                                                     side),
+                                                     s),
                                    "forward rows"));
       }
-      if (grad && db) {
-        FLCE_RETURN_IF_ERROR(Check(LaunchColumnSums(logits[b].data(), in.dtype, count, in.v,
-                                                    in.v, r0 > 0, db, side),
-                                   "bias gradient"));
+      if (!grad) continue;
+      // dX_c[count, H] (row-major, fp32) = dZ · W. Column-major view:
+      // dX_cᵀ (H×count, ld H) = A·B with
+      //   A = W as column-major H×V (ld H), op N;
+      //   B = dZ, stored row-major [count, V] = column-major V×count (ld V), op N.
+      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_N, in.h, count, in.v,
+                                in.weight.data(), in.dtype, in.h, logits.data(), in.dtype, in.v,
+                                0.0f, dx + r0 * in.h, DType::kFloat32, in.h));
+      // dW[V, H] (row-major, fp32) (+)= dZᵀ · X_c. Column-major view:
+      // dWᵀ (H×V, ld H) = A·op(B) with
+      //   A = X_c as column-major H×count (ld H), op N;
+      //   B = dZ as column-major V×count (ld V), op T → count×V.
+      // The first chunk overwrites (beta 0): dW needs no zeroing pass.
+      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count,
+                                in.x_row(r0), in.dtype, in.h, logits.data(), in.dtype, in.v,
+                                r0 == 0 ? 0.0f : 1.0f, dw, DType::kFloat32, in.h));
+      if (db) {
+        FLCE_RETURN_IF_ERROR(Check(
+            LaunchColumnSums(logits.data(), in.dtype, count, in.v, in.v, r0 > 0, db, s),
+            "bias gradient"));
       }
-      FLCE_RETURN_IF_ERROR(Check(cudaEventRecord(lane.rows_done[b].get(), side), "event"));
-      if (grad && prev_r0 >= 0) {
-        FLCE_RETURN_IF_ERROR(
-            gradient_gemms(static_cast<int>((i - 1) % buffers), prev_r0, prev_count));
-      }
-      prev_r0 = r0;
-      prev_count = count;
-    }
-    if (grad && prev_r0 >= 0) {
-      const int64_t last = (in.n - 1) / chunk;
-      FLCE_RETURN_IF_ERROR(
-          gradient_gemms(static_cast<int>(last % buffers), prev_r0, prev_count));
     }
     return absl::OkStatus();
   }
@@ -587,13 +528,12 @@ class EngineImpl {
       FLCE_ASSIGN_OR_RETURN(rows_, impl_->AllocateRows(*lane, in_.n));
       FLCE_ASSIGN_OR_RETURN(dx_, DeviceBuffer::Allocate(in_.n * in_.h * 4, s));
       FLCE_ASSIGN_OR_RETURN(dw_, DeviceBuffer::Allocate(in_.v * in_.h * 4, s));
-      FLCE_ASSIGN_OR_RETURN(
-          slice_, DeviceBuffer::Allocate(kSliceElements * DTypeSize(in_.dtype), s));
       // Beyond X, W and the dX, dW the session keeps (fp32): the logits
-      // chunk, the per-row buffers, the targets and the conversion slice.
-      extra_ = impl_->ChunkRows(in_.n, in_.v, in_.dtype) * in_.v * DTypeSize(in_.dtype) *
-                   (in_.n > impl_->ChunkRows(in_.n, in_.v, in_.dtype) ? 2 : 1) +
-               5 * in_.n * 4 + in_.target.bytes() + slice_.bytes();
+      // chunk (or, after it is freed, the conversion slice), the per-row
+      // buffers and the targets.
+      const int64_t chunk = impl_->ChunkRows(in_.n, in_.v, in_.dtype);
+      extra_ = std::max(chunk * in_.v, kSliceElements) * DTypeSize(in_.dtype) +
+               5 * in_.n * 4 + in_.target.bytes();
       return impl_->Check(cudaStreamSynchronize(s), "prepare");
     }
 
@@ -618,12 +558,14 @@ class EngineImpl {
                            rows_.totals.as<double>(), s),
           "reduce rows"));
       // The gradients narrowed to their final dtype, as Backward does
-      // before its download.
+      // before its download (the chunk buffer is free again by now).
+      FLCE_ASSIGN_OR_RETURN(DeviceBuffer slice,
+                            DeviceBuffer::Allocate(kSliceElements * DTypeSize(in_.dtype), s));
       auto no_download = [](const void*, int64_t, int64_t) { return absl::OkStatus(); };
       FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dx_.as<float>(), in_.n * in_.h,
-                                                  in_.dtype, 1.0f, slice_, no_download));
+                                                  in_.dtype, 1.0f, slice, no_download));
       FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dw_.as<float>(), in_.v * in_.h,
-                                                  in_.dtype, 1.0f, slice_, no_download));
+                                                  in_.dtype, 1.0f, slice, no_download));
       return impl_->Check(cudaStreamSynchronize(s), "run");
     }
 
@@ -634,7 +576,7 @@ class EngineImpl {
     BackwardMode mode_;
     DeviceInputs in_;
     RowBuffers rows_;
-    DeviceBuffer dx_, dw_, slice_;
+    DeviceBuffer dx_, dw_;
     int64_t extra_ = 0;
   };
 

@@ -15,12 +15,11 @@ struct CudaEngineOptions {
   int device = 0;
   // Calls that run concurrently, each on its own stream and cuBLAS handle.
   int lanes = 2;
-  // Upper bound on the logits chunk buffers (two of rows × V in the input
-  // dtype, or one holding every row); a chunk holds at least kMinChunkRows
-  // rows. Large chunks keep the GEMMs near peak and re-read the fp32 dW
-  // accumulator less often; the buffers are most of the engine's memory
-  // beyond X, W, dX, dW.
-  int64_t chunk_bytes = int64_t{896} << 20;
+  // Upper bound on the logits chunk (rows × V in the input dtype); a chunk
+  // holds at least kMinChunkRows rows. Large chunks keep the GEMMs near
+  // peak and re-read the fp32 dW accumulator less often; the chunk is most
+  // of the engine's memory beyond X, W, dX, dW.
+  int64_t chunk_bytes = int64_t{960} << 20;
 };
 
 namespace internal_cuda {
@@ -33,8 +32,7 @@ class EngineImpl;
 // (online max/sum-exp, loss, lse, z-loss, softcap, smoothing, class weights,
 // ignore_index, accuracy, all in fp32) that writes the gradient in place over
 // the logits; then dX = dZ·W and dW += dZᵀ·X (fp32 across chunks), db
-// likewise. The row kernels run on a second stream, overlapping the GEMMs
-// of the neighbouring chunks. No host synchronisation inside the chunk loop.
+// likewise. No host synchronisation inside the chunk loop.
 // Device OOM is RESOURCE_EXHAUSTED and the engine keeps serving; after a
 // sticky CUDA error every call is UNAVAILABLE (see health()).
 class CudaEngine : public LossEngine {

@@ -55,21 +55,6 @@ class CublasHandle {
   cublasHandle_t handle_ = nullptr;
 };
 
-// An event for ordering work between streams (no timing).
-class CudaEvent {
- public:
-  static absl::StatusOr<CudaEvent> Create();
-  CudaEvent() = default;
-  CudaEvent(CudaEvent&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
-  CudaEvent& operator=(CudaEvent&& o) noexcept;
-  ~CudaEvent();
-  cudaEvent_t get() const { return event_; }
-
- private:
-  explicit CudaEvent(cudaEvent_t e) : event_(e) {}
-  cudaEvent_t event_ = nullptr;
-};
-
 // Device memory from the stream-ordered allocator (cudaMallocAsync on the
 // device's default pool, which the engine keeps from releasing memory, so a
 // request reuses what the last one freed). Freed on the allocating stream.
