@@ -187,11 +187,10 @@ void PrintRow(bool json, const std::string& backend, const std::string& shape_te
   std::fflush(stdout);
 }
 
-int RunCpu() {
-  CpuEngine engine;
-  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
-  const bool json = absl::GetFlag(FLAGS_json);
-  PrintHeader(json, "extra GiB");
+// Calls run(shape text, shape, dtype, problem, mode) for every configuration
+// the flags name; one random problem per shape and dtype.
+template <typename Run>
+void ForEachConfig(Run&& run) {
   for (const std::string& shape_text :
        std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_shapes), ','))) {
     const Shape s = ParseShape(shape_text);
@@ -201,18 +200,27 @@ int RunCpu() {
       const OwnedProblem p = MakeRandomProblem(SpecFor(s, dtype));
       for (const std::string& mode_text :
            std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_modes), ','))) {
-        const BackwardMode mode = ParseMode(mode_text);
-        bool failed = false;
-        const double ms = MedianMs(warmup, iters, [&] {
-          failed |= !RunOnce(engine, p.view(), mode, nullptr).ok();
-        });
-        const double floor_ms =
-            BlasFloorMs(s, mode == BackwardMode::kRecompute, warmup, iters);
-        PrintRow(json, "cpu", shape_text, s, dtype, mode, ms, floor_ms, 0.0,
-                 CheckAccuracyOf(engine, dtype, mode), failed ? " (engine error)" : "");
+        run(shape_text, s, dtype, p, ParseMode(mode_text));
       }
     }
   }
+}
+
+int RunCpu() {
+  CpuEngine engine;
+  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  const bool json = absl::GetFlag(FLAGS_json);
+  PrintHeader(json, "extra GiB");
+  ForEachConfig([&](const std::string& shape_text, const Shape& s, DType dtype,
+                    const OwnedProblem& p, BackwardMode mode) {
+    bool failed = false;
+    const double ms = MedianMs(warmup, iters, [&] {
+      failed |= !RunOnce(engine, p.view(), mode, nullptr).ok();
+    });
+    const double floor_ms = BlasFloorMs(s, mode == BackwardMode::kRecompute, warmup, iters);
+    PrintRow(json, "cpu", shape_text, s, dtype, mode, ms, floor_ms, 0.0,
+             CheckAccuracyOf(engine, dtype, mode), failed ? " (engine error)" : "");
+  });
   return 0;
 }
 
@@ -237,47 +245,37 @@ int RunCuda() {
   }
   PrintHeader(json, "extra GiB");
   int failures = 0;
-  for (const std::string& shape_text :
-       std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_shapes), ','))) {
-    const Shape s = ParseShape(shape_text);
-    for (const std::string& dtype_text :
-         std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_dtypes), ','))) {
-      const DType dtype = ParseDType(dtype_text);
-      const OwnedProblem p = MakeRandomProblem(SpecFor(s, dtype));
-      for (const std::string& mode_text :
-           std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_modes), ','))) {
-        const BackwardMode mode = ParseMode(mode_text);
-        std::string error;
-        double ms = 0, extra_gib = 0;
-        {
-          auto run = (*engine)->PrepareDeviceRun(p.view(), mode);
-          if (!run.ok()) {
-            error = " " + run.status().ToString();
-          } else {
-            uint64_t zero = 0;
-            cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero);
-            absl::Status status;
-            ms = MedianMs(warmup, iters, [&] {
-              if (status.ok()) status = (*run)->Run();
-            });
-            if (!status.ok()) error = " " + status.ToString();
-            uint64_t high = 0;
-            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
-            const int64_t resident = (s.n * s.h + s.v * s.h) * DTypeSize(dtype) +  // X, W
-                                     (s.n * s.h + s.v * s.h) * 4;  // dX, dW (fp32, kept)
-            extra_gib = (static_cast<double>(high) - resident) / (1 << 30);
-          }
-        }
-        auto floor = MeasureGemmFloor(s.n, s.h, s.v, dtype,
-                                      mode == BackwardMode::kRecompute ? 2 : 1, warmup, iters);
-        if (!floor.ok()) error += " floor: " + floor.status().ToString();
-        const std::string accuracy = CheckAccuracyOf(**engine, dtype, mode);
-        if (!error.empty() || accuracy.find("ok") == std::string::npos) ++failures;
-        PrintRow(json, "cuda", shape_text, s, dtype, mode, ms, floor.ok() ? floor->ms : 0.0,
-                 extra_gib, accuracy, error);
+  ForEachConfig([&](const std::string& shape_text, const Shape& s, DType dtype,
+                    const OwnedProblem& p, BackwardMode mode) {
+    std::string error;
+    double ms = 0, extra_gib = 0;
+    {
+      auto run = (*engine)->PrepareDeviceRun(p.view(), mode);
+      if (!run.ok()) {
+        error = " " + run.status().ToString();
+      } else {
+        uint64_t zero = 0;
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero);
+        absl::Status status;
+        ms = MedianMs(warmup, iters, [&] {
+          if (status.ok()) status = (*run)->Run();
+        });
+        if (!status.ok()) error = " " + status.ToString();
+        uint64_t high = 0;
+        cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
+        const int64_t resident = (s.n * s.h + s.v * s.h) * DTypeSize(dtype) +  // X, W
+                                 (s.n * s.h + s.v * s.h) * 4;  // dX, dW (fp32, kept)
+        extra_gib = (static_cast<double>(high) - resident) / (1 << 30);
       }
     }
-  }
+    auto floor = MeasureGemmFloor(s.n, s.h, s.v, dtype,
+                                  mode == BackwardMode::kRecompute ? 2 : 1, warmup, iters);
+    if (!floor.ok()) error += " floor: " + floor.status().ToString();
+    const std::string accuracy = CheckAccuracyOf(**engine, dtype, mode);
+    if (!error.empty() || accuracy.find("ok") == std::string::npos) ++failures;
+    PrintRow(json, "cuda", shape_text, s, dtype, mode, ms, floor.ok() ? floor->ms : 0.0,
+             extra_gib, accuracy, error);
+  });
   return failures == 0 ? 0 : 1;
 }
 #endif

@@ -55,7 +55,7 @@ __device__ __forceinline__ SoftmaxState Combine(SoftmaxState a, SoftmaxState b) 
   return a;
 }
 
-__device__ SoftmaxState BlockCombine(SoftmaxState s, SoftmaxState* shared) {
+__device__ __forceinline__ SoftmaxState WarpCombine(SoftmaxState s) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     SoftmaxState o;
     o.max = __shfl_xor_sync(0xffffffffu, s.max, offset);
@@ -63,18 +63,17 @@ __device__ SoftmaxState BlockCombine(SoftmaxState s, SoftmaxState* shared) {
     o.argmax = __shfl_xor_sync(0xffffffffu, s.argmax, offset);
     s = Combine(s, o);
   }
+  return s;
+}
+
+__device__ SoftmaxState BlockCombine(SoftmaxState s, SoftmaxState* shared) {
+  s = WarpCombine(s);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) shared[warp] = s;
   __syncthreads();
   if (warp == 0) {
-    s = lane < kWarps ? shared[lane] : SoftmaxState{-CUDART_INF_F, 0.0f, INT64_MAX};
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      SoftmaxState o;
-      o.max = __shfl_xor_sync(0xffffffffu, s.max, offset);
-      o.sum = __shfl_xor_sync(0xffffffffu, s.sum, offset);
-      o.argmax = __shfl_xor_sync(0xffffffffu, s.argmax, offset);
-      s = Combine(s, o);
-    }
+    s = WarpCombine(lane < kWarps ? shared[lane]
+                                  : SoftmaxState{-CUDART_INF_F, 0.0f, INT64_MAX});
     if (lane == 0) shared[0] = s;
   }
   __syncthreads();
