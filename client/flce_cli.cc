@@ -339,7 +339,7 @@ absl::Status BackwardCommand() {
   if (!grads.ok()) return grads.status();
   std::printf("engine %.1f ms\n", grads->times.engine_ms);
   absl::Status s = Save("grad_hidden", grads->grad_hidden);
-  if (s.ok()) s = Save("grad_weight", grads->grad_weight);
+  if (s.ok() && grads->grad_weight) s = Save("grad_weight", *grads->grad_weight);
   if (s.ok() && grads->grad_bias) s = Save("grad_bias", *grads->grad_bias);
   return s;
 }

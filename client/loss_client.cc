@@ -1,11 +1,15 @@
 #include "client/loss_client.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "absl/time/clock.h"
 #include "kernels/status_macros.h"
+#include "absl/strings/str_cat.h"
 #include "proto/codec.h"
+#include "proto/crc32c.h"
 
 namespace flce {
 
@@ -34,8 +38,13 @@ v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args) {
   const LossProblem& p = args.problem;
   v1::ForwardRequest request;
   CopyToProto(p.hidden, request.mutable_hidden());
-  CopyToProto(p.weight, request.mutable_weight());
-  if (p.bias) CopyToProto(*p.bias, request.mutable_bias());
+  if (!args.weight_name.empty()) {
+    request.mutable_weight_ref()->set_name(args.weight_name);
+    request.mutable_weight_ref()->set_version(args.weight_version);
+  } else {
+    CopyToProto(p.weight, request.mutable_weight());
+    if (p.bias) CopyToProto(*p.bias, request.mutable_bias());
+  }
   CopyToProto(p.target, request.mutable_target());
   v1::LossOptions* o = request.mutable_options();
   o->set_ignore_index(p.options.ignore_index);
@@ -84,6 +93,7 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
   if (args.grad_output) CopyToProto(*args.grad_output, request.mutable_grad_output());
   request.set_keep_session(args.keep_session);
   if (args.grad_dtype) request.set_grad_dtype(ToProto(*args.grad_dtype));
+  request.set_accumulate_weight_grad(args.accumulate_weight_grad);
   grpc::ClientContext context;
   Prepare(context);
   v1::BackwardResponse response;
@@ -95,8 +105,10 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
   out.times.engine_ms = response.stats().engine_ms();
   FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
                         MoveFromProto(response.mutable_grad_hidden(), "grad_hidden"));
-  FLCE_ASSIGN_OR_RETURN(out.grad_weight,
-                        MoveFromProto(response.mutable_grad_weight(), "grad_weight"));
+  if (response.has_grad_weight()) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight,
+                          MoveFromProto(response.mutable_grad_weight(), "grad_weight"));
+  }
   if (response.has_grad_bias()) {
     FLCE_ASSIGN_OR_RETURN(out.grad_bias,
                           MoveFromProto(response.mutable_grad_bias(), "grad_bias"));
@@ -133,6 +145,110 @@ LossClient::CheckHealth(const std::string& service) {
   grpc::health::v1::HealthCheckResponse response;
   FLCE_RETURN_IF_ERROR(FromGrpcStatus(health_->Check(&context, request, &response)));
   return response.status();
+}
+
+absl::StatusOr<v1::WeightInfo> LossClient::PutWeight(const std::string& name,
+                                                     const TensorView& weight,
+                                                     const std::optional<TensorView>& bias) {
+  // W's bytes then b's, as one logical stream.
+  const char* parts[2] = {static_cast<const char*>(weight.data),
+                          bias ? static_cast<const char*>(bias->data) : nullptr};
+  const int64_t sizes[2] = {weight.num_elements() * DTypeSize(weight.dtype),
+                            bias ? bias->num_elements() * DTypeSize(bias->dtype) : 0};
+  uint32_t crc = 0;
+  for (int k = 0; k < 2; ++k) crc = Crc32c(crc, parts[k], static_cast<size_t>(sizes[k]));
+
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::PutWeightResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::PutWeightChunk>> writer =
+      stub_->PutWeight(&context, &response);
+  v1::PutWeightChunk chunk;
+  v1::WeightHeader* header = chunk.mutable_header();
+  header->set_name(name);
+  header->set_dtype(ToProto(weight.dtype));
+  header->mutable_shape()->Assign(weight.shape.begin(), weight.shape.end());
+  header->set_has_bias(bias.has_value());
+  header->set_crc32c(crc);
+  bool ok = true;
+  bool sent = false;
+  for (int k = 0; k < 2 && ok; ++k) {
+    for (int64_t offset = 0; offset < sizes[k] && ok; offset += options_.stream_chunk_bytes) {
+      const int64_t n = std::min(options_.stream_chunk_bytes, sizes[k] - offset);
+      chunk.set_data(parts[k] + offset, static_cast<size_t>(n));
+      ok = writer->Write(chunk);
+      chunk.clear_header();
+      sent = true;
+    }
+  }
+  if (ok && !sent) ok = writer->Write(chunk);  // header only (cannot happen for V, H >= 1)
+  writer->WritesDone();
+  FLCE_RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  return response.weight();
+}
+
+absl::StatusOr<bool> LossClient::DeleteWeight(const std::string& name) {
+  v1::DeleteWeightRequest request;
+  request.set_name(name);
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::DeleteWeightResponse response;
+  FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->DeleteWeight(&context, request, &response)));
+  return response.deleted();
+}
+
+absl::StatusOr<std::vector<v1::WeightInfo>> LossClient::ListWeights() {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::ListWeightsResponse response;
+  FLCE_RETURN_IF_ERROR(
+      FromGrpcStatus(stub_->ListWeights(&context, v1::ListWeightsRequest(), &response)));
+  return std::vector<v1::WeightInfo>(response.weights().begin(), response.weights().end());
+}
+
+absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, int64_t version,
+                                                      DType dtype) {
+  v1::TakeWeightGradRequest request;
+  request.mutable_weight()->set_name(name);
+  request.mutable_weight()->set_version(version);
+  request.set_dtype(ToProto(dtype));
+  grpc::ClientContext context;
+  Prepare(context);
+  std::unique_ptr<grpc::ClientReader<v1::WeightGradChunk>> reader =
+      stub_->TakeWeightGrad(&context, request);
+  v1::WeightGradChunk chunk;
+  WeightGrad out;
+  std::string bytes;
+  DType got = dtype;
+  bool header = false;
+  while (reader->Read(&chunk)) {
+    if (chunk.has_header()) {
+      header = true;
+      out.weight = chunk.header().weight();
+      out.accumulated_backwards = chunk.header().accumulated_backwards();
+      FLCE_ASSIGN_OR_RETURN(got, FromProto(chunk.header().dtype(), "header.dtype"));
+    }
+    bytes += chunk.data();
+  }
+  FLCE_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  if (!header || out.weight.shape_size() != 2) {
+    return absl::DataLossError("TakeWeightGrad: the stream had no header");
+  }
+  const int64_t v = out.weight.shape(0), h = out.weight.shape(1);
+  const int64_t elem = DTypeSize(got);
+  const int64_t expected = (v * h + (out.weight.has_bias() ? v : 0)) * elem;
+  if (static_cast<int64_t>(bytes.size()) != expected) {
+    return absl::DataLossError(absl::StrCat("TakeWeightGrad: received ", bytes.size(),
+                                            " bytes, expected ", expected));
+  }
+  out.grad_weight = HostTensor(got, {v, h});
+  std::memcpy(&out.grad_weight.data[0], bytes.data(), static_cast<size_t>(v * h * elem));
+  if (out.weight.has_bias()) {
+    out.grad_bias = HostTensor(got, {v});
+    std::memcpy(&out.grad_bias->data[0], bytes.data() + v * h * elem,
+                static_cast<size_t>(v * elem));
+  }
+  return out;
 }
 
 }  // namespace flce

@@ -25,11 +25,17 @@ struct ClientOptions {
   absl::Duration timeout = absl::Minutes(5);
   // Largest message sent or received.
   int64_t max_message_bytes = int64_t{256} << 20;
+  // Bytes per chunk of a streamed tensor (PutWeight).
+  int64_t stream_chunk_bytes = int64_t{4} << 20;
 };
 
 struct ForwardArgs {
-  // The tensors (views, copied into the request) and loss options.
+  // The tensors (views, copied into the request) and loss options. With
+  // `weight_name` set, problem.weight and problem.bias are not sent: the
+  // server uses that registered weight (version 0: the latest).
   LossProblem problem;
+  std::string weight_name;
+  int64_t weight_version = 0;
   bool need_backward = false;
   BackwardMode mode = BackwardMode::kAuto;
   bool want_lse = false;
@@ -57,12 +63,23 @@ struct BackwardArgs {
   std::optional<TensorView> grad_output;  // {} / {1} (mean, sum) or {N} (none)
   bool keep_session = false;
   std::optional<DType> grad_dtype;  // kFloat32, or unset for the input dtype
+  // Add dW, db into the registered weight's accumulator instead of returning
+  // them (the session's Forward must have used a registered weight).
+  bool accumulate_weight_grad = false;
 };
 
 struct RemoteGradients {
-  HostTensor grad_hidden, grad_weight;
-  std::optional<HostTensor> grad_bias;
+  HostTensor grad_hidden;
+  std::optional<HostTensor> grad_weight, grad_bias;  // absent when accumulated
   CallTimes times;
+};
+
+// A registered weight's gradient sum, from TakeWeightGrad.
+struct WeightGrad {
+  v1::WeightInfo weight;
+  HostTensor grad_weight;
+  std::optional<HostTensor> grad_bias;
+  int64_t accumulated_backwards = 0;
 };
 
 // The wire request for `args` (tensor bytes copied in).
@@ -80,6 +97,17 @@ class LossClient {
   // True if a live session was freed.
   absl::StatusOr<bool> ReleaseSession(const std::string& session_id);
   absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
+
+  // Registers `weight` [V, H] (and `bias` [V]) under `name`, streamed in
+  // stream_chunk_bytes chunks with a CRC-32C; returns the new version.
+  absl::StatusOr<v1::WeightInfo> PutWeight(const std::string& name, const TensorView& weight,
+                                           const std::optional<TensorView>& bias);
+  absl::StatusOr<bool> DeleteWeight(const std::string& name);
+  absl::StatusOr<std::vector<v1::WeightInfo>> ListWeights();
+  // The accumulated gradient of a weight version (0: latest) in `dtype`
+  // (kFloat32 or the weight's dtype); resets the accumulator.
+  absl::StatusOr<WeightGrad> TakeWeightGrad(const std::string& name, int64_t version = 0,
+                                            DType dtype = DType::kFloat32);
   // grpc.health.v1 status of `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
       const std::string& service = "");

@@ -7,8 +7,8 @@
 
 namespace flce {
 
-LossCore::LossCore(LossEngine* engine, SessionStore* sessions)
-    : engine_(engine), sessions_(sessions) {}
+LossCore::LossCore(LossEngine* engine, SessionStore* sessions, WeightRegistry* weights)
+    : engine_(engine), sessions_(sessions), weights_(weights) {}
 
 BackwardMode LossCore::ResolveMode(const ForwardCall& call) const {
   if (call.requested_mode != BackwardMode::kAuto) return call.requested_mode;
@@ -43,6 +43,8 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     info.reduction = call.problem.options.reduction;
     info.rows = call.problem.rows();
     info.mode = spec.mode;
+    info.dtype = call.problem.hidden.dtype;
+    info.weight = call.weight_ref;
     outcome.mode = spec.mode;
     outcome.session_id = sessions_->Commit(std::move(reservation),
                                            std::move(outcome.result.saved), info,
@@ -51,22 +53,42 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
   return outcome;
 }
 
-absl::StatusOr<Gradients> LossCore::Backward(const BackwardCall& call,
-                                             const std::string& principal,
-                                             const CancelFn& cancelled) {
+absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
+                                                   const std::string& principal,
+                                                   const CancelFn& cancelled) {
   FLCE_ASSIGN_OR_RETURN(SessionLease lease,
                         sessions_->Acquire(call.session_id, principal));
-  if (absl::Status status = CheckGradOutput(call, lease.info); !status.ok()) {
+  absl::Status status = CheckGradOutput(call, lease.info);
+  if (status.ok() && call.accumulate_weight_grad && lease.info.weight == nullptr) {
+    status = absl::FailedPreconditionError(absl::StrCat(
+        "accumulate_weight_grad: session ", call.session_id.substr(0, 8),
+        "… was made from a weight tensor, not a weight_ref; there is no accumulator"));
+  }
+  if (!status.ok()) {
     sessions_->Finish(lease, /*consume=*/false);
     return status;
   }
   BackwardSpec spec;
   if (call.grad_output) spec.grad_output = call.grad_output->view();
-  spec.grad_dtype = call.grad_dtype;
+  // The accumulator sums fp32 gradients; dX is narrowed afterwards.
+  spec.grad_dtype = call.accumulate_weight_grad ? DType::kFloat32 : call.grad_dtype;
   spec.last_use = !call.keep_session;
   absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
   sessions_->Finish(lease, /*consume=*/grads.ok() && !call.keep_session);
-  return grads;
+  if (!grads.ok()) return grads.status();
+  BackwardOutcome outcome;
+  if (call.accumulate_weight_grad) {
+    lease.info.weight->AccumulateGrad(grads->grad_weight, grads->grad_bias);
+    const DType dtype = call.grad_dtype.value_or(lease.info.dtype);
+    outcome.grad_hidden = HostTensor(dtype, grads->grad_hidden.shape);
+    FromFloat(dtype, grads->grad_hidden.data_as<float>(), grads->grad_hidden.num_elements(),
+              &outcome.grad_hidden.data[0]);
+    return outcome;
+  }
+  outcome.grad_hidden = std::move(grads->grad_hidden);
+  outcome.grad_weight = std::move(grads->grad_weight);
+  outcome.grad_bias = std::move(grads->grad_bias);
+  return outcome;
 }
 
 bool LossCore::Release(const std::string& session_id, const std::string& principal) {

@@ -11,6 +11,7 @@
 #include "kernels/loss_engine.h"
 #include "server/request_validation.h"
 #include "server/session_store.h"
+#include "server/weight_registry.h"
 
 namespace flce {
 
@@ -20,10 +21,16 @@ struct ForwardOutcome {
   BackwardMode mode = BackwardMode::kAuto;  // resolved; kAuto without a session
 };
 
+struct BackwardOutcome {
+  HostTensor grad_hidden;
+  // Absent when they were added into the registered weight's accumulator.
+  std::optional<HostTensor> grad_weight, grad_bias;
+};
+
 class LossCore {
  public:
-  // `engine` and `sessions` must outlive this.
-  LossCore(LossEngine* engine, SessionStore* sessions);
+  // The pointers must outlive this.
+  LossCore(LossEngine* engine, SessionStore* sessions, WeightRegistry* weights);
 
   // AUTO resolves to RECOMPUTE for reduction none or when STORE_GRADS would
   // not fit the session budget but RECOMPUTE would; else STORE_GRADS.
@@ -34,8 +41,9 @@ class LossCore {
                                          const CancelFn& cancelled);
 
   // On success the session is consumed unless keep_session; on failure it
-  // stays as it was.
-  absl::StatusOr<Gradients> Backward(const BackwardCall& call,
+  // stays as it was. With accumulate_weight_grad, dW and db go into the
+  // session's registered weight (FAILED_PRECONDITION without one).
+  absl::StatusOr<BackwardOutcome> Backward(const BackwardCall& call,
                                      const std::string& principal,
                                      const CancelFn& cancelled);
 
@@ -43,10 +51,12 @@ class LossCore {
 
   LossEngine& engine() const { return *engine_; }
   SessionStore& sessions() const { return *sessions_; }
+  WeightRegistry& weights() const { return *weights_; }
 
  private:
   LossEngine* const engine_;
   SessionStore* const sessions_;
+  WeightRegistry* const weights_;
 };
 
 }  // namespace flce

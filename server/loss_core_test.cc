@@ -17,7 +17,7 @@ class LossCoreTest : public ::testing::Test {
 
   void Remake(SessionLimits limits) {
     sessions_ = std::make_unique<SessionStore>(limits);
-    core_ = std::make_unique<LossCore>(&engine_, sessions_.get());
+    core_ = std::make_unique<LossCore>(&engine_, sessions_.get(), &weights_);
   }
 
   ForwardCall Call(Reduction reduction, BackwardMode mode) {
@@ -36,6 +36,7 @@ class LossCoreTest : public ::testing::Test {
   }
 
   CpuEngine engine_;
+  WeightRegistry weights_{int64_t{1} << 30};
   std::unique_ptr<SessionStore> sessions_;
   std::unique_ptr<LossCore> core_;
   OwnedProblem problem_;

@@ -29,6 +29,9 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(
         "--max_sessions and --session_memory_bytes must be >= 0");
   }
+  if (o.weight_memory_bytes < 0) {
+    return absl::InvalidArgumentError("--weight_memory_bytes must be >= 0");
+  }
   if (o.sessions.ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--session_ttl: ", absl::FormatDuration(o.sessions.ttl), "; expected > 0"));
@@ -50,7 +53,9 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   s->options_ = options;
   FLCE_ASSIGN_OR_RETURN(s->engine_, CreateEngine(options.backend, options.engine));
   s->sessions_ = std::make_unique<SessionStore>(options.sessions);
-  s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get());
+  s->weights_ = std::make_unique<WeightRegistry>(options.weight_memory_bytes);
+  s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get(),
+                                        s->weights_.get());
   s->queue_ = std::make_unique<WorkQueue>(options.workers, options.max_queued_requests);
   LossServer* raw = s.get();
   s->service_ = std::make_unique<LossServiceImpl>(
@@ -80,9 +85,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   SPDLOG_INFO("flce {} listening on port {} ({}), backend={} device=\"{}\"", kVersion,
               s->port_, options.listen_address, s->engine_->backend(), devices);
   SPDLOG_INFO(
-      "limits: max_sessions={} session_memory_bytes={} session_ttl={} workers={} "
-      "max_queued_requests={} max_message_bytes={}",
+      "limits: max_sessions={} session_memory_bytes={} weight_memory_bytes={} session_ttl={} "
+      "workers={} max_queued_requests={} max_message_bytes={}",
       options.sessions.max_sessions, options.sessions.memory_budget_bytes,
+      options.weight_memory_bytes,
       absl::FormatDuration(options.sessions.ttl), options.workers,
       options.max_queued_requests, options.max_message_bytes);
   return s;

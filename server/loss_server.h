@@ -17,6 +17,7 @@
 #include "server/loss_core.h"
 #include "server/loss_service.h"
 #include "server/session_store.h"
+#include "server/weight_registry.h"
 #include "server/work_queue.h"
 
 namespace flce {
@@ -26,6 +27,8 @@ struct ServerOptions {
   std::string listen_address = "0.0.0.0:50051";
   std::string backend = "auto";  // auto, cuda or cpu
   SessionLimits sessions;
+  // Budget of the registered weights' bytes (latest versions).
+  int64_t weight_memory_bytes = int64_t{32} << 30;
   int workers = 1;               // concurrent engine calls
   int max_queued_requests = 64;  // waiting beyond the running ones
   int64_t max_message_bytes = int64_t{256} << 20;
@@ -61,6 +64,7 @@ class LossServer {
   ServerOptions options_;
   std::unique_ptr<LossEngine> engine_;
   std::unique_ptr<SessionStore> sessions_;
+  std::unique_ptr<WeightRegistry> weights_;
   std::unique_ptr<LossCore> core_;
   std::unique_ptr<WorkQueue> queue_;
   std::unique_ptr<LossServiceImpl> service_;

@@ -1,14 +1,20 @@
 #include "server/loss_service.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <new>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "proto/codec.h"
+#include "proto/crc32c.h"
+#include "kernels/status_macros.h"
 #include "server/version.h"
 #include "spdlog/spdlog.h"
 
@@ -116,7 +122,8 @@ absl::Status LossServiceImpl::Explain(absl::Status status,
 grpc::ServerUnaryReactor* LossServiceImpl::Forward(
     grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
     v1::ForwardResponse* response) {
-  absl::StatusOr<ForwardCall> call = DecodeForward(*request);
+  absl::StatusOr<ForwardCall> call =
+      DecodeForward(*request, core_->weights(), PrincipalOf(context));
   if (!call.ok()) return Reject(context, "Forward", call.status());
   auto detail = std::make_shared<std::string>(ProblemDetail(call->problem));
   LossCore* core = core_;
@@ -164,13 +171,15 @@ grpc::ServerUnaryReactor* LossServiceImpl::Backward(
   return Run(context, queue_, "Backward", detail,
              [=, call = *std::move(call)](absl::Time start) -> absl::Status {
                const absl::Time engine_start = absl::Now();
-               absl::StatusOr<Gradients> grads =
+               absl::StatusOr<BackwardOutcome> grads =
                    core->Backward(call, PrincipalOf(context), CancelFor(context));
                if (!grads.ok()) return this->Explain(grads.status(), context);
                MoveToProto(std::move(grads->grad_hidden),
                            response->mutable_grad_hidden());
-               MoveToProto(std::move(grads->grad_weight),
-                           response->mutable_grad_weight());
+               if (grads->grad_weight) {
+                 MoveToProto(std::move(*grads->grad_weight),
+                             response->mutable_grad_weight());
+               }
                if (grads->grad_bias) {
                  MoveToProto(std::move(*grads->grad_bias),
                              response->mutable_grad_bias());
@@ -215,11 +224,272 @@ grpc::ServerUnaryReactor* LossServiceImpl::GetServerInfo(
   limits->set_max_queued_requests(queue_->max_queued());
   response->set_live_sessions(sessions.live_sessions());
   response->set_session_memory_bytes(sessions.bytes_in_use());
+  response->set_weight_memory_bytes(core_->weights().bytes_in_use());
+  limits->set_weight_memory_budget_bytes(core_->weights().memory_budget_bytes());
   response->set_running_requests(queue_->running());
   response->set_queued_requests(queue_->queued());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+namespace {
+
+void FillWeightInfo(const RegisteredWeight& w, v1::WeightInfo* info) {
+  info->set_name(w.name());
+  info->set_version(w.version());
+  info->set_dtype(ToProto(w.weight().dtype));
+  info->mutable_shape()->Assign(w.weight().shape.begin(), w.weight().shape.end());
+  info->set_has_bias(w.bias().has_value());
+  info->set_bytes(w.bytes());
+  info->set_accumulated_backwards(w.accumulated_backwards());
+}
+
+// PutWeight: the header chunk sizes the tensors, later chunks fill them in
+// order, and the end of the stream checks the length and CRC-32C before the
+// weight is registered. Nothing is registered from a broken stream.
+class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
+ public:
+  PutWeightReactor(grpc::CallbackServerContext* context, WeightRegistry* weights,
+                   v1::PutWeightResponse* response)
+      : context_(context), weights_(weights), response_(response), start_(absl::Now()) {
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::Status status;
+    if (!ok) {
+      status = context_->IsCancelled() ? absl::CancelledError("cancelled by the client")
+                                       : Register();
+    } else {
+      status = Take();
+      if (status.ok()) {
+        StartRead(&chunk_);
+        return;
+      }
+    }
+    LogRpc("PutWeight", detail_, status, start_);
+    Finish(ToGrpcStatus(status));
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Take() {
+    if (!started_) {
+      if (!chunk_.has_header()) return absl::InvalidArgumentError("header: required on the first chunk");
+      FLCE_RETURN_IF_ERROR(Start(chunk_.header()));
+    } else if (chunk_.has_header()) {
+      return absl::InvalidArgumentError("header: only the first chunk carries one");
+    }
+    const std::string& data = chunk_.data();
+    if (received_ + static_cast<int64_t>(data.size()) > total_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data: more bytes than the header's ", total_, " (", received_ + data.size(),
+          " so far)"));
+    }
+    // W's bytes first, then b's.
+    size_t from = 0;
+    const int64_t w_bytes = static_cast<int64_t>(weight_.data.size());
+    if (received_ < w_bytes) {
+      const size_t n = std::min<size_t>(data.size(), static_cast<size_t>(w_bytes - received_));
+      std::memcpy(&weight_.data[received_], data.data(), n);
+      from = n;
+    }
+    if (from < data.size()) {
+      std::memcpy(&bias_->data[received_ + from - w_bytes], data.data() + from,
+                  data.size() - from);
+    }
+    crc_ = Crc32c(crc_, data.data(), data.size());
+    received_ += static_cast<int64_t>(data.size());
+    return absl::OkStatus();
+  }
+
+  absl::Status Start(const v1::WeightHeader& h) {
+    started_ = true;
+    name_ = h.name();
+    expected_crc_ = h.crc32c();
+    detail_ = absl::StrCat("weight=", name_, " ");
+    FLCE_ASSIGN_OR_RETURN(const DType dtype, FromProto(h.dtype(), "header.dtype"));
+    if (!IsFloating(dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.dtype: ", DTypeName(dtype), " not supported; expected bf16, fp16 or fp32"));
+    }
+    const std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
+    if (shape.size() != 2 || shape[0] < 1 || shape[1] < 1 ||
+        shape[0] > (int64_t{1} << 40) / shape[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.shape: expected [V, H] with V, H >= 1, got ", ShapeString(shape)));
+    }
+    const int64_t elem = DTypeSize(dtype);
+    total_ = (shape[0] * shape[1] + (h.has_bias() ? shape[0] : 0)) * elem;
+    if (weights_->bytes_in_use() + total_ > weights_->memory_budget_bytes()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "weight memory: ", name_, " needs ", total_, " bytes, ", weights_->bytes_in_use(),
+          " of the budget of ", weights_->memory_budget_bytes(), " bytes are in use"));
+    }
+    try {
+      weight_ = HostTensor(dtype, shape);
+      if (h.has_bias()) bias_ = HostTensor(dtype, {shape[0]});
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("weight memory: cannot allocate ", total_, " bytes for ", name_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Register() {
+    if (!started_) return absl::InvalidArgumentError("header: the stream carried no chunk");
+    if (received_ != total_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("data: received ", received_, " of the header's ", total_, " bytes"));
+    }
+    if (crc_ != expected_crc_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "header.crc32c: the bytes received have CRC-32C %08x, the header says %08x", crc_,
+          expected_crc_));
+    }
+    FLCE_ASSIGN_OR_RETURN(
+        std::shared_ptr<RegisteredWeight> registered,
+        weights_->Put(name_, PrincipalOf(context_), std::move(weight_), std::move(bias_)));
+    FillWeightInfo(*registered, response_->mutable_weight());
+    detail_ = absl::StrCat("weight=", name_, " version=", registered->version(), " bytes=",
+                           total_, " ");
+    return absl::OkStatus();
+  }
+
+  grpc::CallbackServerContext* const context_;
+  WeightRegistry* const weights_;
+  v1::PutWeightResponse* const response_;
+  const absl::Time start_;
+  v1::PutWeightChunk chunk_;
+  bool started_ = false;
+  std::string name_, detail_;
+  HostTensor weight_;
+  std::optional<HostTensor> bias_;
+  int64_t total_ = 0, received_ = 0;
+  uint32_t crc_ = 0, expected_crc_ = 0;
+};
+
+// TakeWeightGrad: takes the accumulated gradient, narrows it to the asked
+// dtype, and streams it in chunks; if the stream breaks, the gradient goes
+// back into the accumulator.
+class TakeGradReactor : public grpc::ServerWriteReactor<v1::WeightGradChunk> {
+ public:
+  TakeGradReactor(grpc::CallbackServerContext* context, WeightRegistry* weights,
+                  const v1::TakeWeightGradRequest* request, int64_t chunk_bytes)
+      : chunk_bytes_(chunk_bytes), start_(absl::Now()) {
+    detail_ = absl::StrCat("weight=", request->weight().name(), " ");
+    absl::Status status = Prepare(*weights, *request, PrincipalOf(context));
+    if (!status.ok()) {
+      Done(status);
+      return;
+    }
+    Next();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      // The client is gone: keep the gradient for the next TakeWeightGrad.
+      weight_->RestoreGrad(std::move(grad_));
+      Done(absl::CancelledError("the stream broke; the gradient stays accumulated"));
+      return;
+    }
+    Next();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Prepare(const WeightRegistry& weights, const v1::TakeWeightGradRequest& r,
+                       const std::string& principal) {
+    FLCE_ASSIGN_OR_RETURN(weight_, weights.Get(r.weight().name(), r.weight().version(), principal));
+    DType dtype = DType::kFloat32;
+    if (r.dtype() != v1::DTYPE_UNSPECIFIED) {
+      FLCE_ASSIGN_OR_RETURN(dtype, FromProto(r.dtype(), "dtype"));
+      if (dtype != DType::kFloat32 && dtype != weight_->weight().dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "dtype: ", DTypeName(dtype), " not supported; expected fp32 or the weight's ",
+            DTypeName(weight_->weight().dtype)));
+      }
+    }
+    FLCE_ASSIGN_OR_RETURN(grad_, weight_->TakeGrad());
+    const int64_t elem = DTypeSize(dtype);
+    const int64_t dw = grad_.dw.num_elements();
+    const int64_t db = grad_.db ? grad_.db->num_elements() : 0;
+    payload_.resize(static_cast<size_t>((dw + db) * elem));
+    FromFloat(dtype, grad_.dw.data_as<float>(), dw, &payload_[0]);
+    if (grad_.db) FromFloat(dtype, grad_.db->data_as<float>(), db, &payload_[dw * elem]);
+    v1::WeightGradHeader* header = chunk_.mutable_header();
+    FillWeightInfo(*weight_, header->mutable_weight());
+    header->set_dtype(ToProto(dtype));
+    header->set_accumulated_backwards(grad_.backwards);
+    detail_ = absl::StrCat("weight=", weight_->name(), " version=", weight_->version(),
+                           " backwards=", grad_.backwards, " ");
+    return absl::OkStatus();
+  }
+
+  void Next() {
+    if (sent_header_ && offset_ >= payload_.size()) {
+      Done(absl::OkStatus());
+      return;
+    }
+    if (sent_header_) chunk_.clear_header();
+    const size_t n = std::min(payload_.size() - offset_, static_cast<size_t>(chunk_bytes_));
+    chunk_.set_data(payload_.data() + offset_, n);
+    offset_ += n;
+    sent_header_ = true;
+    StartWrite(&chunk_);
+  }
+
+  void Done(const absl::Status& status) {
+    LogRpc("TakeWeightGrad", detail_, status, start_);
+    Finish(ToGrpcStatus(status));
+  }
+
+  const int64_t chunk_bytes_;
+  const absl::Time start_;
+  std::string detail_;
+  std::shared_ptr<RegisteredWeight> weight_;
+  RegisteredWeight::Grad grad_;
+  std::string payload_;
+  size_t offset_ = 0;
+  bool sent_header_ = false;
+  v1::WeightGradChunk chunk_;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<v1::PutWeightChunk>* LossServiceImpl::PutWeight(
+    grpc::CallbackServerContext* context, v1::PutWeightResponse* response) {
+  return new PutWeightReactor(context, &core_->weights(), response);
+}
+
+grpc::ServerUnaryReactor* LossServiceImpl::DeleteWeight(grpc::CallbackServerContext* context,
+                                                        const v1::DeleteWeightRequest* request,
+                                                        v1::DeleteWeightResponse* response) {
+  const absl::Time start = absl::Now();
+  response->set_deleted(core_->weights().Delete(request->name(), PrincipalOf(context)));
+  LogRpc("DeleteWeight", absl::StrCat("weight=", request->name(), " "), absl::OkStatus(), start);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* LossServiceImpl::ListWeights(grpc::CallbackServerContext* context,
+                                                       const v1::ListWeightsRequest*,
+                                                       v1::ListWeightsResponse* response) {
+  for (const auto& weight : core_->weights().List(PrincipalOf(context))) {
+    FillWeightInfo(*weight, response->add_weights());
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerWriteReactor<v1::WeightGradChunk>* LossServiceImpl::TakeWeightGrad(
+    grpc::CallbackServerContext* context, const v1::TakeWeightGradRequest* request) {
+  return new TakeGradReactor(context, &core_->weights(), request, limits_.stream_chunk_bytes);
 }
 
 }  // namespace flce

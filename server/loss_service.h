@@ -20,6 +20,8 @@ namespace flce {
 
 struct ServiceLimits {
   int64_t max_message_bytes = 0;
+  // Bytes per WeightGradChunk that TakeWeightGrad streams.
+  int64_t stream_chunk_bytes = int64_t{4} << 20;
 };
 
 class LossServiceImpl final : public v1::LossService::CallbackService {
@@ -43,6 +45,17 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::GetServerInfoRequest* request,
       v1::GetServerInfoResponse* response) override;
+  grpc::ServerReadReactor<v1::PutWeightChunk>* PutWeight(
+      grpc::CallbackServerContext* context, v1::PutWeightResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteWeight(grpc::CallbackServerContext* context,
+                                         const v1::DeleteWeightRequest* request,
+                                         v1::DeleteWeightResponse* response) override;
+  grpc::ServerUnaryReactor* ListWeights(grpc::CallbackServerContext* context,
+                                        const v1::ListWeightsRequest* request,
+                                        v1::ListWeightsResponse* response) override;
+  grpc::ServerWriteReactor<v1::WeightGradChunk>* TakeWeightGrad(
+      grpc::CallbackServerContext* context,
+      const v1::TakeWeightGradRequest* request) override;
 
  private:
   // Context for an engine error: deadline vs cancellation, INTERNAL logged

@@ -20,6 +20,8 @@ ABSL_FLAG(std::string, backend, "auto", "auto, cuda or cpu");
 ABSL_FLAG(int64_t, max_sessions, 1024, "most live sessions at once");
 ABSL_FLAG(int64_t, session_memory_bytes, int64_t{16} << 30,
           "memory budget for all sessions' saved state, in bytes");
+ABSL_FLAG(int64_t, weight_memory_bytes, int64_t{32} << 30,
+          "memory budget for registered weights (PutWeight), in bytes");
 ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
           "idle time after which a session expires");
 ABSL_FLAG(int, workers, 1, "engine calls run concurrently");
@@ -66,6 +68,7 @@ int main(int argc, char** argv) {
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
   options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl);
+  options.weight_memory_bytes = absl::GetFlag(FLAGS_weight_memory_bytes);
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

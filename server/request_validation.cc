@@ -93,7 +93,9 @@ absl::Status CheckTargets(const T* t, int64_t n, int64_t v, int64_t ignore_index
 
 }  // namespace
 
-absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r) {
+absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
+                                          const WeightRegistry& weights,
+                                          const std::string& principal) {
   ForwardCall call;
   LossProblem& p = call.problem;
   FLCE_ASSIGN_OR_RETURN(p.hidden, Required(r.has_hidden(), r.hidden(), "hidden"));
@@ -105,10 +107,26 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r) {
   const int64_t n = p.hidden.dim(0), h = p.hidden.dim(1);
   if (h == 0) return Invalid("hidden: H is 0; expected H >= 1");
 
-  if (r.weight_source_case() != v1::ForwardRequest::kWeight) {
-    return Invalid("weight: required");
+  switch (r.weight_source_case()) {
+    case v1::ForwardRequest::kWeight: {
+      FLCE_ASSIGN_OR_RETURN(p.weight, ViewOf(r.weight(), "weight"));
+      break;
+    }
+    case v1::ForwardRequest::kWeightRef: {
+      FLCE_ASSIGN_OR_RETURN(
+          call.weight_ref,
+          weights.Get(r.weight_ref().name(), r.weight_ref().version(), principal));
+      if (r.has_bias()) {
+        return Invalid("bias: must be absent with weight_ref (the registered weight's bias "
+                       "is used)");
+      }
+      p.weight = call.weight_ref->weight().view();
+      if (call.weight_ref->bias()) p.bias = call.weight_ref->bias()->view();
+      break;
+    }
+    default:
+      return Invalid("weight: required (a tensor or a weight_ref)");
   }
-  FLCE_ASSIGN_OR_RETURN(p.weight, ViewOf(r.weight(), "weight"));
   FLCE_RETURN_IF_ERROR(CheckSameDType(p.weight, "weight", p.hidden.dtype));
   if (p.weight.shape.size() != 2) {
     return Invalid(absl::StrCat("weight: expected rank 2 [V, H], got shape ",
@@ -185,6 +203,7 @@ absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& r) {
   if (r.session_id().empty()) return Invalid("session_id: required");
   call.session_id = r.session_id();
   call.keep_session = r.keep_session();
+  call.accumulate_weight_grad = r.accumulate_weight_grad();
   if (r.has_grad_output()) {
     FLCE_ASSIGN_OR_RETURN(TensorView g, ViewOf(r.grad_output(), "grad_output"));
     FLCE_RETURN_IF_ERROR(CheckFloating(g, "grad_output"));

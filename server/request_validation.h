@@ -13,6 +13,7 @@
 #include "kernels/loss_engine.h"
 #include "proto/flce/v1/loss_service.pb.h"
 #include "server/session_store.h"
+#include "server/weight_registry.h"
 
 namespace flce {
 
@@ -20,13 +21,19 @@ namespace flce {
 // outlive this.
 struct ForwardCall {
   LossProblem problem;
+  // The registered weight the problem's weight (and bias) views point into,
+  // when the request named one.
+  std::shared_ptr<RegisteredWeight> weight_ref;
   bool need_backward = false;
   BackwardMode requested_mode = BackwardMode::kAuto;
   bool want_lse = false;
   bool want_per_row_loss = false;
 };
 
-absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& request);
+// Registered weights are looked up in `weights` for `principal`.
+absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& request,
+                                          const WeightRegistry& weights,
+                                          const std::string& principal);
 
 // A checked Backward request; grad_output converted to fp32.
 struct BackwardCall {
@@ -34,6 +41,7 @@ struct BackwardCall {
   std::optional<HostTensor> grad_output;
   bool keep_session = false;
   std::optional<DType> grad_dtype;
+  bool accumulate_weight_grad = false;
 };
 
 absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& request);

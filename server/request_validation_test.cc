@@ -39,15 +39,16 @@ class RequestValidationTest : public ::testing::Test {
   absl::Status Decode(const std::function<void(v1::ForwardRequest&)>& mutate) {
     v1::ForwardRequest r = valid_;
     mutate(r);
-    return DecodeForward(r).status();
+    return DecodeForward(r, weights_, "").status();
   }
 
   OwnedProblem problem_;
   v1::ForwardRequest valid_;
+  WeightRegistry weights_{int64_t{1} << 30};
 };
 
 TEST_F(RequestValidationTest, ValidRequestDecodes) {
-  auto call = DecodeForward(valid_);
+  auto call = DecodeForward(valid_, weights_, "");
   ASSERT_TRUE(call.ok()) << call.status();
   EXPECT_EQ(call->problem.rows(), 5);
   EXPECT_EQ(call->problem.vocab(), 7);
@@ -199,6 +200,32 @@ TEST_F(RequestValidationTest, StoreGradsCannotServeReductionNone) {
                 r.set_backward_mode(v1::BACKWARD_MODE_STORE_GRADS);
                 r.set_need_backward(false);
               }).ok());
+}
+
+TEST_F(RequestValidationTest, WeightRefIsResolvedAndChecked) {
+  auto registered = weights_.Put("head", "", HostTensor(problem_.weight), problem_.bias);
+  ASSERT_TRUE(registered.ok());
+  v1::ForwardRequest r = valid_;
+  r.mutable_weight_ref()->set_name("head");
+  EXPECT_THAT(DecodeForward(r, weights_, ""),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bias: must be absent")));
+  r.clear_bias();
+  auto call = DecodeForward(r, weights_, "");
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_EQ(call->weight_ref, *registered);
+  EXPECT_EQ(call->problem.weight.data, (*registered)->weight().data.data());
+  EXPECT_TRUE(call->problem.bias.has_value());
+  r.mutable_weight_ref()->set_version(7);
+  EXPECT_THAT(DecodeForward(r, weights_, ""),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("version 7")));
+  r.mutable_weight_ref()->set_name("other");
+  EXPECT_THAT(DecodeForward(r, weights_, ""),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no weight named 'other'")));
+  // Another principal does not see it.
+  r.mutable_weight_ref()->set_name("head");
+  r.mutable_weight_ref()->set_version(0);
+  EXPECT_THAT(DecodeForward(r, weights_, "mallory"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no weight named")));
 }
 
 TEST(DecodeBackwardTest, ChecksSessionIdAndGradDType) {

@@ -28,6 +28,8 @@
 
 namespace flce {
 
+class RegisteredWeight;
+
 struct SessionLimits {
   int64_t max_sessions = 1024;
   int64_t memory_budget_bytes = int64_t{16} << 30;
@@ -39,6 +41,9 @@ struct SessionInfo {
   Reduction reduction = Reduction::kMean;
   int64_t rows = 0;
   BackwardMode mode = BackwardMode::kStoreGrads;
+  DType dtype = DType::kFloat32;  // of the inputs
+  // The registered weight version the Forward used (kept alive), if any.
+  std::shared_ptr<RegisteredWeight> weight;
 };
 
 class SessionStore;

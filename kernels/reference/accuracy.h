@@ -5,6 +5,7 @@
 // bar: relative L2 error no worse than 1.5× that of the plain same-dtype
 // computation (and ≤ 1e-5 for fp32 inputs).
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,11 @@ struct EngineOutputs {
   std::vector<float> grad_hidden, grad_weight, grad_bias;
 };
 
+inline std::vector<float> FloatsOf(const HostTensor& t) { return TensorToFloats(t.view()); }
+inline std::vector<float> FloatsOf(const std::optional<HostTensor>& t) {
+  return t ? TensorToFloats(t->view()) : std::vector<float>();
+}
+
 // Collects the floats of a Forward result and, when given, its gradients.
 // Works for any result types with the engine's field names (ForwardResult
 // and Gradients, or the client's RemoteForward and RemoteGradients).
@@ -34,9 +40,9 @@ EngineOutputs CollectOutputs(const ForwardLike& fwd, const GradientsLike* grads)
   out.num_valid = fwd.num_valid;
   if (grads != nullptr) {
     out.has_gradients = true;
-    out.grad_hidden = TensorToFloats(grads->grad_hidden.view());
-    out.grad_weight = TensorToFloats(grads->grad_weight.view());
-    if (grads->grad_bias) out.grad_bias = TensorToFloats(grads->grad_bias->view());
+    out.grad_hidden = FloatsOf(grads->grad_hidden);
+    out.grad_weight = FloatsOf(grads->grad_weight);
+    out.grad_bias = FloatsOf(grads->grad_bias);
   }
   return out;
 }

@@ -1,0 +1,154 @@
+#include "server/weight_registry.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace flce {
+namespace {
+
+bool ValidName(const std::string& name) {
+  if (name.empty() || name.size() > 128) return false;
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+void AddInto(HostTensor& sum, const HostTensor& term) {
+  float* s = sum.mutable_data<float>();
+  const float* t = term.data_as<float>();
+  for (int64_t i = 0; i < sum.num_elements(); ++i) s[i] += t[i];
+}
+
+// Keyed by principal and name, so principals never see each other's names.
+std::string Key(const std::string& principal, const std::string& name) {
+  return absl::StrCat(principal.size(), ":", principal, name);
+}
+
+}  // namespace
+
+RegisteredWeight::RegisteredWeight(std::string name, int64_t version, std::string principal,
+                                   HostTensor weight, std::optional<HostTensor> bias)
+    : name_(std::move(name)),
+      version_(version),
+      principal_(std::move(principal)),
+      weight_(std::move(weight)),
+      bias_(std::move(bias)) {}
+
+int64_t RegisteredWeight::bytes() const {
+  return static_cast<int64_t>(weight_.data.size() + (bias_ ? bias_->data.size() : 0));
+}
+
+void RegisteredWeight::AccumulateGrad(const HostTensor& dw, const std::optional<HostTensor>& db) {
+  absl::MutexLock lock(&mu_);
+  if (!grad_) {
+    grad_.emplace();
+    grad_->dw = dw;
+    if (db) grad_->db = *db;
+  } else {
+    AddInto(grad_->dw, dw);
+    if (db && grad_->db) AddInto(*grad_->db, *db);
+  }
+  ++grad_->backwards;
+}
+
+absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad() {
+  absl::MutexLock lock(&mu_);
+  if (!grad_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "weight ", name_, " version ", version_,
+        ": no gradient accumulated (Backward with accumulate_weight_grad adds one)"));
+  }
+  Grad grad = std::move(*grad_);
+  grad_.reset();
+  return grad;
+}
+
+void RegisteredWeight::RestoreGrad(Grad grad) {
+  absl::MutexLock lock(&mu_);
+  if (!grad_) {
+    grad_ = std::move(grad);
+    return;
+  }
+  AddInto(grad_->dw, grad.dw);
+  if (grad.db && grad_->db) AddInto(*grad_->db, *grad.db);
+  grad_->backwards += grad.backwards;
+}
+
+int64_t RegisteredWeight::accumulated_backwards() const {
+  absl::MutexLock lock(&mu_);
+  return grad_ ? grad_->backwards : 0;
+}
+
+WeightRegistry::WeightRegistry(int64_t memory_budget_bytes) : budget_(memory_budget_bytes) {}
+
+absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
+    const std::string& name, const std::string& principal, HostTensor weight,
+    std::optional<HostTensor> bias) {
+  if (!ValidName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.name: '", name, "' must be 1-128 characters of [A-Za-z0-9_.-]"));
+  }
+  const int64_t bytes =
+      static_cast<int64_t>(weight.data.size() + (bias ? bias->data.size() : 0));
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(principal, name);
+  auto it = latest_.find(key);
+  const int64_t replaced = it == latest_.end() ? 0 : it->second->bytes();
+  if (bytes_ - replaced + bytes > budget_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "weight memory: ", name, " needs ", bytes, " bytes, ", bytes_ - replaced,
+        " of the budget of ", budget_, " bytes are in use"));
+  }
+  const int64_t version = ++last_version_[key];
+  auto registered = std::make_shared<RegisteredWeight>(name, version, principal,
+                                                       std::move(weight), std::move(bias));
+  bytes_ += bytes - replaced;
+  latest_[key] = registered;
+  return registered;
+}
+
+absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Get(
+    const std::string& name, int64_t version, const std::string& principal) const {
+  absl::MutexLock lock(&mu_);
+  auto it = latest_.find(Key(principal, name));
+  if (it == latest_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("weight_ref: no weight named '", name, "' (PutWeight registers one)"));
+  }
+  if (version != 0 && version != it->second->version()) {
+    return absl::NotFoundError(absl::StrCat("weight_ref: ", name, " version ", version,
+                                            " is not registered (the latest is version ",
+                                            it->second->version(), ")"));
+  }
+  return it->second;
+}
+
+bool WeightRegistry::Delete(const std::string& name, const std::string& principal) {
+  absl::MutexLock lock(&mu_);
+  auto it = latest_.find(Key(principal, name));
+  if (it == latest_.end()) return false;
+  bytes_ -= it->second->bytes();
+  latest_.erase(it);
+  return true;
+}
+
+std::vector<std::shared_ptr<RegisteredWeight>> WeightRegistry::List(
+    const std::string& principal) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<RegisteredWeight>> out;
+  for (const auto& [key, weight] : latest_) {
+    if (weight->principal() == principal) out.push_back(weight);
+  }
+  return out;
+}
+
+int64_t WeightRegistry::bytes_in_use() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+
+}  // namespace flce

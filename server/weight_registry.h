@@ -1,0 +1,102 @@
+#ifndef FLCE_SERVER_WEIGHT_REGISTRY_H_
+#define FLCE_SERVER_WEIGHT_REGISTRY_H_
+
+// Registered weights: W [V, H] (and optional b [V]) stored once under a name
+// and referenced by Forward, with versions and a server-side fp32 gradient
+// accumulator per version.
+//
+// - Each Put of a name makes version previous + 1 the latest; Get of an
+//   older version is NOT_FOUND ("replaced by version k"). A version lives on
+//   as long as something holds it (a session made from it, a call in flight).
+// - Names belong to the principal that put them; another principal sees
+//   NOT_FOUND.
+// - A memory budget bounds the registered bytes (the latest versions);
+//   RESOURCE_EXHAUSTED with the numbers past it.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/tensor.h"
+
+namespace flce {
+
+class RegisteredWeight {
+ public:
+  RegisteredWeight(std::string name, int64_t version, std::string principal,
+                   HostTensor weight, std::optional<HostTensor> bias);
+
+  const std::string& name() const { return name_; }
+  int64_t version() const { return version_; }
+  const std::string& principal() const { return principal_; }
+  const HostTensor& weight() const { return weight_; }
+  const std::optional<HostTensor>& bias() const { return bias_; }
+  int64_t bytes() const;
+
+  // Adds fp32 gradients (dW [V, H], db [V] iff the weight has a bias).
+  // REQUIRES: shapes match the weight's.
+  void AccumulateGrad(const HostTensor& dw, const std::optional<HostTensor>& db);
+
+  struct Grad {
+    HostTensor dw;                 // fp32 [V, H]
+    std::optional<HostTensor> db;  // fp32 [V]
+    int64_t backwards = 0;         // calls summed
+  };
+  // The accumulated gradient, leaving the accumulator empty.
+  // FAILED_PRECONDITION when nothing was accumulated.
+  absl::StatusOr<Grad> TakeGrad();
+
+  // Puts a taken gradient back (its delivery failed), so nothing is lost.
+  void RestoreGrad(Grad grad);
+
+  int64_t accumulated_backwards() const;
+
+ private:
+  const std::string name_;
+  const int64_t version_;
+  const std::string principal_;
+  const HostTensor weight_;
+  const std::optional<HostTensor> bias_;
+  mutable absl::Mutex mu_;
+  std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
+};
+
+class WeightRegistry {
+ public:
+  explicit WeightRegistry(int64_t memory_budget_bytes);
+
+  // Validates the name ([A-Za-z0-9_.-], 1-128 characters; INVALID_ARGUMENT)
+  // and stores the weight as the name's next version.
+  absl::StatusOr<std::shared_ptr<RegisteredWeight>> Put(const std::string& name,
+                                                        const std::string& principal,
+                                                        HostTensor weight,
+                                                        std::optional<HostTensor> bias);
+
+  // `version` 0 is the latest.
+  absl::StatusOr<std::shared_ptr<RegisteredWeight>> Get(const std::string& name,
+                                                        int64_t version,
+                                                        const std::string& principal) const;
+
+  bool Delete(const std::string& name, const std::string& principal);
+  std::vector<std::shared_ptr<RegisteredWeight>> List(const std::string& principal) const;
+
+  int64_t bytes_in_use() const;
+  int64_t memory_budget_bytes() const { return budget_; }
+
+ private:
+  const int64_t budget_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<RegisteredWeight>> latest_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int64_t> last_version_ ABSL_GUARDED_BY(mu_);
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_SERVER_WEIGHT_REGISTRY_H_
