@@ -15,7 +15,9 @@
 #include "gtest/gtest.h"
 #include "kernels/reference/accuracy.h"
 #include "kernels/reference/random_problem.h"
+#include "kernels/reference/reference_loss.h"
 #include "proto/codec.h"
+#include "proto/crc32c.h"
 #include "server/engine_factory.h"
 #include "server/loss_server.h"
 #include "tests/status_matchers.h"
@@ -215,7 +217,7 @@ TEST_F(ServerTest, MeanOverNoValidRowsIsNaNAndNoRowsIsServed) {
   auto grads = client_->Backward(b);
   ASSERT_TRUE(grads.ok()) << grads.status();
   EXPECT_EQ(grads->grad_hidden.shape, std::vector<int64_t>({0, 4}));
-  for (float w : TensorToFloats(grads->grad_weight.view())) EXPECT_EQ(w, 0.0f);
+  for (float w : TensorToFloats(grads->grad_weight->view())) EXPECT_EQ(w, 0.0f);
 }
 
 // --- the error table -----------------------------------------------------
@@ -267,7 +269,7 @@ TEST_F(ServerTest, SecondBackwardIsFailedPreconditionUnlessKept) {
   b.keep_session = false;
   auto second = client_->Backward(b);
   ASSERT_TRUE(second.ok()) << second.status();
-  EXPECT_EQ(first->grad_weight.data, second->grad_weight.data);
+  EXPECT_EQ(first->grad_weight->data, second->grad_weight->data);
   EXPECT_THAT(client_->Backward(b),
               StatusIs(Code::kFailedPrecondition, HasSubstr("already consumed")));
   ExpectStillServing();
@@ -470,6 +472,200 @@ TEST_F(ServerTest, InfoAndHealth) {
   auto health = client_->CheckHealth("flce.v1.LossService");
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+// --- registered weights --------------------------------------------------
+
+// A client whose PutWeight streams small chunks, so a weight spans several.
+std::unique_ptr<LossClient> SmallChunkClient(const std::string& address) {
+  ClientOptions options;
+  options.stream_chunk_bytes = 1000;
+  return LossClient::Create(address, options);
+}
+
+TEST_F(ServerTest, ForwardByWeightRefMatchesForwardWithTheTensor) {
+  RandomProblemSpec spec;
+  spec.rows = 19;
+  spec.hidden = 13;
+  spec.vocab = 211;  // 211×13×4 bytes: 11 chunks of 1000
+  spec.bias = true;
+  spec.options.reduction = Reduction::kSum;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  auto client = SmallChunkClient(address_);
+  auto info = client->PutWeight("lm_head", p.weight.view(), p.bias->view());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->version(), 1);
+  EXPECT_EQ(info->bytes(), (211 * 13 + 211) * 4);
+  ForwardArgs inline_args = Args(p, /*need_backward=*/true, BackwardMode::kRecompute);
+  ForwardArgs ref_args = inline_args;
+  ref_args.weight_name = "lm_head";
+  auto a = client->Forward(inline_args);
+  auto b = client->Forward(ref_args);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  EXPECT_EQ(a->loss.data, b->loss.data);
+  BackwardArgs ba, bb;
+  ba.session_id = a->session_id;
+  bb.session_id = b->session_id;
+  auto ga = client->Backward(ba);
+  auto gb = client->Backward(bb);
+  ASSERT_TRUE(ga.ok() && gb.ok());
+  EXPECT_EQ(ga->grad_weight->data, gb->grad_weight->data);
+  EXPECT_EQ(ga->grad_bias->data, gb->grad_bias->data);
+  auto listed = client->ListWeights();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].name(), "lm_head");
+  EXPECT_EQ(client->GetServerInfo()->weight_memory_bytes(), info->bytes());
+}
+
+TEST_F(ServerTest, ANewVersionNeverDisturbsSessionsOfTheOldOne) {
+  RandomProblemSpec spec;
+  spec.rows = 7;
+  spec.hidden = 5;
+  spec.vocab = 31;
+  const OwnedProblem p1 = MakeRandomProblem(spec);
+  spec.seed = 2;
+  const OwnedProblem p2 = MakeRandomProblem(spec);
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    ASSERT_TRUE(client_->PutWeight("w", p1.weight.view(), std::nullopt).ok());
+    ForwardArgs args = Args(p1, true, mode);
+    args.weight_name = "w";
+    auto fwd = client_->Forward(args);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    auto v2 = client_->PutWeight("w", p2.weight.view(), std::nullopt);  // optimizer step
+    ASSERT_TRUE(v2.ok());
+    // The session still computes with the version it was made from.
+    BackwardArgs b;
+    b.session_id = fwd->session_id;
+    auto grads = client_->Backward(b);
+    ASSERT_TRUE(grads.ok()) << grads.status();
+    ForwardArgs reference = Args(p1, true, mode);
+    auto fwd_inline = client_->Forward(reference);
+    BackwardArgs bi;
+    bi.session_id = fwd_inline->session_id;
+    EXPECT_EQ(client_->Backward(bi)->grad_weight->data, grads->grad_weight->data);
+    // The old version can no longer be named.
+    args.weight_version = v2->version() - 1;
+    EXPECT_THAT(client_->Forward(args), StatusIs(Code::kNotFound, HasSubstr("is not registered")));
+  }
+}
+
+TEST_F(ServerTest, AccumulatingMicroBatchesEqualsOneConcatenatedBatch) {
+  RandomProblemSpec spec;
+  spec.rows = 24;
+  spec.hidden = 9;
+  spec.vocab = 97;
+  spec.bias = true;
+  spec.ignore_fraction = 0.1;
+  spec.options.reduction = Reduction::kSum;
+  const OwnedProblem whole = MakeRandomProblem(spec);
+  ASSERT_TRUE(client_->PutWeight("head", whole.weight.view(), whole.bias->view()).ok());
+  // Three micro-batches of 8 rows each, as views into the whole batch.
+  for (int k = 0; k < 3; ++k) {
+    ForwardArgs args = Args(whole);
+    args.weight_name = "head";
+    args.problem.hidden.shape = {8, 9};
+    args.problem.hidden.data = whole.hidden.data_as<char>() + k * 8 * 9 * 4;
+    args.problem.target.shape = {8};
+    args.problem.target.data = whole.target.data_as<char>() + k * 8 * 8;
+    auto fwd = client_->Forward(args);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    BackwardArgs b;
+    b.session_id = fwd->session_id;
+    b.accumulate_weight_grad = true;
+    auto grads = client_->Backward(b);
+    ASSERT_TRUE(grads.ok()) << grads.status();
+    EXPECT_FALSE(grads->grad_weight.has_value());
+    EXPECT_EQ(grads->grad_hidden.shape, std::vector<int64_t>({8, 9}));
+  }
+  auto acc = SmallChunkClient(address_)->TakeWeightGrad("head");
+  ASSERT_TRUE(acc.ok()) << acc.status();
+  EXPECT_EQ(acc->accumulated_backwards, 3);
+  auto fwd = client_->Forward(Args(whole));
+  BackwardArgs b;
+  b.session_id = fwd->session_id;
+  b.grad_dtype = DType::kFloat32;
+  auto one = client_->Backward(b);
+  ASSERT_TRUE(one.ok());
+  const std::vector<float> expected_w = TensorToFloats(one->grad_weight->view());
+  EXPECT_LT(RelativeL2Error(TensorToFloats(acc->grad_weight.view()),
+                            std::vector<double>(expected_w.begin(), expected_w.end())),
+            1e-6);
+  const std::vector<float> expected_b = TensorToFloats(one->grad_bias->view());
+  EXPECT_LT(RelativeL2Error(TensorToFloats(acc->grad_bias->view()),
+                            std::vector<double>(expected_b.begin(), expected_b.end())),
+            1e-6);
+  // Taking resets the accumulator.
+  EXPECT_THAT(client_->TakeWeightGrad("head"),
+              StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient accumulated")));
+}
+
+TEST_F(ServerTest, WeightErrorsHaveTheirCodes) {
+  OwnedProblem p = Problem(4, 3, 6);
+  // Accumulating needs a registered weight.
+  auto fwd = client_->Forward(Args(p));
+  BackwardArgs b;
+  b.session_id = fwd->session_id;
+  b.accumulate_weight_grad = true;
+  EXPECT_THAT(client_->Backward(b),
+              StatusIs(Code::kFailedPrecondition, HasSubstr("not a weight_ref")));
+  // Unknown names.
+  ForwardArgs args = Args(p);
+  args.weight_name = "nope";
+  EXPECT_THAT(client_->Forward(args), StatusIs(Code::kNotFound, HasSubstr("no weight named")));
+  EXPECT_THAT(client_->TakeWeightGrad("nope"), StatusIs(Code::kNotFound, HasSubstr("nope")));
+  EXPECT_EQ(*client_->DeleteWeight("nope"), false);
+  EXPECT_THAT(client_->PutWeight("has space", p.weight.view(), std::nullopt),
+              StatusIs(Code::kInvalidArgument, HasSubstr("header.name")));
+
+  // Broken streams, sent by hand.
+  auto put = [&](std::vector<v1::PutWeightChunk> chunks) {
+    grpc::ClientContext context;
+    v1::PutWeightResponse response;
+    auto writer = stub_->PutWeight(&context, &response);
+    for (const auto& c : chunks) writer->Write(c);
+    writer->WritesDone();
+    return FromGrpcStatus(writer->Finish());
+  };
+  v1::PutWeightChunk first;
+  first.mutable_header()->set_name("w");
+  first.mutable_header()->set_dtype(v1::DTYPE_FLOAT32);
+  first.mutable_header()->add_shape(6);
+  first.mutable_header()->add_shape(3);
+  const std::string bytes(p.weight.data);
+  first.mutable_header()->set_crc32c(Crc32c(0, bytes.data(), bytes.size()));
+  first.set_data(bytes.substr(0, 40));
+  v1::PutWeightChunk rest;
+  rest.set_data(bytes.substr(40));
+  EXPECT_TRUE(put({first, rest}).ok());
+  v1::PutWeightChunk corrupt = rest;
+  (*corrupt.mutable_data())[3] ^= 1;
+  EXPECT_THAT(put({first, corrupt}), StatusIs(Code::kInvalidArgument, HasSubstr("header.crc32c")));
+  EXPECT_THAT(put({first}), StatusIs(Code::kInvalidArgument, HasSubstr("received 40 of the header's 72 bytes")));
+  EXPECT_THAT(put({first, rest, rest}), StatusIs(Code::kInvalidArgument, HasSubstr("more bytes than the header's 72")));
+  EXPECT_THAT(put({rest}), StatusIs(Code::kInvalidArgument, HasSubstr("header: required")));
+  EXPECT_THAT(put({}), StatusIs(Code::kInvalidArgument, HasSubstr("no chunk")));
+  v1::PutWeightChunk bad_shape = first;
+  bad_shape.mutable_header()->set_shape(0, 0);
+  EXPECT_THAT(put({bad_shape}), StatusIs(Code::kInvalidArgument, HasSubstr("header.shape")));
+  v1::PutWeightChunk bad_dtype = first;
+  bad_dtype.mutable_header()->set_dtype(v1::DTYPE_INT64);
+  EXPECT_THAT(put({bad_dtype}), StatusIs(Code::kInvalidArgument, HasSubstr("header.dtype")));
+  // The registry holds only the good upload.
+  auto listed = client_->ListWeights();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].version(), 1);
+  ExpectStillServing();
+}
+
+TEST_F(ServerTest, WeightMemoryBudgetIsResourceExhausted) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.weight_memory_bytes = 100;
+  StartServer(o);
+  OwnedProblem p = Problem(4, 3, 60);  // 720 bytes
+  EXPECT_THAT(client_->PutWeight("big", p.weight.view(), std::nullopt),
+              StatusIs(Code::kResourceExhausted, HasSubstr("budget of 100 bytes")));
 }
 
 TEST(ServerStartTest, BadOptionsAndMissingBackends) {
