@@ -15,9 +15,9 @@ import subprocess
 import sys
 import tempfile
 import unittest
-import xml.etree.ElementTree as ET
-
 import numpy as np
+
+from server_process import ServerProcess, run_tests
 
 SERVER, CLI = sys.argv[1], sys.argv[2]
 
@@ -49,31 +49,12 @@ class CliEndToEndTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
-        cls.log = open(os.path.join(cls.tmp, "server.log"), "w+")
-        cls.server = subprocess.Popen(
-            [SERVER, "--listen_address=127.0.0.1:0", "--backend=auto",
-             "--session_ttl=60s"],
-            stderr=cls.log)
-        port = None
-        for _ in range(200):
-            cls.log.seek(0)
-            found = re.search(r"listening on port (\d+)", cls.log.read())
-            if found:
-                port = found.group(1)
-                break
-            if cls.server.poll() is not None:
-                break
-            subprocess.run(["sleep", "0.05"])
-        if port is None:
-            cls.server.kill()
-            raise RuntimeError("flce_server did not start")
-        cls.address = "127.0.0.1:" + port
+        cls.server = ServerProcess(SERVER, "--backend=auto", "--session_ttl=60s")
+        cls.address = cls.server.address
 
     @classmethod
     def tearDownClass(cls):
-        if cls.server.poll() is None:
-            cls.server.kill()
-            cls.server.wait()
+        cls.server.kill()
 
     def flce(self, *args, check=True):
         result = subprocess.run([CLI, "--server=" + self.address, *args],
@@ -151,38 +132,12 @@ class CliEndToEndTest(unittest.TestCase):
         self.assertIn("SERVING", self.flce("health").stdout)
 
     def test_5_sigterm_drains_and_exits_zero(self):
-        self.server.send_signal(signal.SIGTERM)
-        self.assertEqual(self.server.wait(timeout=60), 0)
-        self.log.seek(0)
-        log = self.log.read()
+        self.server.process.send_signal(signal.SIGTERM)
+        self.assertEqual(self.server.process.wait(timeout=60), 0)
+        log = self.server.read_log()
         self.assertIn("shutdown: done", log)
         self.assertIn("rpc=Forward", log)
 
 
-def write_junit(result, path):
-    suite = ET.Element("testsuite", name="cli_e2e", tests=str(result.testsRun),
-                       failures=str(len(result.failures)), errors=str(len(result.errors)))
-    bad = {t.id(): msg for t, msg in result.failures + result.errors}
-    for test_id in result.ran:
-        case = ET.SubElement(suite, "testcase", name=test_id.split(".")[-1],
-                             classname="CliEndToEndTest")
-        if test_id in bad:
-            ET.SubElement(case, "failure", message="failed").text = bad[test_id]
-    root = ET.Element("testsuites")
-    root.append(suite)
-    ET.ElementTree(root).write(path)
-
-
-class RecordingResult(unittest.TextTestResult):
-    def startTest(self, test):
-        super().startTest(test)
-        self.ran = getattr(self, "ran", []) + [test.id()]
-
-
 if __name__ == "__main__":
-    suite = unittest.defaultTestLoader.loadTestsFromTestCase(CliEndToEndTest)
-    runner = unittest.TextTestRunner(verbosity=2, resultclass=RecordingResult)
-    result = runner.run(suite)
-    if os.environ.get("XML_OUTPUT_FILE"):
-        write_junit(result, os.environ["XML_OUTPUT_FILE"])
-    sys.exit(0 if result.wasSuccessful() else 1)
+    sys.exit(run_tests(CliEndToEndTest, "cli_e2e"))

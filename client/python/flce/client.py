@@ -1,0 +1,282 @@
+"""A typed Python client for flce.v1.LossService.
+
+Tensors go in as NumPy arrays or PyTorch tensors and come back as NumPy
+arrays (bf16 results as float32, which holds them exactly; use
+``to_torch`` for a torch tensor in the original dtype). Every call has a
+deadline; server errors raise :class:`FlceError` carrying the gRPC code.
+"""
+
+import dataclasses
+from typing import Optional, Sequence
+
+import grpc
+import numpy as np
+
+from flce_pb.v1 import loss_service_pb2 as pb
+from flce_pb.v1 import loss_service_pb2_grpc as pb_grpc
+
+try:  # The C implementation; the pure-Python one below is slow for big weights.
+    import crcmod.predefined as _crcmod
+
+    _crc32c = _crcmod.mkCrcFun("crc-32c")
+except ImportError:  # pragma: no cover - depends on the machine
+    _crc32c = None
+
+
+class FlceError(Exception):
+    """A failed call: ``code`` is the grpc.StatusCode, ``details`` the message."""
+
+    def __init__(self, code, details):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+_NP_DTYPES = {
+    pb.DTYPE_FLOAT32: np.float32,
+    pb.DTYPE_FLOAT16: np.float16,
+    pb.DTYPE_INT32: np.int32,
+    pb.DTYPE_INT64: np.int64,
+}
+_REDUCTIONS = {"mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM, "none": pb.REDUCTION_NONE}
+_MODES = {
+    "auto": pb.BACKWARD_MODE_AUTO,
+    "store_grads": pb.BACKWARD_MODE_STORE_GRADS,
+    "recompute": pb.BACKWARD_MODE_RECOMPUTE,
+}
+_MODE_NAMES = {v: k for k, v in _MODES.items()}
+
+
+def _crc32c_py(data: bytes, crc: int = 0) -> int:
+    table = _crc32c_py.table
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc = (crc >> 8) ^ table[(crc ^ byte) & 0xFF]
+    return crc ^ 0xFFFFFFFF
+
+
+def _make_table():
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    return table
+
+
+_crc32c_py.table = _make_table()
+
+
+def crc32c(data: bytes, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``, extending ``crc``."""
+    if _crc32c is not None:
+        return _crc32c(data, crc)
+    return _crc32c_py(data, crc)
+
+
+def to_wire(tensor, out: Optional["pb.Tensor"] = None) -> "pb.Tensor":
+    """A NumPy array or torch tensor as a wire Tensor (bf16 stays bf16)."""
+    out = out if out is not None else pb.Tensor()
+    if hasattr(tensor, "detach"):  # torch
+        import torch
+
+        t = tensor.detach().to("cpu").contiguous()
+        if t.dtype == torch.bfloat16:
+            out.dtype = pb.DTYPE_BFLOAT16
+            data = t.view(torch.int16).numpy().tobytes()
+        else:
+            arr = t.numpy()
+            out.dtype = _wire_dtype(arr.dtype)
+            data = arr.tobytes()
+        shape = list(t.shape)
+    else:
+        arr = np.ascontiguousarray(tensor)
+        out.dtype = _wire_dtype(arr.dtype)
+        data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        shape = list(arr.shape)
+    del out.shape[:]
+    out.shape.extend(shape)
+    out.data = data
+    return out
+
+
+def _wire_dtype(dtype) -> int:
+    for wire, np_dtype in _NP_DTYPES.items():
+        if np.dtype(np_dtype) == np.dtype(dtype):
+            return wire
+    raise TypeError(f"dtype {dtype} is not supported by flce (float32/float16/bfloat16/int32/int64)")
+
+
+def from_wire(tensor: "pb.Tensor") -> np.ndarray:
+    """A wire Tensor as a NumPy array (bf16 widened exactly to float32)."""
+    shape = tuple(tensor.shape)
+    if tensor.dtype == pb.DTYPE_BFLOAT16:
+        bits = np.frombuffer(tensor.data, dtype="<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    return np.frombuffer(tensor.data, dtype=np.dtype(_NP_DTYPES[tensor.dtype]).newbyteorder("<")).reshape(shape)
+
+
+def to_torch(tensor: "pb.Tensor", device="cpu"):
+    """A wire Tensor as a torch tensor in its own dtype (bf16 stays bf16)."""
+    import torch
+
+    shape = tuple(tensor.shape)
+    if tensor.dtype == pb.DTYPE_BFLOAT16:
+        raw = np.frombuffer(tensor.data, dtype="<i2").copy()
+        return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape).to(device)
+    return torch.from_numpy(from_wire(tensor).copy()).to(device)
+
+
+@dataclasses.dataclass
+class ForwardResult:
+    loss: pb.Tensor            # fp32: [] for mean/sum, [N] for none
+    z_loss: pb.Tensor
+    lse: Optional[pb.Tensor]
+    num_valid: int
+    num_correct: int
+    session_id: str
+    backward_mode: str
+
+
+@dataclasses.dataclass
+class Gradients:
+    grad_hidden: pb.Tensor
+    grad_weight: Optional[pb.Tensor]  # None when accumulated on the server
+    grad_bias: Optional[pb.Tensor]
+
+
+class Client:
+    """A connection to one flce server ("host:port")."""
+
+    def __init__(self, target: str, timeout: float = 300.0,
+                 max_message_bytes: int = 256 << 20, stream_chunk_bytes: int = 4 << 20):
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.LossServiceStub(self._channel)
+        self.timeout = timeout
+        self.stream_chunk_bytes = stream_chunk_bytes
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise FlceError(e.code(), e.details()) from None
+
+    def forward(self, hidden, target, weight=None, bias=None, *, weight_name: str = "",
+                weight_version: int = 0, class_weight=None, ignore_index: int = -100,
+                reduction: str = "mean", label_smoothing: float = 0.0,
+                logit_softcap: Optional[float] = None, z_loss_scale: float = 0.0,
+                need_backward: bool = False, backward_mode: str = "auto",
+                want_lse: bool = False, want_per_row_loss: bool = False) -> ForwardResult:
+        """Forward. Pass ``weight`` (and ``bias``), or ``weight_name`` of a
+        registered weight. ``need_backward`` keeps a session for backward()."""
+        r = pb.ForwardRequest()
+        to_wire(hidden, r.hidden)
+        to_wire(target, r.target)
+        if weight_name:
+            r.weight_ref.name = weight_name
+            r.weight_ref.version = weight_version
+        elif weight is not None:
+            to_wire(weight, r.weight)
+            if bias is not None:
+                to_wire(bias, r.bias)
+        o = r.options
+        o.ignore_index = ignore_index
+        o.reduction = _REDUCTIONS[reduction]
+        o.label_smoothing = label_smoothing
+        if class_weight is not None:
+            to_wire(class_weight, o.class_weight)
+        if logit_softcap is not None:
+            o.logit_softcap = logit_softcap
+        o.z_loss_scale = z_loss_scale
+        r.need_backward = need_backward
+        r.backward_mode = _MODES[backward_mode]
+        r.outputs.lse = want_lse
+        r.outputs.per_row_loss = want_per_row_loss
+        resp = self._call(self._stub.Forward, r)
+        return ForwardResult(resp.loss, resp.z_loss, resp.lse if resp.HasField("lse") else None,
+                             resp.num_valid, resp.num_correct, resp.session_id,
+                             _MODE_NAMES.get(resp.backward_mode, "auto"))
+
+    def backward(self, session_id: str, grad_output=None, *, keep_session: bool = False,
+                 float32_grads: bool = False, accumulate_weight_grad: bool = False) -> Gradients:
+        """Backward for a session; grad_output is a scalar (mean/sum) or [N]
+        (none), None meaning 1."""
+        r = pb.BackwardRequest(session_id=session_id, keep_session=keep_session,
+                               accumulate_weight_grad=accumulate_weight_grad)
+        if grad_output is not None:
+            to_wire(grad_output, r.grad_output)
+        if float32_grads:
+            r.grad_dtype = pb.DTYPE_FLOAT32
+        resp = self._call(self._stub.Backward, r)
+        return Gradients(resp.grad_hidden,
+                         resp.grad_weight if resp.HasField("grad_weight") else None,
+                         resp.grad_bias if resp.HasField("grad_bias") else None)
+
+    def release_session(self, session_id: str) -> bool:
+        return self._call(self._stub.ReleaseSession,
+                          pb.ReleaseSessionRequest(session_id=session_id)).released
+
+    def info(self) -> "pb.GetServerInfoResponse":
+        return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest())
+
+    def put_weight(self, name: str, weight, bias=None) -> "pb.WeightInfo":
+        """Registers weight [V, H] (and bias [V]) under ``name``, streamed in
+        chunks with a CRC-32C; returns its WeightInfo (with the version)."""
+        w = to_wire(weight)
+        b = to_wire(bias) if bias is not None else None
+        payload = w.data + (b.data if b is not None else b"")
+        header = pb.WeightHeader(name=name, dtype=w.dtype, shape=list(w.shape),
+                                 has_bias=b is not None, crc32c=crc32c(payload))
+        step = self.stream_chunk_bytes
+
+        def chunks():
+            yield pb.PutWeightChunk(header=header, data=payload[:step])
+            for offset in range(step, len(payload), step):
+                yield pb.PutWeightChunk(data=payload[offset:offset + step])
+
+        try:
+            return self._stub.PutWeight(chunks(), timeout=self.timeout).weight
+        except grpc.RpcError as e:
+            raise FlceError(e.code(), e.details()) from None
+
+    def delete_weight(self, name: str) -> bool:
+        return self._call(self._stub.DeleteWeight, pb.DeleteWeightRequest(name=name)).deleted
+
+    def list_weights(self) -> Sequence["pb.WeightInfo"]:
+        return list(self._call(self._stub.ListWeights, pb.ListWeightsRequest()).weights)
+
+    def take_weight_grad(self, name: str, version: int = 0, float32: bool = True):
+        """The gradient accumulated into a weight (and resets it): returns
+        (grad_weight, grad_bias or None, accumulated_backwards) as wire Tensors."""
+        r = pb.TakeWeightGradRequest(dtype=pb.DTYPE_FLOAT32 if float32 else pb.DTYPE_UNSPECIFIED)
+        r.weight.name = name
+        r.weight.version = version
+        header = None
+        parts = []
+        try:
+            for chunk in self._stub.TakeWeightGrad(r, timeout=self.timeout):
+                if chunk.HasField("header"):
+                    header = chunk.header
+                parts.append(chunk.data)
+        except grpc.RpcError as e:
+            raise FlceError(e.code(), e.details()) from None
+        data = b"".join(parts)
+        v, h = header.weight.shape
+        elem = 2 if header.dtype in (pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16) else 4
+        dw = pb.Tensor(dtype=header.dtype, shape=[v, h], data=data[:v * h * elem])
+        db = None
+        if header.weight.has_bias:
+            db = pb.Tensor(dtype=header.dtype, shape=[v], data=data[v * h * elem:])
+        return dw, db, header.accumulated_backwards

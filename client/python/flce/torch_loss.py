@@ -1,0 +1,84 @@
+"""The fused linear + cross-entropy loss of a PyTorch model, computed by flce.
+
+``RemoteLinearCrossEntropy`` is an ``nn.Module``: ``loss = module(hidden,
+weight, target, bias)`` sends the tensors to the server's Forward, and
+``loss.backward()`` calls Backward and hands dX, dW, db to autograd, so an
+ordinary training loop (gradient accumulation included) works unchanged.
+Tensors keep their dtype on the wire (bf16 stays bf16); results come back on
+the input's device and in its dtype, the loss in float32.
+"""
+
+from typing import Optional
+
+import torch
+
+from flce.client import Client, to_torch
+
+
+class _RemoteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, module):
+        # (Grad mode is off inside forward; needs_input_grad says what autograd wants.)
+        needs_grad = any(ctx.needs_input_grad[:3])
+        result = module.client.forward(
+            hidden, target, weight, bias,
+            ignore_index=module.ignore_index, reduction=module.reduction,
+            label_smoothing=module.label_smoothing, logit_softcap=module.logit_softcap,
+            z_loss_scale=module.z_loss_scale, class_weight=module.class_weight,
+            need_backward=needs_grad, backward_mode=module.backward_mode)
+        ctx.session_id = result.session_id
+        ctx.module = module
+        ctx.meta = [(t.device, t.dtype) if t is not None else None for t in (hidden, weight, bias)]
+        ctx.has_bias = bias is not None
+        module.last_num_valid = result.num_valid
+        module.last_z_loss = float(to_torch(result.z_loss).sum())
+        return to_torch(result.loss, hidden.device)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if not ctx.session_id:
+            return None, None, None, None, None
+        g = grad_output.detach().float().cpu()
+        grads = ctx.module.client.backward(ctx.session_id, g if g.dim() else g.reshape(()))
+        ctx.session_id = ""  # consumed: a second backward is an error on the server too
+        (hd, ht), (wd, wt), bias_meta = ctx.meta
+        d_hidden = to_torch(grads.grad_hidden).to(device=hd, dtype=ht)
+        d_weight = to_torch(grads.grad_weight).to(device=wd, dtype=wt)
+        d_bias = None
+        if ctx.has_bias:
+            bd, bt = bias_meta
+            d_bias = to_torch(grads.grad_bias).to(device=bd, dtype=bt)
+        return d_hidden, d_weight, d_bias, None, None
+
+
+class RemoteLinearCrossEntropy(torch.nn.Module):
+    """cross_entropy(hidden @ weight.T + bias, target) on an flce server.
+
+    Options follow ``torch.nn.functional.cross_entropy`` (ignore_index,
+    reduction, label_smoothing, weight → ``class_weight``) plus flce's
+    ``logit_softcap`` and ``z_loss_scale``. ``backward_mode`` is "auto",
+    "store_grads" or "recompute".
+    """
+
+    def __init__(self, client, *, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, logit_softcap: Optional[float] = None,
+                 z_loss_scale: float = 0.0, class_weight=None, backward_mode: str = "auto"):
+        super().__init__()
+        self.client = Client(client) if isinstance(client, str) else client
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.logit_softcap = logit_softcap
+        self.z_loss_scale = z_loss_scale
+        self.class_weight = class_weight
+        self.backward_mode = backward_mode
+        self.last_num_valid = 0
+        self.last_z_loss = 0.0
+
+    def forward(self, hidden, weight, target, bias=None):
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        flat_target = target.reshape(-1)
+        loss = _RemoteFunction.apply(flat_hidden, weight, bias, flat_target, self)
+        if self.reduction == "none":
+            return loss.reshape(target.shape)
+        return loss

@@ -1,0 +1,146 @@
+"""The Python client and RemoteLinearCrossEntropy against a real flce_server.
+
+The centre piece: a tiny language model trained for several optimizer steps
+with gradient accumulation, once with its LM head's loss computed by flce and
+once by F.cross_entropy, must agree step by step (losses and parameters).
+Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
+"""
+
+import copy
+import sys
+import unittest
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import flce
+from flce.client import crc32c, _crc32c_py
+from server_process import ServerProcess, run_tests
+
+SERVER = sys.argv[1]
+
+
+def rel_err(a, b):
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab=37, hidden=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def hidden_states(self, tokens):
+        return torch.tanh(self.mix(self.embed(tokens)))
+
+
+class PythonClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = ServerProcess(SERVER, "--backend=auto")
+        cls.client = flce.Client(cls.server.address)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.kill()
+
+    def test_training_loop_matches_f_cross_entropy_step_by_step(self):
+        torch.manual_seed(0)
+        reference = TinyLM()
+        remote = copy.deepcopy(reference)
+        loss_fn = flce.RemoteLinearCrossEntropy(self.client, label_smoothing=0.1,
+                                                ignore_index=-100)
+        opt_ref = torch.optim.SGD(reference.parameters(), lr=0.5)
+        opt_remote = torch.optim.SGD(remote.parameters(), lr=0.5)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            opt_ref.zero_grad()
+            opt_remote.zero_grad()
+            for micro in range(2):  # gradient accumulation over two micro-batches
+                tokens = torch.randint(0, 37, (3, 11), generator=gen)
+                targets = torch.randint(0, 37, (3, 11), generator=gen)
+                targets[0, :2] = -100
+                h_ref = reference.hidden_states(tokens)
+                loss_ref = F.cross_entropy(reference.head(h_ref).reshape(-1, 37),
+                                           targets.reshape(-1), ignore_index=-100,
+                                           label_smoothing=0.1) / 2
+                loss_ref.backward()
+                h = remote.hidden_states(tokens)
+                loss = loss_fn(h, remote.head.weight, targets, remote.head.bias) / 2
+                loss.backward()
+                self.assertLess(rel_err(loss.detach(), loss_ref.detach()), 1e-5,
+                                f"step {step} micro-batch {micro}")
+            opt_ref.step()
+            opt_remote.step()
+            for (name, p_ref), (_, p) in zip(reference.named_parameters(),
+                                             remote.named_parameters()):
+                self.assertLess(rel_err(p.detach(), p_ref.detach()), 1e-5,
+                                f"{name} after step {step}")
+
+    def test_reduction_none_and_bf16_round_trip(self):
+        torch.manual_seed(2)
+        h = torch.randn(5, 8, dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(13, 8) / 3).to(torch.bfloat16).requires_grad_()
+        t = torch.randint(0, 13, (5,))
+        loss = flce.RemoteLinearCrossEntropy(self.client, reduction="none")(h, w, t)
+        self.assertEqual(loss.shape, (5,))
+        upstream = torch.arange(1.0, 6.0)
+        (loss * upstream).sum().backward()
+        self.assertEqual(h.grad.dtype, torch.bfloat16)
+        h64 = h.detach().double().requires_grad_()
+        w64 = w.detach().double().requires_grad_()
+        ref = F.cross_entropy(h64 @ w64.T, t, reduction="none")
+        (ref * upstream.double()).sum().backward()
+        self.assertLess(rel_err(loss.detach(), ref.detach()), 1e-5)
+        self.assertLess(rel_err(h.grad.float(), h64.grad), 1e-2)
+        self.assertLess(rel_err(w.grad.float(), w64.grad), 1e-2)
+
+    def test_registered_weight_and_server_side_accumulation(self):
+        rng = np.random.default_rng(3)
+        w = (rng.standard_normal((29, 6)) / 3).astype(np.float32)
+        b = rng.standard_normal(29).astype(np.float32)
+        client = flce.Client(self.server.address, stream_chunk_bytes=100)
+        info = client.put_weight("py_head", w, b)
+        self.assertGreaterEqual(info.version, 1)
+        x = rng.standard_normal((12, 6)).astype(np.float32)
+        t = rng.integers(0, 29, 12)
+        expected_w = np.zeros_like(w, dtype=np.float64)
+        for k in range(2):
+            rows = slice(6 * k, 6 * k + 6)
+            fwd = client.forward(x[rows], t[rows], weight_name="py_head", reduction="sum",
+                                 need_backward=True)
+            grads = client.backward(fwd.session_id, accumulate_weight_grad=True)
+            self.assertIsNone(grads.grad_weight)
+            inline = client.forward(x[rows], t[rows], w, b, reduction="sum", need_backward=True)
+            expected_w += flce.from_wire(client.backward(inline.session_id).grad_weight)
+        dw, db, count = client.take_weight_grad("py_head")
+        self.assertEqual(count, 2)
+        self.assertLess(rel_err(flce.from_wire(dw), expected_w), 1e-6)
+        self.assertEqual(tuple(db.shape), (29,))
+        self.assertTrue(client.delete_weight("py_head"))
+
+    def test_errors_carry_the_grpc_code(self):
+        import grpc
+
+        with self.assertRaises(flce.FlceError) as e:
+            self.client.backward("0" * 32)
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(flce.FlceError) as e:
+            self.client.forward(np.ones((2, 3), np.float32), np.array([0, 9]),
+                                np.ones((4, 3), np.float32))
+        self.assertEqual(e.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+        self.assertIn("target[1] = 9", e.exception.details)
+
+    def test_crc32c_matches_the_standard(self):
+        self.assertEqual(crc32c(b"123456789"), 0xE3069283)
+        self.assertEqual(_crc32c_py(b"123456789"), 0xE3069283)
+        self.assertEqual(crc32c(b"6789", crc32c(b"12345")), 0xE3069283)
+
+
+if __name__ == "__main__":
+    sys.exit(run_tests(PythonClientTest, "python_client"))

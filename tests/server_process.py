@@ -1,0 +1,78 @@
+"""Starts a real flce_server on a free loopback port for Python tests."""
+
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+
+class ServerProcess:
+    """flce_server on 127.0.0.1 with the given flags; ``address`` once up."""
+
+    def __init__(self, binary, *flags):
+        self.log_path = os.path.join(tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR")),
+                                     "server.log")
+        self.log = open(self.log_path, "w+")
+        self.process = subprocess.Popen(
+            [binary, "--listen_address=127.0.0.1:0", *flags], stderr=self.log)
+        port = None
+        for _ in range(400):
+            self.log.seek(0)
+            found = re.search(r"listening on port (\d+)", self.log.read())
+            if found:
+                port = found.group(1)
+                break
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        if port is None:
+            self.kill()
+            raise RuntimeError("flce_server did not start:\n" + self.read_log())
+        self.address = "127.0.0.1:" + port
+
+    def read_log(self):
+        self.log.seek(0)
+        return self.log.read()
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def write_junit(result, path, suite_name):
+    """Writes a unittest result as JUnit XML (for tools/test.sh's counts)."""
+    import xml.etree.ElementTree as ET
+
+    suite = ET.Element("testsuite", name=suite_name, tests=str(result.testsRun),
+                       failures=str(len(result.failures)), errors=str(len(result.errors)))
+    bad = {t.id(): msg for t, msg in result.failures + result.errors}
+    skipped = {t.id(): msg for t, msg in result.skipped}
+    for test_id in getattr(result, "ran", []):
+        case = ET.SubElement(suite, "testcase", name=test_id.split(".")[-1],
+                             classname=test_id.split(".")[-2])
+        if test_id in bad:
+            ET.SubElement(case, "failure", message="failed").text = bad[test_id]
+        elif test_id in skipped:
+            case.set("result", "skipped")
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.ElementTree(root).write(path)
+
+
+def run_tests(test_case_class, suite_name):
+    """Runs a unittest.TestCase class verbosely, writes $XML_OUTPUT_FILE, and
+    returns the exit status."""
+    import unittest
+
+    class RecordingResult(unittest.TextTestResult):
+        def startTest(self, test):
+            super().startTest(test)
+            self.ran = getattr(self, "ran", []) + [test.id()]
+
+    suite = unittest.defaultTestLoader.loadTestsFromTestCase(test_case_class)
+    result = unittest.TextTestRunner(verbosity=2, resultclass=RecordingResult).run(suite)
+    if os.environ.get("XML_OUTPUT_FILE"):
+        write_junit(result, os.environ["XML_OUTPUT_FILE"], suite_name)
+    return 0 if result.wasSuccessful() else 1
