@@ -136,6 +136,14 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(e.exception.code, grpc.StatusCode.OUT_OF_RANGE)
         self.assertIn("target[1] = 9", e.exception.details)
 
+    def test_example_training_script_learns(self):
+        import train_tiny_lm
+
+        losses = train_tiny_lm.main(["--server", self.server.address, "--steps", "8",
+                                     "--vocab", "50", "--hidden", "16", "--device", "cpu"])
+        self.assertEqual(len(losses), 8)
+        self.assertLess(losses[-1], losses[0])
+
     def test_crc32c_matches_the_standard(self):
         self.assertEqual(crc32c(b"123456789"), 0xE3069283)
         self.assertEqual(_crc32c_py(b"123456789"), 0xE3069283)

@@ -6,5 +6,5 @@
 root="${TEST_SRCDIR}/flce"
 script="$1"
 shift
-export PYTHONPATH="${root}/tests:${root}/client/python"
+export PYTHONPATH="${root}/tests:${root}/client/python:${root}/client/python/examples"
 exec /usr/bin/python3 "${root}/${script}" "$@"
