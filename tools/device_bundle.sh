@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TARGETS=(
+  //client/python:flce_pb
   //server:flce_server
   //client:flce
   //bench:flce_bench
@@ -19,11 +20,16 @@ bazel build -c opt "${TARGETS[@]}"
 stage="$(mktemp -d)"
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib"
-for target in "${TARGETS[@]}"; do
+for target in "${TARGETS[@]:1}"; do
   path="bazel-bin/$(echo "${target#//}" | tr ':' '/')"
   install -m 755 "$path" "$stage/bin/"
   strip --strip-debug "$stage/bin/$(basename "$path")"
 done
+# The Python client (sources, generated stubs, example) and its tests.
+mkdir -p "$stage/python"
+cp -r client/python/flce client/python/examples/train_tiny_lm.py "$stage/python/"
+cp -r bazel-bin/client/python/flce_pb "$stage/python/"
+cp tests/python_client_test.py tests/server_process.py "$stage/python/"
 # Libraries the GPU machine's own system provides (or must provide: the
 # driver and cuBLAS) stay behind.
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libcublas|libcublasLt|libcuda)'
@@ -35,5 +41,5 @@ for bin in "$stage"/bin/*; do
   done
 done
 mkdir -p .devbin
-tar -C "$stage" -cJf .devbin/bundle.tar.xz bin lib
+tar -C "$stage" -cJf .devbin/bundle.tar.xz bin lib python
 ls -la .devbin/bundle.tar.xz

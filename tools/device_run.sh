@@ -3,7 +3,7 @@
 # tools/device_bundle.sh packed .devbin/bundle.tar.xz here: the GPU test
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
-# Usage: tools/device_run.sh [tests] [smoke] [bench [SHAPES]]
+# Usage: tools/device_run.sh [tests] [smoke] [python] [bench]
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
@@ -26,6 +26,14 @@ if [ -z "$ARGS" ] || want tests; then
     --gtest_filter='-ServerTimingTest.*' --gtest_output="xml:$OUT/server_integration_gpu_test.xml" \
     > "$OUT/server_integration_gpu_test.log" 2>&1 || status=1
   tail -5 "$OUT/server_integration_gpu_test.log"
+fi
+
+if [ -z "$ARGS" ] || want python; then
+  echo "== Python client and PyTorch training loop against --backend=auto (CUDA here)"
+  python3 -c 'import torch, grpc, google.protobuf as p; print("torch", torch.__version__, "grpcio", grpc.__version__, "protobuf", p.__version__)'
+  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/python_client_test.py "$bin/flce_server" \
+    > "$OUT/python_client_test.log" 2>&1 || status=1
+  grep -E '(ok|FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/python_client_test.log"
 fi
 
 if [ -z "$ARGS" ] || want smoke; then
