@@ -34,23 +34,23 @@ void LossClient::Prepare(grpc::ClientContext& context) const {
                        absl::ToChronoMilliseconds(options_.timeout));
 }
 
-v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args) {
+v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args, bool with_data) {
   const LossProblem& p = args.problem;
   v1::ForwardRequest request;
-  CopyToProto(p.hidden, request.mutable_hidden());
+  CopyToProto(p.hidden, request.mutable_hidden(), with_data);
   if (!args.weight_name.empty()) {
     request.mutable_weight_ref()->set_name(args.weight_name);
     request.mutable_weight_ref()->set_version(args.weight_version);
   } else {
-    CopyToProto(p.weight, request.mutable_weight());
-    if (p.bias) CopyToProto(*p.bias, request.mutable_bias());
+    CopyToProto(p.weight, request.mutable_weight(), with_data);
+    if (p.bias) CopyToProto(*p.bias, request.mutable_bias(), with_data);
   }
-  CopyToProto(p.target, request.mutable_target());
+  CopyToProto(p.target, request.mutable_target(), with_data);
   v1::LossOptions* o = request.mutable_options();
   o->set_ignore_index(p.options.ignore_index);
   o->set_reduction(ToProto(p.options.reduction));
   o->set_label_smoothing(p.options.label_smoothing);
-  if (p.class_weight) CopyToProto(*p.class_weight, o->mutable_class_weight());
+  if (p.class_weight) CopyToProto(*p.class_weight, o->mutable_class_weight(), with_data);
   if (p.options.logit_softcap) o->set_logit_softcap(*p.options.logit_softcap);
   o->set_z_loss_scale(p.options.z_loss_scale);
   request.set_need_backward(args.need_backward);
@@ -60,13 +60,82 @@ v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args) {
   return request;
 }
 
-absl::StatusOr<RemoteForward> LossClient::Forward(const ForwardArgs& args) {
-  const v1::ForwardRequest request = BuildForwardRequest(args);
+namespace {
+
+int64_t Bytes(const TensorView& v) { return v.num_elements() * DTypeSize(v.dtype); }
+
+// Bytes of the tensors a Forward sends.
+int64_t RequestBytes(const ForwardArgs& args) {
+  const LossProblem& p = args.problem;
+  int64_t total = Bytes(p.hidden) + Bytes(p.target);
+  if (args.weight_name.empty()) {
+    total += Bytes(p.weight) + (p.bias ? Bytes(*p.bias) : 0);
+  }
+  if (p.class_weight) total += Bytes(*p.class_weight);
+  return total;
+}
+
+}  // namespace
+
+int64_t LossClient::StreamAbove() const {
+  return options_.stream_above_bytes >= 0 ? options_.stream_above_bytes
+                                          : options_.max_message_bytes - (int64_t{1} << 20);
+}
+
+absl::StatusOr<v1::ForwardResponse> LossClient::ForwardStreamed(const ForwardArgs& args) {
   grpc::ClientContext context;
   Prepare(context);
   v1::ForwardResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ForwardRequestChunk>> writer =
+      stub_->ForwardStream(&context, &response);
+  v1::ForwardRequestChunk message;
+  *message.mutable_request() = BuildForwardRequest(args, /*with_data=*/false);
+  bool ok = writer->Write(message);
+  message.Clear();
+  const LossProblem& p = args.problem;
+  auto send = [&](const TensorView& view, v1::TensorField field) {
+    const char* data = static_cast<const char*>(view.data);
+    const int64_t total = Bytes(view);
+    for (int64_t offset = 0; offset < total && ok; offset += options_.stream_chunk_bytes) {
+      message.mutable_chunk()->set_field(field);
+      message.mutable_chunk()->set_data(
+          data + offset, static_cast<size_t>(std::min(options_.stream_chunk_bytes, total - offset)));
+      ok = writer->Write(message);
+    }
+  };
+  send(p.hidden, v1::TENSOR_FIELD_HIDDEN);
+  if (args.weight_name.empty()) {
+    send(p.weight, v1::TENSOR_FIELD_WEIGHT);
+    if (p.bias) send(*p.bias, v1::TENSOR_FIELD_BIAS);
+  }
+  send(p.target, v1::TENSOR_FIELD_TARGET);
+  if (p.class_weight) send(*p.class_weight, v1::TENSOR_FIELD_CLASS_WEIGHT);
+  writer->WritesDone();
+  FLCE_RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  return response;
+}
+
+absl::StatusOr<RemoteForward> LossClient::Forward(const ForwardArgs& args) {
   const absl::Time start = absl::Now();
-  FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->Forward(&context, request, &response)));
+  v1::ForwardResponse response;
+  if (RequestBytes(args) > StreamAbove()) {
+    FLCE_ASSIGN_OR_RETURN(response, ForwardStreamed(args));
+  } else {
+    const v1::ForwardRequest request = BuildForwardRequest(args);
+    grpc::ClientContext context;
+    Prepare(context);
+    FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->Forward(&context, request, &response)));
+  }
+  if (!response.session_id().empty()) {
+    const LossProblem& p = args.problem;
+    // Gradients come back at most fp32-sized: dX, and dW, db when the
+    // weight was sent (a registered one's size is not known here).
+    const int64_t weight_elements =
+        p.weight.shape.size() == 2 ? p.weight.num_elements() + p.weight.dim(0) : 0;
+    const int64_t grad_bytes = (p.hidden.num_elements() + weight_elements) * 4;
+    absl::MutexLock lock(&mu_);
+    grad_bytes_[response.session_id()] = grad_bytes;
+  }
   RemoteForward out;
   out.times.rpc_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   out.times.queue_ms = response.stats().queue_ms();
@@ -87,6 +156,42 @@ absl::StatusOr<RemoteForward> LossClient::Forward(const ForwardArgs& args) {
   return out;
 }
 
+absl::StatusOr<v1::BackwardResponse> LossClient::BackwardStreamed(
+    const v1::BackwardRequest& request) {
+  grpc::ClientContext context;
+  Prepare(context);
+  std::unique_ptr<grpc::ClientReader<v1::BackwardResponseChunk>> reader =
+      stub_->BackwardStream(&context, request);
+  v1::BackwardResponse response;
+  v1::BackwardResponseChunk message;
+  bool first = true;
+  while (reader->Read(&message)) {
+    if (first) {
+      response = std::move(*message.mutable_response());
+      for (v1::Tensor* t : {response.mutable_grad_hidden(), response.mutable_grad_weight(),
+                            response.mutable_grad_bias()}) {
+        absl::StatusOr<DType> dtype = FromProto(t->dtype(), "");
+        if (!dtype.ok()) continue;
+        t->mutable_data()->reserve(static_cast<size_t>(
+            NumElements({t->shape().begin(), t->shape().end()}) * DTypeSize(*dtype)));
+      }
+      first = false;
+      continue;
+    }
+    v1::Tensor* t = nullptr;
+    switch (message.chunk().field()) {
+      case v1::TENSOR_FIELD_GRAD_HIDDEN: t = response.mutable_grad_hidden(); break;
+      case v1::TENSOR_FIELD_GRAD_WEIGHT: t = response.mutable_grad_weight(); break;
+      case v1::TENSOR_FIELD_GRAD_BIAS: t = response.mutable_grad_bias(); break;
+      default:
+        return absl::DataLossError("BackwardStream: a chunk of an unknown field");
+    }
+    t->mutable_data()->append(message.chunk().data());
+  }
+  FLCE_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  return response;
+}
+
 absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
   v1::BackwardRequest request;
   request.set_session_id(args.session_id);
@@ -94,11 +199,24 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
   request.set_keep_session(args.keep_session);
   if (args.grad_dtype) request.set_grad_dtype(ToProto(*args.grad_dtype));
   request.set_accumulate_weight_grad(args.accumulate_weight_grad);
-  grpc::ClientContext context;
-  Prepare(context);
-  v1::BackwardResponse response;
+  int64_t grad_bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = grad_bytes_.find(args.session_id);
+    if (it != grad_bytes_.end()) {
+      grad_bytes = it->second;
+      if (!args.keep_session) grad_bytes_.erase(it);
+    }
+  }
   const absl::Time start = absl::Now();
-  FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->Backward(&context, request, &response)));
+  v1::BackwardResponse response;
+  if (grad_bytes > StreamAbove()) {
+    FLCE_ASSIGN_OR_RETURN(response, BackwardStreamed(request));
+  } else {
+    grpc::ClientContext context;
+    Prepare(context);
+    FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->Backward(&context, request, &response)));
+  }
   RemoteGradients out;
   out.times.rpc_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   out.times.queue_ms = response.stats().queue_ms();
@@ -117,6 +235,10 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
 }
 
 absl::StatusOr<bool> LossClient::ReleaseSession(const std::string& session_id) {
+  {
+    absl::MutexLock lock(&mu_);
+    grad_bytes_.erase(session_id);
+  }
   v1::ReleaseSessionRequest request;
   request.set_session_id(session_id);
   grpc::ClientContext context;

@@ -10,7 +10,9 @@
 #include <optional>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/loss_engine.h"
@@ -25,8 +27,12 @@ struct ClientOptions {
   absl::Duration timeout = absl::Minutes(5);
   // Largest message sent or received.
   int64_t max_message_bytes = int64_t{256} << 20;
-  // Bytes per chunk of a streamed tensor (PutWeight).
+  // Bytes per chunk of a streamed tensor (PutWeight, ForwardStream).
   int64_t stream_chunk_bytes = int64_t{4} << 20;
+  // Forward and Backward switch to their streaming RPCs when the tensors
+  // would make a message larger than this (default: max_message_bytes less
+  // 1 MiB for the rest of the message).
+  int64_t stream_above_bytes = -1;
 };
 
 struct ForwardArgs {
@@ -82,8 +88,9 @@ struct WeightGrad {
   int64_t accumulated_backwards = 0;
 };
 
-// The wire request for `args` (tensor bytes copied in).
-v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args);
+// The wire request for `args` (tensor bytes copied in, or left out for
+// ForwardStream when !with_data).
+v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args, bool with_data = true);
 
 class LossClient {
  public:
@@ -115,6 +122,14 @@ class LossClient {
  private:
   LossClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
   void Prepare(grpc::ClientContext& context) const;
+  int64_t StreamAbove() const;
+  absl::StatusOr<v1::ForwardResponse> ForwardStreamed(const ForwardArgs& args);
+  absl::StatusOr<v1::BackwardResponse> BackwardStreamed(const v1::BackwardRequest& request);
+
+  // Upper bound of each live session's gradient bytes, from its Forward, to
+  // choose Backward's RPC.
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, int64_t> grad_bytes_ ABSL_GUARDED_BY(mu_);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

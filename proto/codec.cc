@@ -156,11 +156,13 @@ void MoveToProto(HostTensor&& tensor, v1::Tensor* out) {
   out->set_data(std::move(tensor.data));
 }
 
-void CopyToProto(const TensorView& view, v1::Tensor* out) {
+void CopyToProto(const TensorView& view, v1::Tensor* out, bool with_data) {
   out->set_dtype(ToProto(view.dtype));
   out->mutable_shape()->Assign(view.shape.begin(), view.shape.end());
-  out->set_data(static_cast<const char*>(view.data),
-                static_cast<size_t>(view.num_elements()) * DTypeSize(view.dtype));
+  if (with_data) {
+    out->set_data(static_cast<const char*>(view.data),
+                  static_cast<size_t>(view.num_elements()) * DTypeSize(view.dtype));
+  }
 }
 
 absl::StatusOr<HostTensor> MoveFromProto(v1::Tensor* tensor,

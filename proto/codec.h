@@ -38,8 +38,8 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor,
 // Moves a host tensor's bytes into a wire tensor (no copy of the data).
 void MoveToProto(HostTensor&& tensor, v1::Tensor* out);
 
-// Copies a view into a wire tensor.
-void CopyToProto(const TensorView& view, v1::Tensor* out);
+// Copies a view into a wire tensor (without its bytes when !with_data).
+void CopyToProto(const TensorView& view, v1::Tensor* out, bool with_data = true);
 
 // Moves a wire tensor's bytes out into a host tensor (no copy of the data).
 absl::StatusOr<HostTensor> MoveFromProto(v1::Tensor* tensor,

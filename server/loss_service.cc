@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -66,33 +67,23 @@ std::string SessionDetail(const std::string& id) {
   return id.empty() ? "" : absl::StrCat("session=", id.substr(0, 8), " ");
 }
 
-// Queues `work` (returning the RPC's status) and finishes the reactor with
-// it; finishes at once if the queue refuses.
+// Queues `work` (returning the RPC's status), then calls finish(status) on
+// the worker; at once if the queue refuses.
 template <typename Work>
-grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* context,
-                              WorkQueue* queue, const char* rpc,
-                              std::shared_ptr<std::string> detail, Work work) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+void Run(grpc::CallbackServerContext* context, WorkQueue* queue, const char* rpc,
+         std::shared_ptr<std::string> detail, Work work,
+         std::function<void(const absl::Status&)> finish) {
   const absl::Time start = absl::Now();
   absl::Status submitted = queue->Submit([=]() mutable {
     absl::Status status = CheckAlive(context, "while queued");
     if (status.ok()) status = work(start);
     LogRpc(rpc, *detail, status, start);
-    reactor->Finish(ToGrpcStatus(status));
+    finish(status);
   });
   if (!submitted.ok()) {
     LogRpc(rpc, *detail, submitted, start);
-    reactor->Finish(ToGrpcStatus(submitted));
+    finish(submitted);
   }
-  return reactor;
-}
-
-grpc::ServerUnaryReactor* Reject(grpc::CallbackServerContext* context,
-                                 const char* rpc, const absl::Status& status) {
-  LogRpc(rpc, "", status, absl::Now());
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
 }
 
 }  // namespace
@@ -119,76 +110,114 @@ absl::Status LossServiceImpl::Explain(absl::Status status,
   return status;
 }
 
-grpc::ServerUnaryReactor* LossServiceImpl::Forward(
-    grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
-    v1::ForwardResponse* response) {
-  absl::StatusOr<ForwardCall> call =
-      DecodeForward(*request, core_->weights(), PrincipalOf(context));
-  if (!call.ok()) return Reject(context, "Forward", call.status());
-  auto detail = std::make_shared<std::string>(ProblemDetail(call->problem));
-  LossCore* core = core_;
-  return Run(context, queue_, "Forward", detail,
-             [=, call = *std::move(call)](absl::Time start) -> absl::Status {
-               const absl::Time engine_start = absl::Now();
-               absl::StatusOr<ForwardOutcome> outcome =
-                   core->Forward(call, PrincipalOf(context), CancelFor(context));
-               if (!outcome.ok()) return this->Explain(outcome.status(), context);
-               if (!outcome->session_id.empty()) {
-                 // Nobody will learn this id if the caller is gone: free it.
-                 absl::Status alive = CheckAlive(context, "while computing");
-                 if (!alive.ok()) {
-                   core->Release(outcome->session_id, PrincipalOf(context));
-                   return alive;
-                 }
-               }
-               ForwardResult& r = outcome->result;
-               MoveToProto(std::move(r.loss), response->mutable_loss());
-               MoveToProto(std::move(r.z_loss), response->mutable_z_loss());
-               if (r.lse) MoveToProto(std::move(*r.lse), response->mutable_lse());
-               if (r.per_row_loss) {
-                 MoveToProto(std::move(*r.per_row_loss),
-                             response->mutable_per_row_loss());
-               }
-               response->set_num_valid(r.num_valid);
-               response->set_num_correct(r.num_correct);
-               response->set_session_id(outcome->session_id);
-               response->set_backward_mode(ToProto(outcome->mode));
-               response->mutable_stats()->set_queue_ms(
-                   absl::ToDoubleMilliseconds(engine_start - start));
-               response->mutable_stats()->set_engine_ms(MillisSince(engine_start));
-               *detail = SessionDetail(outcome->session_id) + *detail;
-               return absl::OkStatus();
-             });
+absl::Status LossServiceImpl::ComputeForward(grpc::CallbackServerContext* context,
+                                             const ForwardCall& call,
+                                             v1::ForwardResponse* response, absl::Time start,
+                                             std::string* detail) {
+  const absl::Time engine_start = absl::Now();
+  absl::StatusOr<ForwardOutcome> outcome =
+      core_->Forward(call, PrincipalOf(context), CancelFor(context));
+  if (!outcome.ok()) return Explain(outcome.status(), context);
+  if (!outcome->session_id.empty()) {
+    // Nobody will learn this id if the caller is gone: free it.
+    absl::Status alive = CheckAlive(context, "while computing");
+    if (!alive.ok()) {
+      core_->Release(outcome->session_id, PrincipalOf(context));
+      return alive;
+    }
+  }
+  ForwardResult& r = outcome->result;
+  MoveToProto(std::move(r.loss), response->mutable_loss());
+  MoveToProto(std::move(r.z_loss), response->mutable_z_loss());
+  if (r.lse) MoveToProto(std::move(*r.lse), response->mutable_lse());
+  if (r.per_row_loss) MoveToProto(std::move(*r.per_row_loss), response->mutable_per_row_loss());
+  response->set_num_valid(r.num_valid);
+  response->set_num_correct(r.num_correct);
+  response->set_session_id(outcome->session_id);
+  response->set_backward_mode(ToProto(outcome->mode));
+  response->mutable_stats()->set_queue_ms(absl::ToDoubleMilliseconds(engine_start - start));
+  response->mutable_stats()->set_engine_ms(MillisSince(engine_start));
+  *detail = SessionDetail(outcome->session_id) + *detail;
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* LossServiceImpl::Backward(
-    grpc::CallbackServerContext* context, const v1::BackwardRequest* request,
-    v1::BackwardResponse* response) {
+void LossServiceImpl::StartForward(grpc::CallbackServerContext* context,
+                                   const v1::ForwardRequest* request,
+                                   v1::ForwardResponse* response, const char* rpc,
+                                   std::function<void(const absl::Status&)> finish) {
+  absl::StatusOr<ForwardCall> call =
+      DecodeForward(*request, core_->weights(), PrincipalOf(context));
+  if (!call.ok()) {
+    LogRpc(rpc, "", call.status(), absl::Now());
+    finish(call.status());
+    return;
+  }
+  auto detail = std::make_shared<std::string>(ProblemDetail(call->problem));
+  Run(context, queue_, rpc, detail,
+      [=, call = *std::move(call)](absl::Time start) {
+        return ComputeForward(context, call, response, start, detail.get());
+      },
+      std::move(finish));
+}
+
+grpc::ServerUnaryReactor* LossServiceImpl::Forward(grpc::CallbackServerContext* context,
+                                                   const v1::ForwardRequest* request,
+                                                   v1::ForwardResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  StartForward(context, request, response, "Forward",
+               [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
+  return reactor;
+}
+
+void LossServiceImpl::StartBackward(grpc::CallbackServerContext* context,
+                                    const v1::BackwardRequest* request, const char* rpc,
+                                    std::shared_ptr<BackwardOutcome> outcome,
+                                    std::shared_ptr<CallStats> stats,
+                                    std::function<void(const absl::Status&)> finish) {
   absl::StatusOr<BackwardCall> call = DecodeBackward(*request);
-  if (!call.ok()) return Reject(context, "Backward", call.status());
+  if (!call.ok()) {
+    LogRpc(rpc, "", call.status(), absl::Now());
+    finish(call.status());
+    return;
+  }
   auto detail = std::make_shared<std::string>(SessionDetail(call->session_id));
-  LossCore* core = core_;
-  return Run(context, queue_, "Backward", detail,
-             [=, call = *std::move(call)](absl::Time start) -> absl::Status {
-               const absl::Time engine_start = absl::Now();
-               absl::StatusOr<BackwardOutcome> grads =
-                   core->Backward(call, PrincipalOf(context), CancelFor(context));
-               if (!grads.ok()) return this->Explain(grads.status(), context);
-               MoveToProto(std::move(grads->grad_hidden),
-                           response->mutable_grad_hidden());
-               if (grads->grad_weight) {
-                 MoveToProto(std::move(*grads->grad_weight),
-                             response->mutable_grad_weight());
-               }
-               if (grads->grad_bias) {
-                 MoveToProto(std::move(*grads->grad_bias),
-                             response->mutable_grad_bias());
-               }
-               response->mutable_stats()->set_queue_ms(
-                   absl::ToDoubleMilliseconds(engine_start - start));
-               response->mutable_stats()->set_engine_ms(MillisSince(engine_start));
-               return absl::OkStatus();
-             });
+  Run(context, queue_, rpc, detail,
+      [=, call = *std::move(call)](absl::Time start) -> absl::Status {
+        const absl::Time engine_start = absl::Now();
+        absl::StatusOr<BackwardOutcome> grads =
+            core_->Backward(call, PrincipalOf(context), CancelFor(context));
+        if (!grads.ok()) return Explain(grads.status(), context);
+        *outcome = *std::move(grads);
+        stats->queue_ms = absl::ToDoubleMilliseconds(engine_start - start);
+        stats->engine_ms = MillisSince(engine_start);
+        return absl::OkStatus();
+      },
+      std::move(finish));
+}
+
+grpc::ServerUnaryReactor* LossServiceImpl::Backward(grpc::CallbackServerContext* context,
+                                                    const v1::BackwardRequest* request,
+                                                    v1::BackwardResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto outcome = std::make_shared<BackwardOutcome>();
+  auto stats = std::make_shared<CallStats>();
+  StartBackward(context, request, "Backward", outcome, stats,
+                [=](const absl::Status& status) {
+                  if (status.ok()) {
+                    MoveToProto(std::move(outcome->grad_hidden), response->mutable_grad_hidden());
+                    if (outcome->grad_weight) {
+                      MoveToProto(std::move(*outcome->grad_weight),
+                                  response->mutable_grad_weight());
+                    }
+                    if (outcome->grad_bias) {
+                      MoveToProto(std::move(*outcome->grad_bias), response->mutable_grad_bias());
+                    }
+                    response->mutable_stats()->set_queue_ms(stats->queue_ms);
+                    response->mutable_stats()->set_engine_ms(stats->engine_ms);
+                  }
+                  reactor->Finish(ToGrpcStatus(status));
+                });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* LossServiceImpl::ReleaseSession(
@@ -490,6 +519,253 @@ grpc::ServerUnaryReactor* LossServiceImpl::ListWeights(grpc::CallbackServerConte
 grpc::ServerWriteReactor<v1::WeightGradChunk>* LossServiceImpl::TakeWeightGrad(
     grpc::CallbackServerContext* context, const v1::TakeWeightGradRequest* request) {
   return new TakeGradReactor(context, &core_->weights(), request, limits_.stream_chunk_bytes);
+}
+
+namespace {
+
+// The tensor of `request` a streamed chunk fills, or null if the request
+// does not carry that field.
+v1::Tensor* ForwardField(v1::ForwardRequest& r, v1::TensorField field) {
+  switch (field) {
+    case v1::TENSOR_FIELD_HIDDEN:
+      return r.has_hidden() ? r.mutable_hidden() : nullptr;
+    case v1::TENSOR_FIELD_WEIGHT:
+      return r.has_weight() ? r.mutable_weight() : nullptr;
+    case v1::TENSOR_FIELD_BIAS:
+      return r.has_bias() ? r.mutable_bias() : nullptr;
+    case v1::TENSOR_FIELD_TARGET:
+      return r.has_target() ? r.mutable_target() : nullptr;
+    case v1::TENSOR_FIELD_CLASS_WEIGHT:
+      return r.options().has_class_weight() ? r.mutable_options()->mutable_class_weight()
+                                            : nullptr;
+    default:
+      return nullptr;
+  }
+}
+
+const char* FieldName(v1::TensorField field) {
+  switch (field) {
+    case v1::TENSOR_FIELD_HIDDEN: return "hidden";
+    case v1::TENSOR_FIELD_WEIGHT: return "weight";
+    case v1::TENSOR_FIELD_BIAS: return "bias";
+    case v1::TENSOR_FIELD_TARGET: return "target";
+    case v1::TENSOR_FIELD_CLASS_WEIGHT: return "options.class_weight";
+    default: return "chunk.field";
+  }
+}
+
+// Bytes a wire tensor's dtype and shape call for, or -1 if they are invalid
+// (the decoder then reports the precise problem).
+int64_t ExpectedBytes(const v1::Tensor& t) {
+  absl::StatusOr<DType> dtype = FromProto(t.dtype(), "");
+  if (!dtype.ok()) return -1;
+  int64_t count = 1;
+  for (int64_t d : t.shape()) {
+    if (d < 0 || (d != 0 && count > (int64_t{1} << 50) / d)) return -1;
+    count *= d;
+  }
+  return count * DTypeSize(*dtype);
+}
+
+// ForwardStream: the header request, then its tensors' bytes field by field;
+// at the end of the stream, the assembled request goes through Forward.
+class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestChunk> {
+ public:
+  ForwardStreamReactor(grpc::CallbackServerContext* context, v1::ForwardResponse* response,
+                       int64_t max_bytes,
+                       std::function<void(ForwardStreamReactor*)> start_forward)
+      : context_(context),
+        response_(response),
+        max_bytes_(max_bytes),
+        start_forward_(std::move(start_forward)) {
+    StartRead(&chunk_);
+  }
+
+  const v1::ForwardRequest* request() const { return &request_; }
+  v1::ForwardResponse* response() const { return response_; }
+  void Complete(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (context_->IsCancelled()) return Fail(absl::CancelledError("cancelled by the client"));
+      absl::Status status = CheckComplete();
+      if (!status.ok()) return Fail(status);
+      start_forward_(this);  // finishes through Complete()
+      return;
+    }
+    absl::Status status = Take();
+    if (!status.ok()) return Fail(status);
+    StartRead(&chunk_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Fail(const absl::Status& status) {
+    LogRpc("ForwardStream", "", status, absl::Now());
+    Complete(status);
+  }
+
+  absl::Status Take() {
+    if (!started_) {
+      if (!chunk_.has_request()) {
+        return absl::InvalidArgumentError("request: required on the first message");
+      }
+      request_ = std::move(*chunk_.mutable_request());
+      started_ = true;
+      // Size every announced tensor up front (bounded by the limit).
+      int64_t total = 0;
+      for (int f = v1::TENSOR_FIELD_HIDDEN; f <= v1::TENSOR_FIELD_CLASS_WEIGHT; ++f) {
+        v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(f));
+        if (t == nullptr || !t->data().empty()) continue;
+        const int64_t bytes = ExpectedBytes(*t);
+        if (bytes < 0) continue;  // the decoder names the problem at the end
+        total += bytes;
+        if (total > max_bytes_) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "ForwardStream: the request's tensors need ", total, " bytes, over the limit of ",
+              max_bytes_));
+        }
+        t->mutable_data()->reserve(static_cast<size_t>(bytes));
+        expected_[f] = bytes;
+      }
+      return absl::OkStatus();
+    }
+    if (chunk_.has_request()) {
+      return absl::InvalidArgumentError("request: only the first message carries one");
+    }
+    const v1::TensorField field = chunk_.chunk().field();
+    v1::Tensor* t = ForwardField(request_, field);
+    auto expected = expected_.find(field);
+    if (t == nullptr || expected == expected_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk.field: ", v1::TensorField_Name(field).empty() ? std::to_string(field)
+                                                               : v1::TensorField_Name(field),
+          " is not a tensor the request announced without data"));
+    }
+    const std::string& data = chunk_.chunk().data();
+    if (static_cast<int64_t>(t->data().size() + data.size()) > expected->second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          FieldName(field), ": more bytes than its ", expected->second));
+    }
+    t->mutable_data()->append(data);
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckComplete() {
+    if (!started_) return absl::InvalidArgumentError("request: the stream carried no message");
+    for (const auto& [field, bytes] : expected_) {
+      const v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(field));
+      if (static_cast<int64_t>(t->data().size()) != bytes) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(FieldName(static_cast<v1::TensorField>(field)), ": received ",
+                         t->data().size(), " of ", bytes, " bytes"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  grpc::CallbackServerContext* const context_;
+  v1::ForwardResponse* const response_;
+  const int64_t max_bytes_;
+  const std::function<void(ForwardStreamReactor*)> start_forward_;
+  v1::ForwardRequestChunk chunk_;
+  v1::ForwardRequest request_;
+  bool started_ = false;
+  absl::flat_hash_map<int, int64_t> expected_;
+};
+
+// BackwardStream: the response with the gradients' dtypes and shapes, then
+// their bytes in chunks.
+class BackwardStreamReactor : public grpc::ServerWriteReactor<v1::BackwardResponseChunk> {
+ public:
+  explicit BackwardStreamReactor(int64_t chunk_bytes) : chunk_bytes_(chunk_bytes) {}
+
+  // Called once the gradients are computed (or failed).
+  void Start(const absl::Status& status, BackwardOutcome outcome, double queue_ms,
+             double engine_ms) {
+    if (!status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    v1::BackwardResponse* header = message_.mutable_response();
+    auto add = [&](HostTensor&& t, v1::Tensor* meta, v1::TensorField field) {
+      meta->set_dtype(ToProto(t.dtype));
+      meta->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+      parts_.push_back({field, std::move(t.data)});
+    };
+    add(std::move(outcome.grad_hidden), header->mutable_grad_hidden(),
+        v1::TENSOR_FIELD_GRAD_HIDDEN);
+    if (outcome.grad_weight) {
+      add(std::move(*outcome.grad_weight), header->mutable_grad_weight(),
+          v1::TENSOR_FIELD_GRAD_WEIGHT);
+    }
+    if (outcome.grad_bias) {
+      add(std::move(*outcome.grad_bias), header->mutable_grad_bias(), v1::TENSOR_FIELD_GRAD_BIAS);
+    }
+    header->mutable_stats()->set_queue_ms(queue_ms);
+    header->mutable_stats()->set_engine_ms(engine_ms);
+    StartWrite(&message_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
+      return;
+    }
+    message_.Clear();
+    while (part_ < parts_.size() && offset_ >= parts_[part_].data.size()) {
+      ++part_;
+      offset_ = 0;
+    }
+    if (part_ == parts_.size()) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    const Part& p = parts_[part_];
+    const size_t n = std::min(p.data.size() - offset_, static_cast<size_t>(chunk_bytes_));
+    message_.mutable_chunk()->set_field(p.field);
+    message_.mutable_chunk()->set_data(p.data.data() + offset_, n);
+    offset_ += n;
+    StartWrite(&message_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Part {
+    v1::TensorField field;
+    std::string data;
+  };
+  const int64_t chunk_bytes_;
+  v1::BackwardResponseChunk message_;
+  std::vector<Part> parts_;
+  size_t part_ = 0, offset_ = 0;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<v1::ForwardRequestChunk>* LossServiceImpl::ForwardStream(
+    grpc::CallbackServerContext* context, v1::ForwardResponse* response) {
+  return new ForwardStreamReactor(
+      context, response, limits_.max_stream_request_bytes,
+      [this, context](ForwardStreamReactor* reactor) {
+        StartForward(context, reactor->request(), reactor->response(), "ForwardStream",
+                     [reactor](const absl::Status& status) { reactor->Complete(status); });
+      });
+}
+
+grpc::ServerWriteReactor<v1::BackwardResponseChunk>* LossServiceImpl::BackwardStream(
+    grpc::CallbackServerContext* context, const v1::BackwardRequest* request) {
+  auto* reactor = new BackwardStreamReactor(limits_.stream_chunk_bytes);
+  auto outcome = std::make_shared<BackwardOutcome>();
+  auto stats = std::make_shared<CallStats>();
+  StartBackward(context, request, "BackwardStream", outcome, stats,
+                [=](const absl::Status& status) {
+                  reactor->Start(status, std::move(*outcome), stats->queue_ms,
+                                 stats->engine_ms);
+                });
+  return reactor;
 }
 
 }  // namespace flce

@@ -8,9 +8,12 @@
 // chunks; one log line is written per finished RPC.
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <functional>
 #include <mutex>
 
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/flce/v1/loss_service.grpc.pb.h"
 #include "server/loss_core.h"
@@ -20,8 +23,10 @@ namespace flce {
 
 struct ServiceLimits {
   int64_t max_message_bytes = 0;
-  // Bytes per WeightGradChunk that TakeWeightGrad streams.
+  // Bytes per chunk that TakeWeightGrad and BackwardStream send.
   int64_t stream_chunk_bytes = int64_t{4} << 20;
+  // Largest ForwardStream request (all its tensors), in bytes.
+  int64_t max_stream_request_bytes = int64_t{64} << 30;
 };
 
 class LossServiceImpl final : public v1::LossService::CallbackService {
@@ -37,6 +42,10 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* context,
                                      const v1::BackwardRequest* request,
                                      v1::BackwardResponse* response) override;
+  grpc::ServerReadReactor<v1::ForwardRequestChunk>* ForwardStream(
+      grpc::CallbackServerContext* context, v1::ForwardResponse* response) override;
+  grpc::ServerWriteReactor<v1::BackwardResponseChunk>* BackwardStream(
+      grpc::CallbackServerContext* context, const v1::BackwardRequest* request) override;
   grpc::ServerUnaryReactor* ReleaseSession(
       grpc::CallbackServerContext* context,
       const v1::ReleaseSessionRequest* request,
@@ -58,6 +67,25 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
       const v1::TakeWeightGradRequest* request) override;
 
  private:
+  struct CallStats {
+    double queue_ms = 0, engine_ms = 0;
+  };
+
+  // Decodes a Forward request, queues its computation and calls finish()
+  // with the outcome (the response filled in on OK). `request` and
+  // `response` must live until then.
+  void StartForward(grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
+                    v1::ForwardResponse* response, const char* rpc,
+                    std::function<void(const absl::Status&)> finish);
+  absl::Status ComputeForward(grpc::CallbackServerContext* context, const ForwardCall& call,
+                              v1::ForwardResponse* response, absl::Time start,
+                              std::string* detail);
+  // The same for Backward; the gradients land in *outcome.
+  void StartBackward(grpc::CallbackServerContext* context, const v1::BackwardRequest* request,
+                     const char* rpc, std::shared_ptr<BackwardOutcome> outcome,
+                     std::shared_ptr<CallStats> stats,
+                     std::function<void(const absl::Status&)> finish);
+
   // Context for an engine error: deadline vs cancellation, INTERNAL logged
   // once, and the health hook when the engine stopped.
   absl::Status Explain(absl::Status status, const grpc::CallbackServerContext* context);

@@ -668,6 +668,84 @@ TEST_F(ServerTest, WeightMemoryBudgetIsResourceExhausted) {
               StatusIs(Code::kResourceExhausted, HasSubstr("budget of 100 bytes")));
 }
 
+// --- streaming RPCs ------------------------------------------------------
+
+TEST_F(ServerTest, StreamedForwardAndBackwardEqualUnary) {
+  ClientOptions streaming;
+  streaming.stream_above_bytes = 0;  // always stream
+  streaming.stream_chunk_bytes = 999;
+  auto streamer = LossClient::Create(address_, streaming);
+  RandomProblemSpec spec;
+  spec.rows = 33;
+  spec.hidden = 21;
+  spec.vocab = 157;
+  spec.dtype = DType::kBFloat16;
+  spec.bias = true;
+  spec.class_weight = true;
+  spec.options.reduction = Reduction::kNone;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  ForwardArgs args = Args(p, true, BackwardMode::kRecompute);
+  args.want_lse = true;
+  auto a = client_->Forward(args);
+  auto b = streamer->Forward(args);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->loss.data, b->loss.data);
+  EXPECT_EQ(a->lse->data, b->lse->data);
+  BackwardArgs ba, bb;
+  ba.session_id = a->session_id;
+  bb.session_id = b->session_id;
+  auto ga = client_->Backward(ba);
+  auto gb = streamer->Backward(bb);
+  ASSERT_TRUE(ga.ok()) << ga.status();
+  ASSERT_TRUE(gb.ok()) << gb.status();
+  EXPECT_EQ(ga->grad_hidden.data, gb->grad_hidden.data);
+  EXPECT_EQ(ga->grad_weight->data, gb->grad_weight->data);
+  EXPECT_EQ(ga->grad_bias->data, gb->grad_bias->data);
+  EXPECT_EQ(gb->grad_hidden.dtype, DType::kBFloat16);
+  // The streamed Backward consumed its session like the unary one.
+  EXPECT_THAT(streamer->Backward(bb), StatusIs(Code::kFailedPrecondition, HasSubstr("consumed")));
+}
+
+TEST_F(ServerTest, BrokenForwardStreamsHaveTheirCodes) {
+  OwnedProblem p = Problem(4, 3, 6);
+  v1::ForwardRequest header = BuildForwardRequest(Args(p), /*with_data=*/false);
+  auto stream = [&](std::vector<v1::ForwardRequestChunk> messages) {
+    grpc::ClientContext context;
+    v1::ForwardResponse response;
+    auto writer = stub_->ForwardStream(&context, &response);
+    for (const auto& m : messages) writer->Write(m);
+    writer->WritesDone();
+    return FromGrpcStatus(writer->Finish());
+  };
+  v1::ForwardRequestChunk first;
+  *first.mutable_request() = header;
+  auto chunk = [](v1::TensorField field, const std::string& data) {
+    v1::ForwardRequestChunk m;
+    m.mutable_chunk()->set_field(field);
+    m.mutable_chunk()->set_data(data);
+    return m;
+  };
+  const auto hidden = chunk(v1::TENSOR_FIELD_HIDDEN, p.hidden.data);
+  const auto weight = chunk(v1::TENSOR_FIELD_WEIGHT, p.weight.data);
+  const auto target = chunk(v1::TENSOR_FIELD_TARGET, p.target.data);
+  EXPECT_TRUE(stream({first, hidden, weight, target}).ok());
+  EXPECT_THAT(stream({first, hidden, weight}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("target: received 0 of 32 bytes")));
+  EXPECT_THAT(stream({first, hidden, hidden, weight, target}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("hidden: more bytes than its 48")));
+  EXPECT_THAT(stream({first, chunk(v1::TENSOR_FIELD_BIAS, "xxxx")}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("is not a tensor the request announced")));
+  EXPECT_THAT(stream({hidden}), StatusIs(Code::kInvalidArgument, HasSubstr("request: required")));
+  EXPECT_THAT(stream({}), StatusIs(Code::kInvalidArgument, HasSubstr("no message")));
+  // The assembled request goes through the same validation as Forward.
+  OwnedProblem bad = Problem(4, 3, 6);
+  bad.target.mutable_data<int64_t>()[1] = 99;
+  EXPECT_THAT(stream({first, hidden, weight, chunk(v1::TENSOR_FIELD_TARGET, bad.target.data)}),
+              StatusIs(Code::kOutOfRange, HasSubstr("target[1] = 99")));
+  ExpectStillServing();
+}
+
 TEST(ServerStartTest, BadOptionsAndMissingBackends) {
   // Option handling, independent of the backend under test.
   auto cpu_options = [] {

@@ -405,8 +405,9 @@ std::vector<DeviceInfo> CpuEngine::devices() const {
   return {info};
 }
 
-int64_t CpuEngine::ChunkRows(int64_t rows, int64_t vocab) const {
-  const int64_t by_budget = options_.chunk_bytes / (vocab * int64_t{4});
+int64_t CpuEngine::ChunkRows(int64_t rows, int64_t vocab, int64_t hidden) const {
+  // The chunk's fp32 logits and its fp32 copy of X share the budget.
+  const int64_t by_budget = options_.chunk_bytes / ((vocab + hidden) * int64_t{4});
   return std::max<int64_t>(1, std::min(rows, std::max(kMinChunkRows, by_budget)));
 }
 
@@ -472,7 +473,7 @@ absl::StatusOr<ForwardResult> CpuEngine::ForwardImpl(const LossProblem& problem,
     io.dw = grads->dw.mutable_data<float>();
     io.db = grads->db ? grads->db->mutable_data<float>() : nullptr;
   }
-  absl::Status status = RunChunks(q, ChunkRows(n, q.v),
+  absl::Status status = RunChunks(q, ChunkRows(n, q.v, q.h),
                                   store ? Pass::kLossAndGrad : Pass::kLoss,
                                   cancelled, *pool_, io);
   if (!status.ok()) return status;
@@ -573,7 +574,7 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
   io.dw = out.grad_weight.mutable_data<float>();
   io.db = out.grad_bias ? out.grad_bias->mutable_data<float>() : nullptr;
   absl::Status status =
-      RunChunks(q, ChunkRows(n, q.v), Pass::kGradFromLse, cancelled, *pool_, io);
+      RunChunks(q, ChunkRows(n, q.v, q.h), Pass::kGradFromLse, cancelled, *pool_, io);
   if (!status.ok()) return status;
   const DType dtype = spec.grad_dtype.value_or(q.dtype);
   NarrowInPlace(out.grad_hidden, 1.0f, dtype);

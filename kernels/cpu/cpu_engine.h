@@ -9,8 +9,9 @@
 namespace flce {
 
 struct CpuEngineOptions {
-  // Upper bound on the fp32 logits chunk (rows × V × 4 bytes). The chunk
-  // holds at least kMinChunkRows rows whatever this says.
+  // Upper bound on a chunk's fp32 logits and fp32 copy of X (rows × (V + H)
+  // × 4 bytes). The chunk holds at least kMinChunkRows rows whatever this
+  // says.
   int64_t chunk_bytes = int64_t{64} << 20;
   // Freed workspace (logits chunks, converted weights) kept for reuse.
   int64_t workspace_cache_bytes = int64_t{1} << 30;
@@ -42,8 +43,9 @@ class CpuEngine : public LossEngine {
                                      const BackwardSpec& spec,
                                      const CancelFn& cancelled) override;
 
-  // Rows per chunk for a vocabulary of `vocab` and `rows` tokens.
-  int64_t ChunkRows(int64_t rows, int64_t vocab) const;
+  // Rows per chunk for `rows` tokens, a vocabulary of `vocab` and hidden
+  // size `hidden`.
+  int64_t ChunkRows(int64_t rows, int64_t vocab, int64_t hidden) const;
 
  private:
   absl::StatusOr<ForwardResult> ForwardImpl(const LossProblem& problem,

@@ -105,9 +105,11 @@ TEST(CpuEngineSemanticsTest, Float32GradientsOnRequest) {
 
 TEST(CpuEngineSemanticsTest, ChunkRowsFollowTheBudget) {
   CpuEngine engine{CpuEngineOptions{/*chunk_bytes=*/int64_t{64} << 20}};
-  EXPECT_EQ(engine.ChunkRows(8192, 128256), 130);
-  EXPECT_EQ(engine.ChunkRows(5, 128256), 5);
-  EXPECT_EQ(engine.ChunkRows(8192, int64_t{1} << 30), CpuEngine::kMinChunkRows);
+  EXPECT_EQ(engine.ChunkRows(8192, 128256, 4096), 126);
+  EXPECT_EQ(engine.ChunkRows(5, 128256, 4096), 5);
+  EXPECT_EQ(engine.ChunkRows(8192, int64_t{1} << 30, 1), CpuEngine::kMinChunkRows);
+  // A wide hidden size bounds the chunk too (its fp32 copy of X).
+  EXPECT_EQ(engine.ChunkRows(8192, 3, int64_t{1} << 20), CpuEngine::kMinChunkRows);
 }
 
 }  // namespace
