@@ -168,8 +168,10 @@ absl::StatusOr<v1::BackwardResponse> LossClient::BackwardStreamed(
   while (reader->Read(&message)) {
     if (first) {
       response = std::move(*message.mutable_response());
-      for (v1::Tensor* t : {response.mutable_grad_hidden(), response.mutable_grad_weight(),
-                            response.mutable_grad_bias()}) {
+      for (v1::Tensor* t : {response.has_grad_hidden() ? response.mutable_grad_hidden() : nullptr,
+                            response.has_grad_weight() ? response.mutable_grad_weight() : nullptr,
+                            response.has_grad_bias() ? response.mutable_grad_bias() : nullptr}) {
+        if (t == nullptr) continue;
         absl::StatusOr<DType> dtype = FromProto(t->dtype(), "");
         if (!dtype.ok()) continue;
         t->mutable_data()->reserve(static_cast<size_t>(
@@ -180,11 +182,20 @@ absl::StatusOr<v1::BackwardResponse> LossClient::BackwardStreamed(
     }
     v1::Tensor* t = nullptr;
     switch (message.chunk().field()) {
-      case v1::TENSOR_FIELD_GRAD_HIDDEN: t = response.mutable_grad_hidden(); break;
-      case v1::TENSOR_FIELD_GRAD_WEIGHT: t = response.mutable_grad_weight(); break;
-      case v1::TENSOR_FIELD_GRAD_BIAS: t = response.mutable_grad_bias(); break;
+      case v1::TENSOR_FIELD_GRAD_HIDDEN:
+        if (response.has_grad_hidden()) t = response.mutable_grad_hidden();
+        break;
+      case v1::TENSOR_FIELD_GRAD_WEIGHT:
+        if (response.has_grad_weight()) t = response.mutable_grad_weight();
+        break;
+      case v1::TENSOR_FIELD_GRAD_BIAS:
+        if (response.has_grad_bias()) t = response.mutable_grad_bias();
+        break;
       default:
-        return absl::DataLossError("BackwardStream: a chunk of an unknown field");
+        break;
+    }
+    if (t == nullptr) {
+      return absl::DataLossError("BackwardStream: a chunk of a field the header did not announce");
     }
     t->mutable_data()->append(message.chunk().data());
   }
