@@ -12,6 +12,7 @@ TARGETS=(
   //server:flce_server
   //client:flce
   //bench:flce_bench
+  //bench:rpc_bench
   //kernels/cuda:cuda_engine_test
   //tests:server_integration_gpu_test
 )

@@ -3,7 +3,7 @@
 # tools/device_bundle.sh packed .devbin/bundle.tar.xz here: the GPU test
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
-# Usage: tools/device_run.sh [tests] [smoke] [python] [bench]
+# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc]
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
@@ -54,5 +54,10 @@ if [ -z "$ARGS" ] || want bench; then
   "$bin/flce_bench" --backend=cuda --shapes="$shapes" --dtypes="${BENCH_DTYPES:-bf16}" \
     --modes="${BENCH_MODES:-store_grads,recompute}" --warmup=2 --iters=10 \
     --cuda_chunk_bytes="${BENCH_CHUNK_BYTES:-0}" 2>&1 | tee -a "$OUT/bench.txt" || status=1
+fi
+if want rpc && [ -n "$ARGS" ]; then
+  echo "== rpc_bench --backend=cuda --shape=${RPC_SHAPE:-8192x4096x128256}"
+  "$bin/rpc_bench" --backend=cuda --shape="${RPC_SHAPE:-8192x4096x128256}" --dtype=bf16 \
+    --iters=10 2>&1 | tee "$OUT/rpc_bench.txt" || status=1
 fi
 exit "$status"
