@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import flce
 from flce.client import crc32c, _crc32c_py
 from server_process import ServerProcess, run_tests
+from train_tiny_lm import TinyLM
 
 SERVER = sys.argv[1]
 
@@ -25,17 +26,6 @@ def rel_err(a, b):
     a = torch.as_tensor(a, dtype=torch.float64)
     b = torch.as_tensor(b, dtype=torch.float64)
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-class TinyLM(torch.nn.Module):
-    def __init__(self, vocab=37, hidden=16):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, hidden)
-        self.mix = torch.nn.Linear(hidden, hidden)
-        self.head = torch.nn.Linear(hidden, vocab)
-
-    def hidden_states(self, tokens):
-        return torch.tanh(self.mix(self.embed(tokens)))
 
 
 class PythonClientTest(unittest.TestCase):
@@ -51,7 +41,7 @@ class PythonClientTest(unittest.TestCase):
 
     def test_training_loop_matches_f_cross_entropy_step_by_step(self):
         torch.manual_seed(0)
-        reference = TinyLM()
+        reference = TinyLM(vocab=37, hidden=16)
         remote = copy.deepcopy(reference)
         loss_fn = flce.RemoteLinearCrossEntropy(self.client, label_smoothing=0.1,
                                                 ignore_index=-100)
