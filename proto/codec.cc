@@ -117,8 +117,8 @@ v1::BackwardMode ToProto(BackwardMode mode) {
   }
 }
 
-absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor,
-                                  const std::string& field) {
+absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& field,
+                                  const SliceResolver* shm) {
   TensorView view;
   auto dtype = FromProto(tensor.dtype(), field);
   if (!dtype.ok()) return dtype.status();
@@ -141,6 +141,16 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor,
     count *= d;
   }
   const int64_t expected = count * DTypeSize(view.dtype);
+  if (tensor.has_shm()) {
+    if (shm == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ": shared memory is not enabled on this server (--enable_shared_memory)"));
+    }
+    auto data = shm->Resolve(tensor.shm(), expected, field);
+    if (!data.ok()) return data.status();
+    view.data = *data;
+    return view;
+  }
   if (static_cast<int64_t>(tensor.data().size()) != expected) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": expected ", ShapeString(view.shape), " ", DTypeName(view.dtype),

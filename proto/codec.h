@@ -27,13 +27,26 @@ v1::Reduction ToProto(Reduction reduction);
 BackwardMode FromProto(v1::BackwardMode mode);
 v1::BackwardMode ToProto(BackwardMode mode);
 
+// Finds the memory of a shared-memory slice.
+class SliceResolver {
+ public:
+  virtual ~SliceResolver() = default;
+  // The address of `bytes` bytes at `slice`, valid as long as this resolver.
+  // NOT_FOUND for an unknown region, INVALID_ARGUMENT (naming `field`) if the
+  // bytes do not lie inside it.
+  virtual absl::StatusOr<void*> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
+                                        const std::string& field) const = 0;
+};
+
 // A view of a wire tensor after checking its dtype is known, its dimensions
 // are non-negative and its byte length is product(shape) × size(dtype).
 // Errors are INVALID_ARGUMENT naming `field`, e.g.
 // "hidden: expected 8192×4096 bf16 = 67108864 bytes, got 67108000".
-// The view points into `tensor`, which must outlive it.
-absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor,
-                                  const std::string& field);
+// The view points into `tensor` (or, for a shared-memory slice, into the
+// region `shm` resolves; FAILED_PRECONDITION without one), which must
+// outlive it.
+absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& field,
+                                  const SliceResolver* shm = nullptr);
 
 // Moves a host tensor's bytes into a wire tensor (no copy of the data).
 void MoveToProto(HostTensor&& tensor, v1::Tensor* out);

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 
@@ -44,6 +46,9 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     info.rows = call.problem.rows();
     info.mode = spec.mode;
     info.dtype = call.problem.hidden.dtype;
+    info.hidden = call.problem.hidden_size();
+    info.vocab = call.problem.vocab();
+    info.has_bias = call.problem.bias.has_value();
     info.weight = call.weight_ref;
     outcome.mode = spec.mode;
     outcome.session_id = sessions_->Commit(std::move(reservation),
@@ -64,6 +69,28 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
         "accumulate_weight_grad: session ", call.session_id.substr(0, 8),
         "… was made from a weight tensor, not a weight_ref; there is no accumulator"));
   }
+  // Shared-memory destinations are checked before any compute.
+  const DType out_dtype = call.grad_dtype.value_or(lease.info.dtype);
+  const int64_t elem = DTypeSize(out_dtype);
+  void* hidden_out = nullptr;
+  void* weight_out = nullptr;
+  void* bias_out = nullptr;
+  auto resolve = [&](const std::optional<v1::SharedMemorySlice>& slice, int64_t bytes,
+                     const char* field, void** out) -> absl::Status {
+    if (!slice || !status.ok()) return status;
+    FLCE_ASSIGN_OR_RETURN(*out, call.shm->Resolve(*slice, bytes, field));
+    return absl::OkStatus();
+  };
+  status = resolve(call.grad_hidden_out, lease.info.rows * lease.info.hidden * elem,
+                   "grad_hidden_out", &hidden_out);
+  if (!call.accumulate_weight_grad) {
+    status = resolve(call.grad_weight_out, lease.info.vocab * lease.info.hidden * elem,
+                     "grad_weight_out", &weight_out);
+    if (status.ok() && call.grad_bias_out && !lease.info.has_bias) {
+      status = absl::InvalidArgumentError("grad_bias_out: the session has no bias");
+    }
+    status = resolve(call.grad_bias_out, lease.info.vocab * elem, "grad_bias_out", &bias_out);
+  }
   if (!status.ok()) {
     sessions_->Finish(lease, /*consume=*/false);
     return status;
@@ -83,11 +110,22 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
     outcome.grad_hidden = HostTensor(dtype, grads->grad_hidden.shape);
     FromFloat(dtype, grads->grad_hidden.data_as<float>(), grads->grad_hidden.num_elements(),
               &outcome.grad_hidden.data[0]);
-    return outcome;
+  } else {
+    outcome.grad_hidden = std::move(grads->grad_hidden);
+    outcome.grad_weight = std::move(grads->grad_weight);
+    outcome.grad_bias = std::move(grads->grad_bias);
   }
-  outcome.grad_hidden = std::move(grads->grad_hidden);
-  outcome.grad_weight = std::move(grads->grad_weight);
-  outcome.grad_bias = std::move(grads->grad_bias);
+  // Into the caller's shared memory, leaving dtype and shape.
+  auto deliver = [](HostTensor& t, void* out, bool* flag) {
+    if (out == nullptr) return;
+    std::memcpy(out, t.data.data(), t.data.size());
+    t.data.clear();
+    t.data.shrink_to_fit();
+    *flag = true;
+  };
+  deliver(outcome.grad_hidden, hidden_out, &outcome.grad_hidden_in_shm);
+  if (outcome.grad_weight) deliver(*outcome.grad_weight, weight_out, &outcome.grad_weight_in_shm);
+  if (outcome.grad_bias) deliver(*outcome.grad_bias, bias_out, &outcome.grad_bias_in_shm);
   return outcome;
 }
 

@@ -25,6 +25,9 @@ struct BackwardOutcome {
   HostTensor grad_hidden;
   // Absent when they were added into the registered weight's accumulator.
   std::optional<HostTensor> grad_weight, grad_bias;
+  // Gradients written into the caller's shared memory instead (their
+  // tensors above then keep dtype and shape but no bytes).
+  bool grad_hidden_in_shm = false, grad_weight_in_shm = false, grad_bias_in_shm = false;
 };
 
 class LossCore {

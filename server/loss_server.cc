@@ -57,10 +57,13 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get(),
                                         s->weights_.get());
   s->queue_ = std::make_unique<WorkQueue>(options.workers, options.max_queued_requests);
+  if (options.enable_shared_memory) {
+    s->shared_memory_ = std::make_unique<SharedMemoryRegistry>();
+  }
   LossServer* raw = s.get();
   s->service_ = std::make_unique<LossServiceImpl>(
       s->core_.get(), s->queue_.get(), ServiceLimits{options.max_message_bytes},
-      [raw] { raw->MarkUnhealthy(); });
+      s->shared_memory_.get(), [raw] { raw->MarkUnhealthy(); });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -17,6 +17,7 @@
 #include "server/loss_core.h"
 #include "server/loss_service.h"
 #include "server/session_store.h"
+#include "server/shared_memory.h"
 #include "server/weight_registry.h"
 #include "server/work_queue.h"
 
@@ -29,6 +30,8 @@ struct ServerOptions {
   SessionLimits sessions;
   // Budget of the registered weights' bytes (latest versions).
   int64_t weight_memory_bytes = int64_t{32} << 30;
+  // Accept tensors in same-host clients' POSIX shared memory.
+  bool enable_shared_memory = false;
   int workers = 1;               // concurrent engine calls
   int max_queued_requests = 64;  // waiting beyond the running ones
   int64_t max_message_bytes = int64_t{256} << 20;
@@ -65,6 +68,7 @@ class LossServer {
   std::unique_ptr<LossEngine> engine_;
   std::unique_ptr<SessionStore> sessions_;
   std::unique_ptr<WeightRegistry> weights_;
+  std::unique_ptr<SharedMemoryRegistry> shared_memory_;
   std::unique_ptr<LossCore> core_;
   std::unique_ptr<WorkQueue> queue_;
   std::unique_ptr<LossServiceImpl> service_;

@@ -47,6 +47,19 @@ absl::Status CheckAlive(const grpc::CallbackServerContext* context,
   return absl::OkStatus();
 }
 
+// A gradient into the response: its bytes, or (written to the caller's
+// shared memory already) its dtype and shape with the slice.
+void EncodeGradient(HostTensor&& t, bool in_shm, const v1::SharedMemorySlice& slice,
+                    v1::Tensor* out) {
+  if (!in_shm) {
+    MoveToProto(std::move(t), out);
+    return;
+  }
+  out->set_dtype(ToProto(t.dtype));
+  out->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+  *out->mutable_shm() = slice;
+}
+
 double MillisSince(absl::Time start) {
   return absl::ToDoubleMilliseconds(absl::Now() - start);
 }
@@ -89,11 +102,18 @@ void Run(grpc::CallbackServerContext* context, WorkQueue* queue, const char* rpc
 }  // namespace
 
 LossServiceImpl::LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
+                                 SharedMemoryRegistry* shared_memory,
                                  std::function<void()> on_engine_unhealthy)
     : core_(core),
       queue_(queue),
       limits_(limits),
+      shared_memory_(shared_memory),
       on_engine_unhealthy_(std::move(on_engine_unhealthy)) {}
+
+std::shared_ptr<SliceResolver> LossServiceImpl::ResolverFor(
+    const grpc::CallbackServerContext* context) const {
+  return shared_memory_ ? shared_memory_->ResolverFor(PrincipalOf(context)) : nullptr;
+}
 
 absl::Status LossServiceImpl::Explain(absl::Status status,
                                       const grpc::CallbackServerContext* context) {
@@ -146,7 +166,7 @@ void LossServiceImpl::StartForward(grpc::CallbackServerContext* context,
                                    v1::ForwardResponse* response, const char* rpc,
                                    std::function<void(const absl::Status&)> finish) {
   absl::StatusOr<ForwardCall> call =
-      DecodeForward(*request, core_->weights(), PrincipalOf(context));
+      DecodeForward(*request, core_->weights(), PrincipalOf(context), ResolverFor(context));
   if (!call.ok()) {
     LogRpc(rpc, "", call.status(), absl::Now());
     finish(call.status());
@@ -174,7 +194,7 @@ void LossServiceImpl::StartBackward(grpc::CallbackServerContext* context,
                                     std::shared_ptr<BackwardOutcome> outcome,
                                     std::shared_ptr<CallStats> stats,
                                     std::function<void(const absl::Status&)> finish) {
-  absl::StatusOr<BackwardCall> call = DecodeBackward(*request);
+  absl::StatusOr<BackwardCall> call = DecodeBackward(*request, ResolverFor(context));
   if (!call.ok()) {
     LogRpc(rpc, "", call.status(), absl::Now());
     finish(call.status());
@@ -204,13 +224,16 @@ grpc::ServerUnaryReactor* LossServiceImpl::Backward(grpc::CallbackServerContext*
   StartBackward(context, request, "Backward", outcome, stats,
                 [=](const absl::Status& status) {
                   if (status.ok()) {
-                    MoveToProto(std::move(outcome->grad_hidden), response->mutable_grad_hidden());
+                    EncodeGradient(std::move(outcome->grad_hidden), outcome->grad_hidden_in_shm,
+                                   request->grad_hidden_out(), response->mutable_grad_hidden());
                     if (outcome->grad_weight) {
-                      MoveToProto(std::move(*outcome->grad_weight),
-                                  response->mutable_grad_weight());
+                      EncodeGradient(std::move(*outcome->grad_weight),
+                                     outcome->grad_weight_in_shm, request->grad_weight_out(),
+                                     response->mutable_grad_weight());
                     }
                     if (outcome->grad_bias) {
-                      MoveToProto(std::move(*outcome->grad_bias), response->mutable_grad_bias());
+                      EncodeGradient(std::move(*outcome->grad_bias), outcome->grad_bias_in_shm,
+                                     request->grad_bias_out(), response->mutable_grad_bias());
                     }
                     response->mutable_stats()->set_queue_ms(stats->queue_ms);
                     response->mutable_stats()->set_engine_ms(stats->engine_ms);
@@ -683,25 +706,30 @@ class BackwardStreamReactor : public grpc::ServerWriteReactor<v1::BackwardRespon
 
   // Called once the gradients are computed (or failed).
   void Start(const absl::Status& status, BackwardOutcome outcome, double queue_ms,
-             double engine_ms) {
+             double engine_ms, const v1::BackwardRequest& request) {
     if (!status.ok()) {
       Finish(ToGrpcStatus(status));
       return;
     }
     v1::BackwardResponse* header = message_.mutable_response();
-    auto add = [&](HostTensor&& t, v1::Tensor* meta, v1::TensorField field) {
-      meta->set_dtype(ToProto(t.dtype));
-      meta->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
-      parts_.push_back({field, std::move(t.data)});
+    auto add = [&](HostTensor&& t, bool in_shm, const v1::SharedMemorySlice& slice,
+                   v1::Tensor* meta, v1::TensorField field) {
+      std::string data = std::move(t.data);
+      t.data.clear();
+      EncodeGradient(std::move(t), in_shm, slice, meta);  // dtype, shape (and slice)
+      meta->clear_data();
+      if (!in_shm) parts_.push_back({field, std::move(data)});
     };
-    add(std::move(outcome.grad_hidden), header->mutable_grad_hidden(),
-        v1::TENSOR_FIELD_GRAD_HIDDEN);
+    add(std::move(outcome.grad_hidden), outcome.grad_hidden_in_shm, request.grad_hidden_out(),
+        header->mutable_grad_hidden(), v1::TENSOR_FIELD_GRAD_HIDDEN);
     if (outcome.grad_weight) {
-      add(std::move(*outcome.grad_weight), header->mutable_grad_weight(),
+      add(std::move(*outcome.grad_weight), outcome.grad_weight_in_shm,
+          request.grad_weight_out(), header->mutable_grad_weight(),
           v1::TENSOR_FIELD_GRAD_WEIGHT);
     }
     if (outcome.grad_bias) {
-      add(std::move(*outcome.grad_bias), header->mutable_grad_bias(), v1::TENSOR_FIELD_GRAD_BIAS);
+      add(std::move(*outcome.grad_bias), outcome.grad_bias_in_shm, request.grad_bias_out(),
+          header->mutable_grad_bias(), v1::TENSOR_FIELD_GRAD_BIAS);
     }
     header->mutable_stats()->set_queue_ms(queue_ms);
     header->mutable_stats()->set_engine_ms(engine_ms);
@@ -763,8 +791,37 @@ grpc::ServerWriteReactor<v1::BackwardResponseChunk>* LossServiceImpl::BackwardSt
   StartBackward(context, request, "BackwardStream", outcome, stats,
                 [=](const absl::Status& status) {
                   reactor->Start(status, std::move(*outcome), stats->queue_ms,
-                                 stats->engine_ms);
+                                 stats->engine_ms, *request);
                 });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* LossServiceImpl::RegisterSharedMemory(
+    grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,
+    v1::RegisterSharedMemoryResponse* response) {
+  const absl::Time start = absl::Now();
+  absl::Status status = absl::FailedPreconditionError(
+      "shared memory is disabled on this server; start it with --enable_shared_memory");
+  if (shared_memory_ != nullptr) {
+    absl::StatusOr<std::string> id =
+        shared_memory_->Register(request->shm_name(), request->bytes(), PrincipalOf(context));
+    status = id.status();
+    if (id.ok()) response->set_region_id(*id);
+  }
+  LogRpc("RegisterSharedMemory", absl::StrCat("shm=", request->shm_name(), " "), status, start);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* LossServiceImpl::UnregisterSharedMemory(
+    grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+    v1::UnregisterSharedMemoryResponse* response) {
+  response->set_unregistered(shared_memory_ != nullptr &&
+                             shared_memory_->Unregister(request->region_id(),
+                                                        PrincipalOf(context)));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 

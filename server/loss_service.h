@@ -17,6 +17,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/flce/v1/loss_service.grpc.pb.h"
 #include "server/loss_core.h"
+#include "server/shared_memory.h"
 #include "server/work_queue.h"
 
 namespace flce {
@@ -31,9 +32,11 @@ struct ServiceLimits {
 
 class LossServiceImpl final : public v1::LossService::CallbackService {
  public:
-  // All pointers must outlive the service. `on_engine_unhealthy` runs once,
-  // the first time a failed call leaves the engine unhealthy.
+  // All pointers must outlive the service; `shared_memory` is null when
+  // shared memory is disabled. `on_engine_unhealthy` runs once, the first
+  // time a failed call leaves the engine unhealthy.
   LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
+                  SharedMemoryRegistry* shared_memory,
                   std::function<void()> on_engine_unhealthy);
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
@@ -54,6 +57,12 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::GetServerInfoRequest* request,
       v1::GetServerInfoResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(
+      grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,
+      v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+      v1::UnregisterSharedMemoryResponse* response) override;
   grpc::ServerReadReactor<v1::PutWeightChunk>* PutWeight(
       grpc::CallbackServerContext* context, v1::PutWeightResponse* response) override;
   grpc::ServerUnaryReactor* DeleteWeight(grpc::CallbackServerContext* context,
@@ -90,9 +99,13 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   // once, and the health hook when the engine stopped.
   absl::Status Explain(absl::Status status, const grpc::CallbackServerContext* context);
 
+  // A resolver of the caller's shared-memory slices, or null (disabled).
+  std::shared_ptr<SliceResolver> ResolverFor(const grpc::CallbackServerContext* context) const;
+
   LossCore* const core_;
   WorkQueue* const queue_;
   const ServiceLimits limits_;
+  SharedMemoryRegistry* const shared_memory_;
   const std::function<void()> on_engine_unhealthy_;
   std::once_flag unhealthy_once_;
 };

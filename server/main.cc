@@ -22,6 +22,8 @@ ABSL_FLAG(int64_t, session_memory_bytes, int64_t{16} << 30,
           "memory budget for all sessions' saved state, in bytes");
 ABSL_FLAG(int64_t, weight_memory_bytes, int64_t{32} << 30,
           "memory budget for registered weights (PutWeight), in bytes");
+ABSL_FLAG(bool, enable_shared_memory, false,
+          "accept tensors in same-host clients' POSIX shared memory (RegisterSharedMemory)");
 ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
           "idle time after which a session expires");
 ABSL_FLAG(int, workers, 1, "engine calls run concurrently");
@@ -69,6 +71,7 @@ int main(int argc, char** argv) {
   options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
   options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl);
   options.weight_memory_bytes = absl::GetFlag(FLAGS_weight_memory_bytes);
+  options.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

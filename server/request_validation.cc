@@ -14,9 +14,9 @@ absl::Status Invalid(const std::string& message) {
 }
 
 absl::StatusOr<TensorView> Required(bool present, const v1::Tensor& tensor,
-                                    const std::string& field) {
+                                    const std::string& field, const SliceResolver* shm) {
   if (!present) return Invalid(absl::StrCat(field, ": required"));
-  return ViewOf(tensor, field);
+  return ViewOf(tensor, field, shm);
 }
 
 absl::Status CheckFloating(const TensorView& view, const std::string& field) {
@@ -95,10 +95,13 @@ absl::Status CheckTargets(const T* t, int64_t n, int64_t v, int64_t ignore_index
 
 absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
                                           const WeightRegistry& weights,
-                                          const std::string& principal) {
+                                          const std::string& principal,
+                                          std::shared_ptr<SliceResolver> shm) {
   ForwardCall call;
+  call.shm = std::move(shm);
+  const SliceResolver* resolver = call.shm.get();
   LossProblem& p = call.problem;
-  FLCE_ASSIGN_OR_RETURN(p.hidden, Required(r.has_hidden(), r.hidden(), "hidden"));
+  FLCE_ASSIGN_OR_RETURN(p.hidden, Required(r.has_hidden(), r.hidden(), "hidden", resolver));
   FLCE_RETURN_IF_ERROR(CheckFloating(p.hidden, "hidden"));
   if (p.hidden.shape.size() != 2) {
     return Invalid(absl::StrCat("hidden: expected rank 2 [N, H], got shape ",
@@ -109,7 +112,7 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
 
   switch (r.weight_source_case()) {
     case v1::ForwardRequest::kWeight: {
-      FLCE_ASSIGN_OR_RETURN(p.weight, ViewOf(r.weight(), "weight"));
+      FLCE_ASSIGN_OR_RETURN(p.weight, ViewOf(r.weight(), "weight", resolver));
       break;
     }
     case v1::ForwardRequest::kWeightRef: {
@@ -140,13 +143,13 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
                                 ", got ", ShapeString(p.weight.shape)));
   }
   if (r.has_bias()) {
-    FLCE_ASSIGN_OR_RETURN(TensorView bias, ViewOf(r.bias(), "bias"));
+    FLCE_ASSIGN_OR_RETURN(TensorView bias, ViewOf(r.bias(), "bias", resolver));
     FLCE_RETURN_IF_ERROR(CheckSameDType(bias, "bias", p.hidden.dtype));
     FLCE_RETURN_IF_ERROR(CheckShape(bias, "bias", {v}, "[V]"));
     p.bias = bias;
   }
 
-  FLCE_ASSIGN_OR_RETURN(p.target, Required(r.has_target(), r.target(), "target"));
+  FLCE_ASSIGN_OR_RETURN(p.target, Required(r.has_target(), r.target(), "target", resolver));
   if (p.target.dtype != DType::kInt32 && p.target.dtype != DType::kInt64) {
     return Invalid(absl::StrCat("target: dtype ", DTypeName(p.target.dtype),
                                 " not supported; expected int32 or int64"));
@@ -156,7 +159,7 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
   FLCE_RETURN_IF_ERROR(CheckOptions(r.options(), p.options));
   if (r.options().has_class_weight()) {
     FLCE_ASSIGN_OR_RETURN(TensorView cw,
-                          ViewOf(r.options().class_weight(), "options.class_weight"));
+                          ViewOf(r.options().class_weight(), "options.class_weight", resolver));
     if (cw.dtype != DType::kFloat32) {
       return Invalid(absl::StrCat("options.class_weight: dtype ",
                                   DTypeName(cw.dtype), " not supported; expected fp32"));
@@ -198,14 +201,23 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
   return call;
 }
 
-absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& r) {
+absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& r,
+                                            std::shared_ptr<SliceResolver> shm) {
   BackwardCall call;
+  call.shm = std::move(shm);
+  if (r.has_grad_hidden_out()) call.grad_hidden_out = r.grad_hidden_out();
+  if (r.has_grad_weight_out()) call.grad_weight_out = r.grad_weight_out();
+  if (r.has_grad_bias_out()) call.grad_bias_out = r.grad_bias_out();
+  if ((call.grad_hidden_out || call.grad_weight_out || call.grad_bias_out) && !call.shm) {
+    return absl::FailedPreconditionError(
+        "grad_*_out: shared memory is not enabled on this server (--enable_shared_memory)");
+  }
   if (r.session_id().empty()) return Invalid("session_id: required");
   call.session_id = r.session_id();
   call.keep_session = r.keep_session();
   call.accumulate_weight_grad = r.accumulate_weight_grad();
   if (r.has_grad_output()) {
-    FLCE_ASSIGN_OR_RETURN(TensorView g, ViewOf(r.grad_output(), "grad_output"));
+    FLCE_ASSIGN_OR_RETURN(TensorView g, ViewOf(r.grad_output(), "grad_output", call.shm.get()));
     FLCE_RETURN_IF_ERROR(CheckFloating(g, "grad_output"));
     HostTensor fp32(DType::kFloat32, g.shape);
     ToFloat(g.dtype, g.data, g.num_elements(), fp32.mutable_data<float>());

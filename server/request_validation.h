@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/loss_engine.h"
+#include "proto/codec.h"
 #include "proto/flce/v1/loss_service.pb.h"
 #include "server/session_store.h"
 #include "server/weight_registry.h"
@@ -24,16 +25,20 @@ struct ForwardCall {
   // The registered weight the problem's weight (and bias) views point into,
   // when the request named one.
   std::shared_ptr<RegisteredWeight> weight_ref;
+  // Keeps the shared-memory regions the views point into mapped.
+  std::shared_ptr<SliceResolver> shm;
   bool need_backward = false;
   BackwardMode requested_mode = BackwardMode::kAuto;
   bool want_lse = false;
   bool want_per_row_loss = false;
 };
 
-// Registered weights are looked up in `weights` for `principal`.
+// Registered weights are looked up in `weights` for `principal`; tensors in
+// shared memory through `shm` (null: shared memory disabled).
 absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& request,
                                           const WeightRegistry& weights,
-                                          const std::string& principal);
+                                          const std::string& principal,
+                                          std::shared_ptr<SliceResolver> shm = nullptr);
 
 // A checked Backward request; grad_output converted to fp32.
 struct BackwardCall {
@@ -42,9 +47,13 @@ struct BackwardCall {
   bool keep_session = false;
   std::optional<DType> grad_dtype;
   bool accumulate_weight_grad = false;
+  // Shared-memory destinations of the gradients, if asked for.
+  std::optional<v1::SharedMemorySlice> grad_hidden_out, grad_weight_out, grad_bias_out;
+  std::shared_ptr<SliceResolver> shm;
 };
 
-absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& request);
+absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& request,
+                                            std::shared_ptr<SliceResolver> shm = nullptr);
 
 // Checks grad_output's shape against the session: {} or {1} for mean/sum,
 // {N} for none.

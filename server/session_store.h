@@ -42,6 +42,8 @@ struct SessionInfo {
   int64_t rows = 0;
   BackwardMode mode = BackwardMode::kStoreGrads;
   DType dtype = DType::kFloat32;  // of the inputs
+  int64_t hidden = 0, vocab = 0;
+  bool has_bias = false;
   // The registered weight version the Forward used (kept alive), if any.
   std::shared_ptr<RegisteredWeight> weight;
 };

@@ -2,7 +2,12 @@
 // against the fp64 reference, every row of the error table that this build
 // can produce, sessions, concurrency, deadlines and shutdown.
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cstring>
 #include <cstdlib>
 #include <chrono>
 #include <memory>
@@ -743,6 +748,137 @@ TEST_F(ServerTest, BrokenForwardStreamsHaveTheirCodes) {
   bad.target.mutable_data<int64_t>()[1] = 99;
   EXPECT_THAT(stream({first, hidden, weight, chunk(v1::TENSOR_FIELD_TARGET, bad.target.data)}),
               StatusIs(Code::kOutOfRange, HasSubstr("target[1] = 99")));
+  ExpectStillServing();
+}
+
+// --- shared memory -------------------------------------------------------
+
+// A POSIX shared-memory object of this process, unlinked at the end.
+class ShmObject {
+ public:
+  explicit ShmObject(size_t bytes)
+      : name_("/flce-test-" + std::to_string(getpid()) + "-" + std::to_string(++counter_)),
+        bytes_(bytes) {
+    const int fd = shm_open(name_.c_str(), O_CREAT | O_RDWR | O_EXCL, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    base_ = static_cast<char*>(
+        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+  }
+  ~ShmObject() {
+    munmap(base_, bytes_);
+    shm_unlink(name_.c_str());
+  }
+  const std::string& name() const { return name_; }
+  char* base() const { return base_; }
+
+ private:
+  static inline int counter_ = 0;
+  std::string name_;
+  size_t bytes_;
+  char* base_;
+};
+
+TEST_F(ServerTest, SharedMemoryIsOffByDefault) {
+  ShmObject shm(4096);
+  grpc::ClientContext context;
+  v1::RegisterSharedMemoryRequest request;
+  request.set_shm_name(shm.name());
+  request.set_bytes(4096);
+  v1::RegisterSharedMemoryResponse response;
+  EXPECT_THAT(FromGrpcStatus(stub_->RegisterSharedMemory(&context, request, &response)),
+              StatusIs(Code::kFailedPrecondition, HasSubstr("--enable_shared_memory")));
+  OwnedProblem p = Problem(4, 3, 6);
+  v1::ForwardRequest r = BuildForwardRequest(Args(p));
+  r.mutable_hidden()->mutable_shm()->set_region_id("x");
+  EXPECT_THAT(RawForward(r), StatusIs(Code::kFailedPrecondition, HasSubstr("hidden: shared memory")));
+}
+
+TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.enable_shared_memory = true;
+  StartServer(o);
+  RandomProblemSpec spec;
+  spec.rows = 21;
+  spec.hidden = 10;
+  spec.vocab = 53;
+  spec.dtype = DType::kBFloat16;
+  spec.bias = true;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  // Inputs at the start of the region, gradients after them.
+  const size_t x = p.hidden.data.size(), w = p.weight.data.size(), t = p.target.data.size();
+  const size_t b = p.bias->data.size();
+  ShmObject shm(2 * (x + w + b) + t + 64);
+  std::memcpy(shm.base(), p.hidden.data.data(), x);
+  std::memcpy(shm.base() + x, p.weight.data.data(), w);
+  std::memcpy(shm.base() + x + w, p.target.data.data(), t);
+  grpc::ClientContext register_context;
+  v1::RegisterSharedMemoryRequest reg;
+  reg.set_shm_name(shm.name());
+  reg.set_bytes(static_cast<int64_t>(2 * (x + w + b) + t + 64));
+  v1::RegisterSharedMemoryResponse region;
+  ASSERT_TRUE(stub_->RegisterSharedMemory(&register_context, reg, &region).ok());
+
+  v1::ForwardRequest r = BuildForwardRequest(Args(p, true, BackwardMode::kStoreGrads));
+  auto place = [&](v1::Tensor* tensor, size_t offset) {
+    tensor->clear_data();
+    tensor->mutable_shm()->set_region_id(region.region_id());
+    tensor->mutable_shm()->set_offset(static_cast<int64_t>(offset));
+  };
+  place(r.mutable_hidden(), 0);
+  place(r.mutable_weight(), x);
+  place(r.mutable_target(), x + w);  // the bias stays on the wire
+  grpc::ClientContext forward_context;
+  v1::ForwardResponse shm_forward;
+  ASSERT_TRUE(stub_->Forward(&forward_context, r, &shm_forward).ok());
+  auto wire_forward = client_->Forward(Args(p, true, BackwardMode::kStoreGrads));
+  ASSERT_TRUE(wire_forward.ok());
+  EXPECT_EQ(shm_forward.loss().data(), wire_forward->loss.data);
+
+  const size_t out = x + w + t;
+  v1::BackwardRequest back;
+  back.set_session_id(shm_forward.session_id());
+  back.mutable_grad_hidden_out()->set_region_id(region.region_id());
+  back.mutable_grad_hidden_out()->set_offset(static_cast<int64_t>(out));
+  back.mutable_grad_weight_out()->set_region_id(region.region_id());
+  back.mutable_grad_weight_out()->set_offset(static_cast<int64_t>(out + x));
+  back.mutable_grad_bias_out()->set_region_id(region.region_id());
+  back.mutable_grad_bias_out()->set_offset(static_cast<int64_t>(out + x + w));
+  // A destination that does not fit is refused before any compute; the
+  // session survives.
+  v1::BackwardRequest too_far = back;
+  too_far.mutable_grad_weight_out()->set_offset(static_cast<int64_t>(2 * (x + w + b) + t));
+  grpc::ClientContext far_context;
+  v1::BackwardResponse ignored;
+  EXPECT_THAT(FromGrpcStatus(stub_->Backward(&far_context, too_far, &ignored)),
+              StatusIs(Code::kInvalidArgument, HasSubstr("grad_weight_out.shm")));
+  grpc::ClientContext backward_context;
+  v1::BackwardResponse shm_grads;
+  ASSERT_TRUE(stub_->Backward(&backward_context, back, &shm_grads).ok());
+  EXPECT_TRUE(shm_grads.grad_weight().has_shm());
+  EXPECT_TRUE(shm_grads.grad_weight().data().empty());
+  BackwardArgs wire_back;
+  wire_back.session_id = wire_forward->session_id;
+  auto wire_grads = client_->Backward(wire_back);
+  ASSERT_TRUE(wire_grads.ok());
+  EXPECT_EQ(std::string(shm.base() + out, x), wire_grads->grad_hidden.data);
+  EXPECT_EQ(std::string(shm.base() + out + x, w), wire_grads->grad_weight->data);
+  EXPECT_EQ(std::string(shm.base() + out + x + w, b), wire_grads->grad_bias->data);
+
+  // Out of bounds, unknown region.
+  v1::ForwardRequest bad = r;
+  bad.mutable_hidden()->mutable_shm()->set_offset(static_cast<int64_t>(2 * (x + w + b) + t));
+  EXPECT_THAT(RawForward(bad), StatusIs(Code::kInvalidArgument, HasSubstr("hidden.shm")));
+  bad.mutable_hidden()->mutable_shm()->set_region_id("nope");
+  EXPECT_THAT(RawForward(bad), StatusIs(Code::kNotFound, HasSubstr("unknown region")));
+  grpc::ClientContext missing_context;
+  v1::RegisterSharedMemoryRequest missing;
+  missing.set_shm_name("/flce-does-not-exist");
+  missing.set_bytes(10);
+  EXPECT_THAT(FromGrpcStatus(stub_->RegisterSharedMemory(&missing_context, missing, &region)),
+              StatusIs(Code::kNotFound, HasSubstr("cannot open")));
   ExpectStillServing();
 }
 
