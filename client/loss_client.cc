@@ -1,6 +1,12 @@
 #include "client/loss_client.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <utility>
@@ -118,7 +124,9 @@ absl::StatusOr<v1::ForwardResponse> LossClient::ForwardStreamed(const ForwardArg
 absl::StatusOr<RemoteForward> LossClient::Forward(const ForwardArgs& args) {
   const absl::Time start = absl::Now();
   v1::ForwardResponse response;
-  if (RequestBytes(args) > StreamAbove()) {
+  if (args.shm != nullptr) {
+    FLCE_ASSIGN_OR_RETURN(response, ForwardThroughShm(args));
+  } else if (RequestBytes(args) > StreamAbove()) {
     FLCE_ASSIGN_OR_RETURN(response, ForwardStreamed(args));
   } else {
     const v1::ForwardRequest request = BuildForwardRequest(args);
@@ -128,13 +136,14 @@ absl::StatusOr<RemoteForward> LossClient::Forward(const ForwardArgs& args) {
   }
   if (!response.session_id().empty()) {
     const LossProblem& p = args.problem;
-    // Gradients come back at most fp32-sized: dX, and dW, db when the
-    // weight was sent (a registered one's size is not known here).
-    const int64_t weight_elements =
-        p.weight.shape.size() == 2 ? p.weight.num_elements() + p.weight.dim(0) : 0;
-    const int64_t grad_bytes = (p.hidden.num_elements() + weight_elements) * 4;
+    SessionShape shape;
+    shape.rows = p.rows();
+    shape.hidden = p.hidden_size();
+    shape.vocab = p.weight.shape.size() == 2 ? p.vocab() : 0;  // a registered weight: unknown
+    shape.has_bias = p.bias.has_value();
+    shape.dtype = p.hidden.dtype;
     absl::MutexLock lock(&mu_);
-    grad_bytes_[response.session_id()] = grad_bytes;
+    sessions_[response.session_id()] = shape;
   }
   RemoteForward out;
   out.times.rpc_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
@@ -210,23 +219,68 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
   request.set_keep_session(args.keep_session);
   if (args.grad_dtype) request.set_grad_dtype(ToProto(*args.grad_dtype));
   request.set_accumulate_weight_grad(args.accumulate_weight_grad);
-  int64_t grad_bytes = 0;
+  std::optional<SessionShape> shape;
   {
     absl::MutexLock lock(&mu_);
-    auto it = grad_bytes_.find(args.session_id);
-    if (it != grad_bytes_.end()) {
-      grad_bytes = it->second;
-      if (!args.keep_session) grad_bytes_.erase(it);
+    auto it = sessions_.find(args.session_id);
+    if (it != sessions_.end()) {
+      shape = it->second;
+      if (!args.keep_session) sessions_.erase(it);
     }
+  }
+  // Gradients come back at most fp32-sized.
+  const int64_t grad_bytes =
+      shape ? (shape->rows * shape->hidden + shape->vocab * shape->hidden + shape->vocab) * 4
+            : 0;
+  // Gradients through shared memory: dX, then dW and db, 64-byte aligned.
+  std::vector<std::pair<v1::Tensor*, int64_t>> from_shm;
+  if (args.shm != nullptr) {
+    if (!shape || (shape->vocab == 0 && !args.accumulate_weight_grad)) {
+      return absl::FailedPreconditionError(
+          "shm: gradients come through shared memory only for sessions this client made "
+          "with the weight sent (or with accumulate_weight_grad)");
+    }
+    const int64_t elem = DTypeSize(args.grad_dtype.value_or(shape->dtype));
+    auto align = [](int64_t x) { return (x + 63) / 64 * 64; };
+    const int64_t dx = shape->rows * shape->hidden * elem;
+    const int64_t dw = args.accumulate_weight_grad ? 0 : shape->vocab * shape->hidden * elem;
+    const int64_t db = args.accumulate_weight_grad || !shape->has_bias ? 0 : shape->vocab * elem;
+    if (align(dx) + align(dw) + db > args.shm->bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shm: the gradients need ", align(dx) + align(dw) + db, " bytes, the region holds ",
+          args.shm->bytes()));
+    }
+    auto slice = [&](v1::SharedMemorySlice* s, int64_t offset) {
+      s->set_region_id(args.shm->region_id());
+      s->set_offset(offset);
+    };
+    slice(request.mutable_grad_hidden_out(), 0);
+    if (dw > 0) slice(request.mutable_grad_weight_out(), align(dx));
+    if (db > 0) slice(request.mutable_grad_bias_out(), align(dx) + align(dw));
   }
   const absl::Time start = absl::Now();
   v1::BackwardResponse response;
-  if (grad_bytes > StreamAbove()) {
+  if (args.shm == nullptr && grad_bytes > StreamAbove()) {
     FLCE_ASSIGN_OR_RETURN(response, BackwardStreamed(request));
   } else {
     grpc::ClientContext context;
     Prepare(context);
     FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->Backward(&context, request, &response)));
+  }
+  // Gradients the server wrote into shared memory become ordinary bytes.
+  for (v1::Tensor* t : {response.has_grad_hidden() ? response.mutable_grad_hidden() : nullptr,
+                        response.has_grad_weight() ? response.mutable_grad_weight() : nullptr,
+                        response.has_grad_bias() ? response.mutable_grad_bias() : nullptr}) {
+    if (t == nullptr || !t->has_shm()) continue;
+    const v1::SharedMemorySlice slice = t->shm();
+    FLCE_ASSIGN_OR_RETURN(const DType dtype, FromProto(t->dtype(), "gradient dtype"));
+    const int64_t bytes =
+        NumElements({t->shape().begin(), t->shape().end()}) * DTypeSize(dtype);
+    if (args.shm == nullptr || slice.region_id() != args.shm->region_id() || slice.offset() < 0 ||
+        slice.offset() > args.shm->bytes() - bytes) {
+      return absl::DataLossError("Backward: a gradient in shared memory this call did not offer");
+    }
+    t->set_data(args.shm->base() + slice.offset(), static_cast<size_t>(bytes));
   }
   RemoteGradients out;
   out.times.rpc_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
@@ -248,7 +302,7 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
 absl::StatusOr<bool> LossClient::ReleaseSession(const std::string& session_id) {
   {
     absl::MutexLock lock(&mu_);
-    grad_bytes_.erase(session_id);
+    sessions_.erase(session_id);
   }
   v1::ReleaseSessionRequest request;
   request.set_session_id(session_id);
@@ -382,6 +436,86 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
                 static_cast<size_t>(v * elem));
   }
   return out;
+}
+
+absl::StatusOr<v1::ForwardResponse> LossClient::ForwardThroughShm(const ForwardArgs& args) {
+  v1::ForwardRequest request = BuildForwardRequest(args, /*with_data=*/false);
+  const LossProblem& p = args.problem;
+  int64_t offset = 0;
+  absl::Status status;
+  auto place = [&](const TensorView& view, v1::Tensor* t) {
+    const int64_t bytes = Bytes(view);
+    if (!status.ok()) return;
+    if (offset + bytes > args.shm->bytes()) {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "shm: the tensors need more than the region's ", args.shm->bytes(), " bytes"));
+      return;
+    }
+    std::memcpy(args.shm->base() + offset, view.data, static_cast<size_t>(bytes));
+    t->mutable_shm()->set_region_id(args.shm->region_id());
+    t->mutable_shm()->set_offset(offset);
+    offset += (bytes + 63) / 64 * 64;
+  };
+  place(p.hidden, request.mutable_hidden());
+  if (args.weight_name.empty()) {
+    place(p.weight, request.mutable_weight());
+    if (p.bias) place(*p.bias, request.mutable_bias());
+  }
+  place(p.target, request.mutable_target());
+  if (p.class_weight) place(*p.class_weight, request.mutable_options()->mutable_class_weight());
+  FLCE_RETURN_IF_ERROR(status);
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::ForwardResponse response;
+  FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->Forward(&context, request, &response)));
+  return response;
+}
+
+absl::StatusOr<std::unique_ptr<SharedMemoryArena>> LossClient::CreateSharedMemory(int64_t bytes) {
+  static std::atomic<int> counter{0};
+  std::unique_ptr<SharedMemoryArena> arena(new SharedMemoryArena());
+  arena->client_ = this;
+  arena->name_ = absl::StrCat("/flce-", getpid(), "-", counter++);
+  const int fd = shm_open(arena->name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("shm_open ", arena->name_, ": ", std::strerror(errno)));
+  }
+  if (ftruncate(fd, bytes) != 0) {
+    close(fd);
+    shm_unlink(arena->name_.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat("shm: cannot size ", bytes, " bytes"));
+  }
+  void* base = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) {
+    shm_unlink(arena->name_.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat("shm: cannot map ", bytes, " bytes"));
+  }
+  arena->base_ = static_cast<char*>(base);
+  arena->bytes_ = bytes;
+  v1::RegisterSharedMemoryRequest request;
+  request.set_shm_name(arena->name_);
+  request.set_bytes(bytes);
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::RegisterSharedMemoryResponse response;
+  FLCE_RETURN_IF_ERROR(
+      FromGrpcStatus(stub_->RegisterSharedMemory(&context, request, &response)));
+  arena->region_id_ = response.region_id();
+  return arena;
+}
+
+SharedMemoryArena::~SharedMemoryArena() {
+  if (!region_id_.empty()) {
+    v1::UnregisterSharedMemoryRequest request;
+    request.set_region_id(region_id_);
+    grpc::ClientContext context;
+    client_->Prepare(context);
+    v1::UnregisterSharedMemoryResponse response;
+    client_->stub_->UnregisterSharedMemory(&context, request, &response);
+  }
+  if (base_ != nullptr) munmap(base_, static_cast<size_t>(bytes_));
+  shm_unlink(name_.c_str());
 }
 
 }  // namespace flce

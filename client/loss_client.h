@@ -35,6 +35,8 @@ struct ClientOptions {
   int64_t stream_above_bytes = -1;
 };
 
+class SharedMemoryArena;
+
 struct ForwardArgs {
   // The tensors (views, copied into the request) and loss options. With
   // `weight_name` set, problem.weight and problem.bias are not sent: the
@@ -46,6 +48,9 @@ struct ForwardArgs {
   BackwardMode mode = BackwardMode::kAuto;
   bool want_lse = false;
   bool want_per_row_loss = false;
+  // Send the tensors through this shared-memory region instead of the
+  // message (same host; the server runs with --enable_shared_memory).
+  SharedMemoryArena* shm = nullptr;
 };
 
 struct CallTimes {
@@ -72,6 +77,9 @@ struct BackwardArgs {
   // Add dW, db into the registered weight's accumulator instead of returning
   // them (the session's Forward must have used a registered weight).
   bool accumulate_weight_grad = false;
+  // Receive the gradients through this shared-memory region (the session's
+  // Forward must have been made by this client).
+  SharedMemoryArena* shm = nullptr;
 };
 
 struct RemoteGradients {
@@ -92,6 +100,30 @@ struct WeightGrad {
 // ForwardStream when !with_data).
 v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args, bool with_data = true);
 
+// A POSIX shared-memory region of this process, registered with a server
+// (which must run with --enable_shared_memory) by LossClient::
+// CreateSharedMemory. Tensors passed through it are copied into it instead of
+// a message; the server reads and writes it directly. REQUIRES: the client
+// that created it outlives it.
+class SharedMemoryArena {
+ public:
+  ~SharedMemoryArena();  // unregisters, unmaps and unlinks
+  SharedMemoryArena(const SharedMemoryArena&) = delete;
+  SharedMemoryArena& operator=(const SharedMemoryArena&) = delete;
+
+  char* base() const { return base_; }
+  int64_t bytes() const { return bytes_; }
+  const std::string& region_id() const { return region_id_; }
+
+ private:
+  friend class LossClient;
+  SharedMemoryArena() = default;
+  class LossClient* client_ = nullptr;
+  std::string name_, region_id_;
+  char* base_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
 class LossClient {
  public:
   // A client of the server at `target` ("host:port"). Connects lazily: the
@@ -104,6 +136,9 @@ class LossClient {
   // True if a live session was freed.
   absl::StatusOr<bool> ReleaseSession(const std::string& session_id);
   absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
+
+  // A shared-memory region of `bytes`, registered with the server.
+  absl::StatusOr<std::unique_ptr<SharedMemoryArena>> CreateSharedMemory(int64_t bytes);
 
   // Registers `weight` [V, H] (and `bias` [V]) under `name`, streamed in
   // stream_chunk_bytes chunks with a CRC-32C; returns the new version.
@@ -126,10 +161,18 @@ class LossClient {
   absl::StatusOr<v1::ForwardResponse> ForwardStreamed(const ForwardArgs& args);
   absl::StatusOr<v1::BackwardResponse> BackwardStreamed(const v1::BackwardRequest& request);
 
-  // Upper bound of each live session's gradient bytes, from its Forward, to
-  // choose Backward's RPC.
+  friend class SharedMemoryArena;
+  absl::StatusOr<v1::ForwardResponse> ForwardThroughShm(const ForwardArgs& args);
+
+  // Each live session's shapes, from its Forward: they choose Backward's RPC
+  // and lay out gradients in shared memory.
+  struct SessionShape {
+    int64_t rows = 0, hidden = 0, vocab = 0;  // vocab 0: weight not sent
+    bool has_bias = false;
+    DType dtype = DType::kFloat32;
+  };
   absl::Mutex mu_;
-  absl::flat_hash_map<std::string, int64_t> grad_bytes_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, SessionShape> sessions_ ABSL_GUARDED_BY(mu_);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -882,6 +882,48 @@ TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
   ExpectStillServing();
 }
 
+TEST_F(ServerTest, ClientSharedMemoryArenaRoundTrip) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.enable_shared_memory = true;
+  StartServer(o);
+  RandomProblemSpec spec;
+  spec.rows = 17;
+  spec.hidden = 12;
+  spec.vocab = 71;
+  spec.bias = true;
+  spec.class_weight = true;
+  spec.options.reduction = Reduction::kSum;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  auto arena = client_->CreateSharedMemory(1 << 16);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    ForwardArgs args = Args(p, true, mode);
+    auto wire = client_->Forward(args);
+    args.shm = arena->get();
+    auto shm = client_->Forward(args);
+    ASSERT_TRUE(wire.ok() && shm.ok()) << wire.status() << shm.status();
+    EXPECT_EQ(wire->loss.data, shm->loss.data);
+    BackwardArgs bw, bs;
+    bw.session_id = wire->session_id;
+    bs.session_id = shm->session_id;
+    bs.shm = arena->get();
+    auto gw = client_->Backward(bw);
+    auto gs = client_->Backward(bs);
+    ASSERT_TRUE(gw.ok()) << gw.status();
+    ASSERT_TRUE(gs.ok()) << gs.status();
+    EXPECT_EQ(gw->grad_hidden.data, gs->grad_hidden.data);
+    EXPECT_EQ(gw->grad_weight->data, gs->grad_weight->data);
+    EXPECT_EQ(gw->grad_bias->data, gs->grad_bias->data);
+  }
+  auto tiny = client_->CreateSharedMemory(64);
+  ASSERT_TRUE(tiny.ok());
+  ForwardArgs args = Args(p);
+  args.shm = tiny->get();
+  EXPECT_THAT(client_->Forward(args),
+              StatusIs(Code::kInvalidArgument, HasSubstr("more than the region's 64 bytes")));
+}
+
 TEST(ServerStartTest, BadOptionsAndMissingBackends) {
   // Option handling, independent of the backend under test.
   auto cpu_options = [] {
