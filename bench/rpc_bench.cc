@@ -70,6 +70,7 @@ int Main() {
     options.listen_address = "127.0.0.1:0";
     options.backend = absl::GetFlag(FLAGS_backend);
     options.max_message_bytes = int64_t{1} << 30;
+    options.enable_shared_memory = true;
     auto server = LossServer::Start(options);
     if (!server.ok()) {
       std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
@@ -91,6 +92,10 @@ int Main() {
     return 1;
   }
   if (!unary->PutWeight("rpc_bench", p.weight.view(), std::nullopt).ok()) return 1;
+  // Room for X, W, t in and dX, dW out (64-byte aligned), if the server
+  // takes shared memory.
+  absl::StatusOr<std::unique_ptr<SharedMemoryArena>> arena = unary->CreateSharedMemory(
+      2 * (n * h + v * h) * DTypeSize(spec.dtype) + n * 8 + 1024);
 
   const int64_t elem = DTypeSize(spec.dtype);
   const int64_t x_bytes = n * h * elem, w_bytes = v * h * elem, t_bytes = n * 8;
@@ -104,10 +109,19 @@ int Main() {
     const char* name;
     LossClient* client;
     bool registered;
+    SharedMemoryArena* shm;
   };
-  for (const Transport& t : {Transport{"unary, W inline", unary.get(), false},
-                             Transport{"streaming, W inline", streaming.get(), false},
-                             Transport{"unary, W registered", unary.get(), true}}) {
+  SharedMemoryArena* shm = arena.ok() ? arena->get() : nullptr;
+  for (const Transport& t :
+       {Transport{"unary, W inline", unary.get(), false, nullptr},
+        Transport{"streaming, W inline", streaming.get(), false, nullptr},
+        Transport{"unary, W registered", unary.get(), true, nullptr},
+        Transport{"shared memory, W inline", unary.get(), false, shm}}) {
+    if (std::string(t.name).rfind("shared", 0) == 0 && t.shm == nullptr) {
+      std::printf("%-22s   (not available: %s)\n", t.name,
+                  std::string(arena.status().message()).c_str());
+      continue;
+    }
     if (t.client == unary.get() && !t.registered &&
         x_bytes + w_bytes + t_bytes > unary_options.max_message_bytes) {
       std::printf("%-22s   (the request is over the %lld-byte unary limit: streaming only)\n",
@@ -121,6 +135,7 @@ int Main() {
       args.need_backward = true;
       args.mode = BackwardMode::kStoreGrads;
       if (t.registered) args.weight_name = "rpc_bench";
+      args.shm = t.shm;
       const absl::Time start = absl::Now();
       auto fwd = t.client->Forward(args);
       if (!fwd.ok()) {
@@ -130,6 +145,7 @@ int Main() {
       BackwardArgs b;
       b.session_id = fwd->session_id;
       b.accumulate_weight_grad = t.registered;  // dW stays on the server
+      b.shm = t.shm;
       auto grads = t.client->Backward(b);
       if (!grads.ok()) {
         std::fprintf(stderr, "%s\n", grads.status().ToString().c_str());
@@ -145,7 +161,8 @@ int Main() {
       rpc.push_back(s.rpc_ms);
       ratio.push_back(s.rpc_ms / std::max(s.engine_ms, 1e-3));
     }
-    // Request X, t (and W) in; dX (and dW) out.
+    // Request X, t (and W) in; dX (and dW) out (through the socket or the
+    // shared region).
     const double moved = t.registered ? 2.0 * x_bytes + t_bytes
                                       : 2.0 * x_bytes + t_bytes + 2.0 * w_bytes;
     const double p50 = Percentile(rpc, 0.5);
