@@ -31,7 +31,7 @@ def rel_err(a, b):
 class PythonClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.server = ServerProcess(SERVER, "--backend=auto")
+        cls.server = ServerProcess(SERVER, "--backend=auto", "--enable_shared_memory")
         cls.client = flce.Client(cls.server.address)
 
     @classmethod
@@ -40,11 +40,18 @@ class PythonClientTest(unittest.TestCase):
         cls.server.kill()
 
     def test_training_loop_matches_f_cross_entropy_step_by_step(self):
+        self._training_loop(shared_memory=False)
+
+    def test_training_loop_through_shared_memory(self):
+        self._training_loop(shared_memory=True)
+
+    def _training_loop(self, shared_memory):
         torch.manual_seed(0)
         reference = TinyLM(vocab=37, hidden=16)
         remote = copy.deepcopy(reference)
         loss_fn = flce.RemoteLinearCrossEntropy(self.client, label_smoothing=0.1,
-                                                ignore_index=-100)
+                                                ignore_index=-100, shared_memory=shared_memory)
+        self.addCleanup(loss_fn.close)
         opt_ref = torch.optim.SGD(reference.parameters(), lr=0.5)
         opt_remote = torch.optim.SGD(remote.parameters(), lr=0.5)
         gen = torch.Generator().manual_seed(1)
@@ -67,6 +74,8 @@ class PythonClientTest(unittest.TestCase):
                                 f"step {step} micro-batch {micro}")
             opt_ref.step()
             opt_remote.step()
+            if shared_memory:  # the tensors really went through a region
+                self.assertIsNotNone(loss_fn._region)
             for (name, p_ref), (_, p) in zip(reference.named_parameters(),
                                              remote.named_parameters()):
                 self.assertLess(rel_err(p.detach(), p_ref.detach()), 1e-5,

@@ -1,9 +1,10 @@
 """flce: the fused linear + cross-entropy loss as a service, for Python workers."""
 
-from flce.client import Client, FlceError, ForwardResult, Gradients, from_wire, to_torch, to_wire
+from flce.client import (Client, FlceError, ForwardResult, Gradients, SharedMemoryRegion,
+                         from_wire, to_torch, to_wire)
 
-__all__ = ["Client", "FlceError", "ForwardResult", "Gradients", "from_wire", "to_torch",
-           "to_wire", "RemoteLinearCrossEntropy"]
+__all__ = ["Client", "FlceError", "ForwardResult", "Gradients", "SharedMemoryRegion",
+           "from_wire", "to_torch", "to_wire", "RemoteLinearCrossEntropy"]
 
 
 def __getattr__(name):

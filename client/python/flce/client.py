@@ -128,6 +128,56 @@ def to_torch(tensor: "pb.Tensor", device="cpu"):
     return torch.from_numpy(from_wire(tensor).copy()).to(device)
 
 
+class SharedMemoryRegion:
+    """A POSIX shared-memory region of this process, registered with the
+    server (which must run with --enable_shared_memory). Tensors passed with
+    ``shm=region`` are copied into it instead of the message; gradients come
+    back through it. ``close()`` unregisters and frees it."""
+
+    def __init__(self, client: "Client", nbytes: int):
+        from multiprocessing import shared_memory
+
+        self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.nbytes = nbytes
+        self._client = client
+        try:
+            self.region_id = client._call(
+                client._stub.RegisterSharedMemory,
+                pb.RegisterSharedMemoryRequest(shm_name="/" + self._shm.name.lstrip("/"),
+                                               bytes=nbytes)).region_id
+        except Exception:
+            self._shm.close()
+            self._shm.unlink()
+            raise
+
+    @property
+    def buffer(self) -> memoryview:
+        return self._shm.buf
+
+    def close(self):
+        if self._shm is None:
+            return
+        try:
+            self._client._call(self._client._stub.UnregisterSharedMemory,
+                               pb.UnregisterSharedMemoryRequest(region_id=self.region_id))
+        finally:
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+
+def _place(region: SharedMemoryRegion, tensor: "pb.Tensor", offset: int) -> int:
+    """Moves a wire tensor's bytes into the region at ``offset``; returns the
+    next 64-byte aligned offset."""
+    data = tensor.data
+    if offset + len(data) > region.nbytes:
+        raise ValueError(f"shm: the tensors need more than the region's {region.nbytes} bytes")
+    region.buffer[offset:offset + len(data)] = data
+    tensor.shm.region_id = region.region_id
+    tensor.shm.offset = offset  # (setting the oneof drops the bytes)
+    return (offset + len(data) + 63) // 64 * 64
+
+
 @dataclasses.dataclass
 class ForwardResult:
     loss: pb.Tensor            # fp32: [] for mean/sum, [N] for none
@@ -155,11 +205,16 @@ class Client:
                    ("grpc.max_receive_message_length", max_message_bytes)]
         self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.LossServiceStub(self._channel)
+        self._sessions = {}  # session id → (N, H, V, has_bias, dtype), for shm layouts
         self.timeout = timeout
         self.stream_chunk_bytes = stream_chunk_bytes
 
     def close(self):
         self._channel.close()
+
+    def create_shared_memory(self, nbytes: int) -> SharedMemoryRegion:
+        """A shared-memory region of ``nbytes`` registered with the server."""
+        return SharedMemoryRegion(self, nbytes)
 
     def __enter__(self):
         return self
@@ -178,9 +233,11 @@ class Client:
                 reduction: str = "mean", label_smoothing: float = 0.0,
                 logit_softcap: Optional[float] = None, z_loss_scale: float = 0.0,
                 need_backward: bool = False, backward_mode: str = "auto",
-                want_lse: bool = False, want_per_row_loss: bool = False) -> ForwardResult:
+                want_lse: bool = False, want_per_row_loss: bool = False,
+                shm: Optional[SharedMemoryRegion] = None) -> ForwardResult:
         """Forward. Pass ``weight`` (and ``bias``), or ``weight_name`` of a
-        registered weight. ``need_backward`` keeps a session for backward()."""
+        registered weight. ``need_backward`` keeps a session for backward().
+        With ``shm``, the tensors travel through that shared-memory region."""
         r = pb.ForwardRequest()
         to_wire(hidden, r.hidden)
         to_wire(target, r.target)
@@ -204,22 +261,67 @@ class Client:
         r.backward_mode = _MODES[backward_mode]
         r.outputs.lse = want_lse
         r.outputs.per_row_loss = want_per_row_loss
+        if shm is not None:
+            offset = 0
+            tensors = [r.hidden, r.target]
+            if not weight_name and weight is not None:
+                tensors.append(r.weight)
+                if bias is not None:
+                    tensors.append(r.bias)
+            if class_weight is not None:
+                tensors.append(o.class_weight)
+            for t in tensors:
+                offset = _place(shm, t, offset)
         resp = self._call(self._stub.Forward, r)
+        if resp.session_id:
+            h = r.hidden.shape[1]
+            v = r.weight.shape[0] if r.HasField("weight") else 0
+            self._sessions[resp.session_id] = (r.hidden.shape[0], h, v,
+                                               r.HasField("bias"), r.hidden.dtype)
         return ForwardResult(resp.loss, resp.z_loss, resp.lse if resp.HasField("lse") else None,
                              resp.num_valid, resp.num_correct, resp.session_id,
                              _MODE_NAMES.get(resp.backward_mode, "auto"))
 
     def backward(self, session_id: str, grad_output=None, *, keep_session: bool = False,
-                 float32_grads: bool = False, accumulate_weight_grad: bool = False) -> Gradients:
+                 float32_grads: bool = False, accumulate_weight_grad: bool = False,
+                 shm: Optional[SharedMemoryRegion] = None) -> Gradients:
         """Backward for a session; grad_output is a scalar (mean/sum) or [N]
-        (none), None meaning 1."""
+        (none), None meaning 1. With ``shm``, the gradients come back through
+        that region (the session must be this client's, with the weight sent)."""
         r = pb.BackwardRequest(session_id=session_id, keep_session=keep_session,
                                accumulate_weight_grad=accumulate_weight_grad)
         if grad_output is not None:
             to_wire(grad_output, r.grad_output)
         if float32_grads:
             r.grad_dtype = pb.DTYPE_FLOAT32
+        shape = self._sessions.get(session_id)
+        if not keep_session:
+            self._sessions.pop(session_id, None)
+        if shm is not None:
+            if shape is None or (shape[2] == 0 and not accumulate_weight_grad):
+                raise ValueError("shm: gradients come back through shared memory only for "
+                                 "sessions this client made with the weight sent")
+            n, h, v, has_bias, dtype = shape
+            elem = 4 if float32_grads or dtype == pb.DTYPE_FLOAT32 else 2
+            align = lambda x: (x + 63) // 64 * 64
+            dx, dw = n * h * elem, 0 if accumulate_weight_grad else v * h * elem
+            db = v * elem if has_bias and not accumulate_weight_grad else 0
+            if align(dx) + align(dw) + db > shm.nbytes:
+                raise ValueError(f"shm: the gradients need {align(dx) + align(dw) + db} bytes, "
+                                 f"the region holds {shm.nbytes}")
+            for field, offset, size in (("grad_hidden_out", 0, dx),
+                                        ("grad_weight_out", align(dx), dw),
+                                        ("grad_bias_out", align(dx) + align(dw), db)):
+                if size:
+                    getattr(r, field).region_id = shm.region_id
+                    getattr(r, field).offset = offset
         resp = self._call(self._stub.Backward, r)
+        if shm is not None:
+            for t in (resp.grad_hidden, resp.grad_weight, resp.grad_bias):
+                if t.HasField("shm"):
+                    nbytes = int(np.prod(t.shape)) * (2 if t.dtype in (pb.DTYPE_BFLOAT16,
+                                                                     pb.DTYPE_FLOAT16) else 4)
+                    t.data = bytes(shm.buffer[t.shm.offset:t.shm.offset + nbytes])
         return Gradients(resp.grad_hidden,
                          resp.grad_weight if resp.HasField("grad_weight") else None,
                          resp.grad_bias if resp.HasField("grad_bias") else None)

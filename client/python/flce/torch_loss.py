@@ -25,7 +25,8 @@ class _RemoteFunction(torch.autograd.Function):
             ignore_index=module.ignore_index, reduction=module.reduction,
             label_smoothing=module.label_smoothing, logit_softcap=module.logit_softcap,
             z_loss_scale=module.z_loss_scale, class_weight=module.class_weight,
-            need_backward=needs_grad, backward_mode=module.backward_mode)
+            need_backward=needs_grad, backward_mode=module.backward_mode,
+            shm=module._region_for(hidden, weight, bias, target))
         ctx.session_id = result.session_id
         ctx.module = module
         ctx.meta = [(t.device, t.dtype) if t is not None else None for t in (hidden, weight, bias)]
@@ -39,7 +40,8 @@ class _RemoteFunction(torch.autograd.Function):
         if not ctx.session_id:
             return None, None, None, None, None
         g = grad_output.detach().float().cpu()
-        grads = ctx.module.client.backward(ctx.session_id, g if g.dim() else g.reshape(()))
+        grads = ctx.module.client.backward(ctx.session_id, g if g.dim() else g.reshape(()),
+                                           shm=ctx.module._region)
         ctx.session_id = ""  # consumed: a second backward is an error on the server too
         (hd, ht), (wd, wt), bias_meta = ctx.meta
         d_hidden = to_torch(grads.grad_hidden).to(device=hd, dtype=ht)
@@ -57,12 +59,15 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     Options follow ``torch.nn.functional.cross_entropy`` (ignore_index,
     reduction, label_smoothing, weight → ``class_weight``) plus flce's
     ``logit_softcap`` and ``z_loss_scale``. ``backward_mode`` is "auto",
-    "store_grads" or "recompute".
+    "store_grads" or "recompute". ``shared_memory=True`` passes tensors
+    through a POSIX shared-memory region (same host; the server runs with
+    --enable_shared_memory); ``close()`` frees it.
     """
 
     def __init__(self, client, *, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, logit_softcap: Optional[float] = None,
-                 z_loss_scale: float = 0.0, class_weight=None, backward_mode: str = "auto"):
+                 z_loss_scale: float = 0.0, class_weight=None, backward_mode: str = "auto",
+                 shared_memory: bool = False):
         super().__init__()
         self.client = Client(client) if isinstance(client, str) else client
         self.ignore_index = ignore_index
@@ -72,8 +77,31 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self.z_loss_scale = z_loss_scale
         self.class_weight = class_weight
         self.backward_mode = backward_mode
+        self.shared_memory = shared_memory
+        self._region = None
         self.last_num_valid = 0
         self.last_z_loss = 0.0
+
+    def _region_for(self, hidden, weight, bias, target):
+        """The shared-memory region for these tensors (grown as needed), or
+        None when shared memory is off."""
+        if not self.shared_memory:
+            return None
+        def nbytes(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        # Inputs, or gradients in fp32 at most, each 64-byte aligned.
+        need = max(nbytes(hidden) + nbytes(weight) + nbytes(bias) + target.numel() * 8,
+                   4 * (hidden.numel() + weight.numel() + (0 if bias is None else bias.numel()))) + 256
+        if self._region is None or self._region.nbytes < need:
+            if self._region is not None:
+                self._region.close()
+            self._region = self.client.create_shared_memory(need)
+        return self._region
+
+    def close(self):
+        if self._region is not None:
+            self._region.close()
+            self._region = None
 
     def forward(self, hidden, weight, target, bias=None):
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
