@@ -181,10 +181,8 @@ absl::StatusOr<v1::BackwardResponse> LossClient::BackwardStreamed(
                             response.has_grad_weight() ? response.mutable_grad_weight() : nullptr,
                             response.has_grad_bias() ? response.mutable_grad_bias() : nullptr}) {
         if (t == nullptr) continue;
-        absl::StatusOr<DType> dtype = FromProto(t->dtype(), "");
-        if (!dtype.ok()) continue;
-        t->mutable_data()->reserve(static_cast<size_t>(
-            NumElements({t->shape().begin(), t->shape().end()}) * DTypeSize(*dtype)));
+        absl::StatusOr<int64_t> bytes = TensorBytes(*t, "gradient");
+        if (bytes.ok()) t->mutable_data()->reserve(static_cast<size_t>(*bytes));
       }
       first = false;
       continue;
@@ -273,9 +271,7 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
                         response.has_grad_bias() ? response.mutable_grad_bias() : nullptr}) {
     if (t == nullptr || !t->has_shm()) continue;
     const v1::SharedMemorySlice slice = t->shm();
-    FLCE_ASSIGN_OR_RETURN(const DType dtype, FromProto(t->dtype(), "gradient dtype"));
-    const int64_t bytes =
-        NumElements({t->shape().begin(), t->shape().end()}) * DTypeSize(dtype);
+    FLCE_ASSIGN_OR_RETURN(const int64_t bytes, TensorBytes(*t, "gradient"));
     if (args.shm == nullptr || slice.region_id() != args.shm->region_id() || slice.offset() < 0 ||
         slice.offset() > args.shm->bytes() - bytes) {
       return absl::DataLossError("Backward: a gradient in shared memory this call did not offer");

@@ -117,30 +117,37 @@ v1::BackwardMode ToProto(BackwardMode mode) {
   }
 }
 
-absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& field,
-                                  const SliceResolver* shm) {
-  TensorView view;
+absl::StatusOr<int64_t> TensorBytes(const v1::Tensor& tensor, const std::string& field) {
   auto dtype = FromProto(tensor.dtype(), field);
   if (!dtype.ok()) return dtype.status();
-  view.dtype = *dtype;
-  view.shape.assign(tensor.shape().begin(), tensor.shape().end());
   // Overflow-safe element count: every dimension is checked before it is
   // multiplied in.
   int64_t count = 1;
-  for (size_t i = 0; i < view.shape.size(); ++i) {
-    const int64_t d = view.shape[i];
+  for (int i = 0; i < tensor.shape_size(); ++i) {
+    const int64_t d = tensor.shape(i);
     if (d < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ": dimension ", i, " is ", d, "; dimensions must be >= 0"));
     }
     if (d != 0 && count > std::numeric_limits<int64_t>::max() / 8 / d) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": shape ", ShapeString(view.shape),
-                       " is too large"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": shape ",
+          ShapeString(std::vector<int64_t>(tensor.shape().begin(), tensor.shape().end())),
+          " is too large"));
     }
     count *= d;
   }
-  const int64_t expected = count * DTypeSize(view.dtype);
+  return count * DTypeSize(*dtype);
+}
+
+absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& field,
+                                  const SliceResolver* shm) {
+  auto expected_or = TensorBytes(tensor, field);
+  if (!expected_or.ok()) return expected_or.status();
+  const int64_t expected = *expected_or;
+  TensorView view;
+  view.dtype = *FromProto(tensor.dtype(), field);
+  view.shape.assign(tensor.shape().begin(), tensor.shape().end());
   if (tensor.has_shm()) {
     if (shm == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -38,6 +38,11 @@ class SliceResolver {
                                         const std::string& field) const = 0;
 };
 
+// The bytes a wire tensor's dtype and shape call for. INVALID_ARGUMENT
+// naming `field` for an unknown dtype, a negative dimension or a shape too
+// large to address.
+absl::StatusOr<int64_t> TensorBytes(const v1::Tensor& tensor, const std::string& field);
+
 // A view of a wire tensor after checking its dtype is known, its dimensions
 // are non-negative and its byte length is product(shape) × size(dtype).
 // Errors are INVALID_ARGUMENT naming `field`, e.g.

@@ -577,19 +577,6 @@ const char* FieldName(v1::TensorField field) {
   }
 }
 
-// Bytes a wire tensor's dtype and shape call for, or -1 if they are invalid
-// (the decoder then reports the precise problem).
-int64_t ExpectedBytes(const v1::Tensor& t) {
-  absl::StatusOr<DType> dtype = FromProto(t.dtype(), "");
-  if (!dtype.ok()) return -1;
-  int64_t count = 1;
-  for (int64_t d : t.shape()) {
-    if (d < 0 || (d != 0 && count > (int64_t{1} << 50) / d)) return -1;
-    count *= d;
-  }
-  return count * DTypeSize(*dtype);
-}
-
 // ForwardStream: the header request, then its tensors' bytes field by field;
 // at the end of the stream, the assembled request goes through Forward.
 class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestChunk> {
@@ -641,8 +628,9 @@ class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestCh
       for (int f = v1::TENSOR_FIELD_HIDDEN; f <= v1::TENSOR_FIELD_CLASS_WEIGHT; ++f) {
         v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(f));
         if (t == nullptr || !t->data().empty()) continue;
-        const int64_t bytes = ExpectedBytes(*t);
-        if (bytes < 0) continue;  // the decoder names the problem at the end
+        const absl::StatusOr<int64_t> bytes_or = TensorBytes(*t, FieldName(static_cast<v1::TensorField>(f)));
+        if (!bytes_or.ok()) return bytes_or.status();
+        const int64_t bytes = *bytes_or;
         total += bytes;
         if (total > max_bytes_) {
           return absl::ResourceExhaustedError(absl::StrCat(
