@@ -49,9 +49,17 @@ absl::Status CheckOptions(const ServerOptions& o) {
 absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
     const ServerOptions& options) {
   FLCE_RETURN_IF_ERROR(CheckOptions(options));
+  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<LossEngine> engine,
+                        CreateEngine(options.backend, options.engine));
+  return Start(options, std::move(engine));
+}
+
+absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
+    const ServerOptions& options, std::unique_ptr<LossEngine> engine) {
+  FLCE_RETURN_IF_ERROR(CheckOptions(options));
   std::unique_ptr<LossServer> s(new LossServer());
   s->options_ = options;
-  FLCE_ASSIGN_OR_RETURN(s->engine_, CreateEngine(options.backend, options.engine));
+  s->engine_ = std::move(engine);
   s->sessions_ = std::make_unique<SessionStore>(options.sessions);
   s->weights_ = std::make_unique<WeightRegistry>(options.weight_memory_bytes);
   s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get(),

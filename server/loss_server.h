@@ -45,6 +45,10 @@ class LossServer {
   // INVALID_ARGUMENT for bad options, UNIMPLEMENTED for a backend not built
   // in, UNAVAILABLE if the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<LossServer>> Start(const ServerOptions& options);
+  // The same with a given engine instead of one made from options.backend
+  // (embedding flce, tests).
+  static absl::StatusOr<std::unique_ptr<LossServer>> Start(const ServerOptions& options,
+                                                           std::unique_ptr<LossEngine> engine);
 
   ~LossServer();  // Shutdown(absl::ZeroDuration()) if still running
 

@@ -924,6 +924,38 @@ TEST_F(ServerTest, ClientSharedMemoryArenaRoundTrip) {
               StatusIs(Code::kInvalidArgument, HasSubstr("more than the region's 64 bytes")));
 }
 
+// An engine that fails as the CUDA engine does after a sticky device error.
+class BrokenEngine : public CpuEngine {
+ public:
+  absl::Status health() const override {
+    return broken_ ? absl::UnavailableError("device lost") : absl::OkStatus();
+  }
+  absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
+                                        const CancelFn& cancelled) override {
+    broken_ = true;
+    return absl::UnavailableError("engine stopped after an unrecoverable device error");
+  }
+
+ private:
+  std::atomic<bool> broken_{false};
+};
+
+TEST(ServerHealthTest, AStickyEngineFailureTurnsHealthNotServing) {
+  auto server = LossServer::Start(TestOptions(), std::make_unique<BrokenEngine>());
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = LossClient::Create("127.0.0.1:" + std::to_string((*server)->port()));
+  EXPECT_EQ(*client->CheckHealth("flce.v1.LossService"),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+  RandomProblemSpec spec;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  ForwardArgs args;
+  args.problem = p.view();
+  EXPECT_THAT(client->Forward(args), StatusIs(Code::kUnavailable, HasSubstr("unrecoverable")));
+  EXPECT_EQ(*client->CheckHealth("flce.v1.LossService"),
+            grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(*client->CheckHealth(""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+}
+
 TEST(ServerStartTest, BadOptionsAndMissingBackends) {
   // Option handling, independent of the backend under test.
   auto cpu_options = [] {
