@@ -68,16 +68,14 @@ v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args, bool with_data) 
 
 namespace {
 
-int64_t Bytes(const TensorView& v) { return v.num_elements() * DTypeSize(v.dtype); }
-
 // Bytes of the tensors a Forward sends.
 int64_t RequestBytes(const ForwardArgs& args) {
   const LossProblem& p = args.problem;
-  int64_t total = Bytes(p.hidden) + Bytes(p.target);
+  int64_t total = p.hidden.bytes() + p.target.bytes();
   if (args.weight_name.empty()) {
-    total += Bytes(p.weight) + (p.bias ? Bytes(*p.bias) : 0);
+    total += p.weight.bytes() + (p.bias ? p.bias->bytes() : 0);
   }
-  if (p.class_weight) total += Bytes(*p.class_weight);
+  if (p.class_weight) total += p.class_weight->bytes();
   return total;
 }
 
@@ -101,7 +99,7 @@ absl::StatusOr<v1::ForwardResponse> LossClient::ForwardStreamed(const ForwardArg
   const LossProblem& p = args.problem;
   auto send = [&](const TensorView& view, v1::TensorField field) {
     const char* data = static_cast<const char*>(view.data);
-    const int64_t total = Bytes(view);
+    const int64_t total = view.bytes();
     for (int64_t offset = 0; offset < total && ok; offset += options_.stream_chunk_bytes) {
       message.mutable_chunk()->set_field(field);
       message.mutable_chunk()->set_data(
@@ -336,8 +334,7 @@ absl::StatusOr<v1::WeightInfo> LossClient::PutWeight(const std::string& name,
   // W's bytes then b's, as one logical stream.
   const char* parts[2] = {static_cast<const char*>(weight.data),
                           bias ? static_cast<const char*>(bias->data) : nullptr};
-  const int64_t sizes[2] = {weight.num_elements() * DTypeSize(weight.dtype),
-                            bias ? bias->num_elements() * DTypeSize(bias->dtype) : 0};
+  const int64_t sizes[2] = {weight.bytes(), bias ? bias->bytes() : 0};
   uint32_t crc = 0;
   for (int k = 0; k < 2; ++k) crc = Crc32c(crc, parts[k], static_cast<size_t>(sizes[k]));
 
@@ -440,7 +437,7 @@ absl::StatusOr<v1::ForwardResponse> LossClient::ForwardThroughShm(const ForwardA
   int64_t offset = 0;
   absl::Status status;
   auto place = [&](const TensorView& view, v1::Tensor* t) {
-    const int64_t bytes = Bytes(view);
+    const int64_t bytes = view.bytes();
     if (!status.ok()) return;
     if (offset + bytes > args.shm->bytes()) {
       status = absl::InvalidArgumentError(absl::StrCat(

@@ -32,6 +32,7 @@ struct TensorView {
   const void* data = nullptr;
 
   int64_t num_elements() const { return NumElements(shape); }
+  int64_t bytes() const { return num_elements() * DTypeSize(dtype); }
   int64_t dim(int i) const { return shape[static_cast<size_t>(i)]; }
 };
 

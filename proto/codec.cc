@@ -177,8 +177,7 @@ void CopyToProto(const TensorView& view, v1::Tensor* out, bool with_data) {
   out->set_dtype(ToProto(view.dtype));
   out->mutable_shape()->Assign(view.shape.begin(), view.shape.end());
   if (with_data) {
-    out->set_data(static_cast<const char*>(view.data),
-                  static_cast<size_t>(view.num_elements()) * DTypeSize(view.dtype));
+    out->set_data(static_cast<const char*>(view.data), static_cast<size_t>(view.bytes()));
   }
 }
 

@@ -44,7 +44,6 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     SessionInfo info;
     info.reduction = call.problem.options.reduction;
     info.rows = call.problem.rows();
-    info.mode = spec.mode;
     info.dtype = call.problem.hidden.dtype;
     info.hidden = call.problem.hidden_size();
     info.vocab = call.problem.vocab();

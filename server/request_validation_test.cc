@@ -253,12 +253,12 @@ TEST(DecodeBackwardTest, GradOutputIsConvertedToFloat32AndShapeChecked) {
   ASSERT_TRUE(call.ok());
   EXPECT_EQ(call->grad_output->dtype, DType::kFloat32);
   EXPECT_EQ(call->grad_output->data_as<float>()[1], -2.0f);
-  SessionInfo none{Reduction::kNone, 3, BackwardMode::kRecompute};
+  SessionInfo none{Reduction::kNone, 3};
   EXPECT_TRUE(CheckGradOutput(*call, none).ok());
   none.rows = 4;
   EXPECT_THAT(CheckGradOutput(*call, none),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("grad_output: expected shape [N] = 4 for reduction none, got 3")));
-  SessionInfo mean{Reduction::kMean, 3, BackwardMode::kStoreGrads};
+  SessionInfo mean{Reduction::kMean, 3};
   EXPECT_THAT(CheckGradOutput(*call, mean),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("grad_output: expected a scalar (shape [] or [1]) for reduction mean, got 3")));
 }

@@ -40,7 +40,6 @@ struct SessionLimits {
 struct SessionInfo {
   Reduction reduction = Reduction::kMean;
   int64_t rows = 0;
-  BackwardMode mode = BackwardMode::kStoreGrads;
   DType dtype = DType::kFloat32;  // of the inputs
   int64_t hidden = 0, vocab = 0;
   bool has_bias = false;

@@ -103,9 +103,4 @@ std::shared_ptr<SliceResolver> SharedMemoryRegistry::ResolverFor(
   return std::make_shared<Holds>(this, principal);
 }
 
-int64_t SharedMemoryRegistry::regions() const {
-  absl::MutexLock lock(&mu_);
-  return static_cast<int64_t>(regions_.size());
-}
-
 }  // namespace flce

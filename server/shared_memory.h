@@ -45,8 +45,6 @@ class SharedMemoryRegistry {
   // mapped for as long as it lives (so a call in flight never loses one).
   std::shared_ptr<SliceResolver> ResolverFor(const std::string& principal) const;
 
-  int64_t regions() const;
-
  private:
   class Holds;
   struct Entry {

@@ -635,10 +635,6 @@ std::vector<DeviceInfo> CudaEngine::devices() const {
 
 absl::Status CudaEngine::health() const { return impl_->health(); }
 
-int64_t CudaEngine::ChunkRows(int64_t rows, int64_t vocab, DType dtype) const {
-  return impl_->ChunkRows(rows, vocab, dtype);
-}
-
 int64_t CudaEngine::SavedStateBytes(const LossProblem& p, BackwardMode mode) const {
   const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
   if (mode == BackwardMode::kStoreGrads) {

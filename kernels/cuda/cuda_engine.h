@@ -53,9 +53,6 @@ class CudaEngine : public LossEngine {
   absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
                                      const CancelFn& cancelled) override;
 
-  // Rows per logits chunk for a problem of `rows` × `vocab` in `dtype`.
-  int64_t ChunkRows(int64_t rows, int64_t vocab, DType dtype) const;
-
   // For benchmarks: `problem` uploaded once, then each Run() does the
   // device work of Forward(need_backward, mode) + Backward(grad_output 1)
   // on the resident inputs, with no host transfers, and waits for it.

@@ -101,6 +101,11 @@ def to_wire(tensor, out: Optional["pb.Tensor"] = None) -> "pb.Tensor":
     return out
 
 
+def _elem_size(wire_dtype: int) -> int:
+    return 2 if wire_dtype in (pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16) else (
+        8 if wire_dtype == pb.DTYPE_INT64 else 4)
+
+
 def _wire_dtype(dtype) -> int:
     for wire, np_dtype in _NP_DTYPES.items():
         if np.dtype(np_dtype) == np.dtype(dtype):
@@ -302,7 +307,7 @@ class Client:
                 raise ValueError("shm: gradients come back through shared memory only for "
                                  "sessions this client made with the weight sent")
             n, h, v, has_bias, dtype = shape
-            elem = 4 if float32_grads or dtype == pb.DTYPE_FLOAT32 else 2
+            elem = 4 if float32_grads else _elem_size(dtype)
             align = lambda x: (x + 63) // 64 * 64
             dx, dw = n * h * elem, 0 if accumulate_weight_grad else v * h * elem
             db = v * elem if has_bias and not accumulate_weight_grad else 0
@@ -319,8 +324,7 @@ class Client:
         if shm is not None:
             for t in (resp.grad_hidden, resp.grad_weight, resp.grad_bias):
                 if t.HasField("shm"):
-                    nbytes = int(np.prod(t.shape)) * (2 if t.dtype in (pb.DTYPE_BFLOAT16,
-                                                                     pb.DTYPE_FLOAT16) else 4)
+                    nbytes = int(np.prod(t.shape)) * _elem_size(t.dtype)
                     t.data = bytes(shm.buffer[t.shm.offset:t.shm.offset + nbytes])
         return Gradients(resp.grad_hidden,
                          resp.grad_weight if resp.HasField("grad_weight") else None,
@@ -376,7 +380,7 @@ class Client:
             raise FlceError(e.code(), e.details()) from None
         data = b"".join(parts)
         v, h = header.weight.shape
-        elem = 2 if header.dtype in (pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16) else 4
+        elem = _elem_size(header.dtype)
         dw = pb.Tensor(dtype=header.dtype, shape=[v, h], data=data[:v * h * elem])
         db = None
         if header.weight.has_bias:
