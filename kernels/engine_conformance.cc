@@ -71,6 +71,34 @@ void RunConformanceCase(LossEngine& engine, const ConformanceCase& c) {
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->grad_weight.data, grads->grad_weight.data);
   EXPECT_EQ(again->grad_hidden.data, grads->grad_hidden.data);
+
+  // Written into caller memory instead, with dW and db in fp32 (as the
+  // server's accumulator asks) and dX in the input dtype: the same values.
+  BackwardSpec to = bs;
+  to.weight_grad_dtype = DType::kFloat32;
+  std::string dx(grads->grad_hidden.data.size(), '\0');
+  std::vector<float> dw(static_cast<size_t>(grads->grad_weight.num_elements()));
+  std::vector<float> db(static_cast<size_t>(c.spec.vocab));
+  to.grad_hidden_to = GradientDestination{dx.data()};
+  to.grad_weight_to = GradientDestination{dw.data()};
+  if (c.spec.bias) to.grad_bias_to = GradientDestination{db.data()};
+  absl::StatusOr<Gradients> written = engine.Backward(*fwd->saved, to, nullptr);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_TRUE(written->grad_hidden.data.empty());
+  EXPECT_TRUE(written->grad_weight.data.empty());
+  EXPECT_EQ(written->grad_hidden.dtype, c.spec.dtype);
+  EXPECT_EQ(written->grad_weight.dtype, DType::kFloat32);
+  EXPECT_EQ(dx, grads->grad_hidden.data);
+  auto narrow = [&](const std::vector<float>& values, int64_t count) {
+    std::string out(static_cast<size_t>(count * DTypeSize(c.spec.dtype)), '\0');
+    FromFloat(c.spec.dtype, values.data(), count, out.data());
+    return out;
+  };
+  EXPECT_EQ(narrow(dw, grads->grad_weight.num_elements()), grads->grad_weight.data);
+  if (c.spec.bias) {
+    EXPECT_TRUE(written->grad_bias->data.empty());
+    EXPECT_EQ(narrow(db, c.spec.vocab), grads->grad_bias->data);
+  }
 }
 
 ConformanceCase MakeCase(std::string name, int64_t n, int64_t h, int64_t v, DType dtype,

@@ -1,6 +1,9 @@
 #include "kernels/loss_engine.h"
 
 #include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace flce {
 
@@ -65,6 +68,51 @@ OwnedProblem CopyProblem(const LossProblem& problem) {
   if (problem.class_weight) p.class_weight = Copy(*problem.class_weight);
   p.options = problem.options;
   return p;
+}
+
+absl::Status RequireHostMemory(const LossProblem& p) {
+  const std::pair<const TensorView*, const char*> views[] = {
+      {&p.hidden, "hidden"},
+      {&p.weight, "weight"},
+      {p.bias ? &*p.bias : nullptr, "bias"},
+      {&p.target, "target"},
+      {p.class_weight ? &*p.class_weight : nullptr, "options.class_weight"}};
+  for (const auto& [view, name] : views) {
+    if (view != nullptr && view->space != MemorySpace::kHost) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(name, ": this engine cannot read GPU memory"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteToHostDestinations(const BackwardSpec& spec, Gradients& grads) {
+  auto write = [](const std::optional<GradientDestination>& to, HostTensor* t,
+                  const char* name) -> absl::Status {
+    if (!to || t == nullptr) return absl::OkStatus();
+    if (to->space != MemorySpace::kHost) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(name, ": this engine cannot write GPU memory"));
+    }
+    if (!t->data.empty()) std::memcpy(to->data, t->data.data(), t->data.size());
+    t->data.clear();
+    t->data.shrink_to_fit();
+    return absl::OkStatus();
+  };
+  absl::Status status = write(spec.grad_hidden_to, &grads.grad_hidden, "grad_hidden_out");
+  if (status.ok()) status = write(spec.grad_weight_to, &grads.grad_weight, "grad_weight_out");
+  if (status.ok()) {
+    status = write(spec.grad_bias_to, grads.grad_bias ? &*grads.grad_bias : nullptr,
+                   "grad_bias_out");
+  }
+  return status;
+}
+
+absl::StatusOr<std::unique_ptr<ImportedMemory>> LossEngine::ImportCudaIpcMemory(
+    const std::string&) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "cuda_ipc_handle: the ", backend(),
+      " backend cannot read GPU memory; run the server with --backend=cuda"));
 }
 
 }  // namespace flce

@@ -106,14 +106,31 @@ struct ForwardResult {
   std::unique_ptr<SavedState> saved;
 };
 
+// Memory a gradient is written into instead of being returned: shape ×
+// the gradient's dtype bytes, in `space`.
+struct GradientDestination {
+  void* data = nullptr;
+  MemorySpace space = MemorySpace::kHost;
+};
+
 struct BackwardSpec {
   // fp32 {} for mean/sum or {N} for none; absent means 1 everywhere.
   std::optional<TensorView> grad_output;
-  // dtype of the returned gradients: the input dtype or kFloat32.
+  // dtype of dX, and of dW and db unless weight_grad_dtype says otherwise:
+  // the input dtype (when absent) or kFloat32.
   std::optional<DType> grad_dtype;
+  std::optional<DType> weight_grad_dtype;
   // The caller frees the state after this call, so the engine may hand the
   // state's buffers over to the result instead of copying them.
   bool last_use = false;
+  // Where given, the engine writes that gradient there; the returned tensor
+  // then has its dtype and shape but no bytes.
+  std::optional<GradientDestination> grad_hidden_to, grad_weight_to, grad_bias_to;
+
+  DType hidden_dtype(DType input) const { return grad_dtype.value_or(input); }
+  DType weight_dtype(DType input) const {
+    return weight_grad_dtype.value_or(hidden_dtype(input));
+  }
 };
 
 struct Gradients {
@@ -121,6 +138,27 @@ struct Gradients {
   HostTensor grad_weight;                // [V, H]
   std::optional<HostTensor> grad_bias;   // [V], iff the problem had a bias
 };
+
+// FAILED_PRECONDITION naming the first of `problem`'s tensors that is not
+// in host memory (for engines that compute there).
+absl::Status RequireHostMemory(const LossProblem& problem);
+
+// For engines that compute in host memory: copies each gradient that has a
+// destination there and drops its bytes. FAILED_PRECONDITION for a
+// destination in device memory.
+absl::Status WriteToHostDestinations(const BackwardSpec& spec, Gradients& grads);
+
+// Device memory another process exported through CUDA IPC, mapped into this
+// one on the engine's device until destroyed.
+class ImportedMemory {
+ public:
+  virtual ~ImportedMemory() = default;
+  virtual void* data() const = 0;
+  virtual int64_t bytes() const = 0;
+};
+
+// Bytes of a cudaIpcMemHandle_t.
+inline constexpr int kCudaIpcHandleBytes = 64;
 
 // Polled between chunks; true stops the call with CANCELLED.
 using CancelFn = std::function<bool()>;
@@ -162,6 +200,13 @@ class LossEngine {
   virtual absl::StatusOr<Gradients> Backward(SavedState& state,
                                              const BackwardSpec& spec,
                                              const CancelFn& cancelled) = 0;
+
+  // Maps the device allocation a cudaIpcMemHandle_t (kCudaIpcHandleBytes)
+  // names, for views and destinations in MemorySpace::kCuda. Engines that
+  // cannot read device memory answer FAILED_PRECONDITION; a handle that
+  // does not open is INVALID_ARGUMENT.
+  virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
+      const std::string& handle);
 };
 
 }  // namespace flce

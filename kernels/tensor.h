@@ -25,11 +25,16 @@ std::string ShapeString(const std::vector<int64_t>& shape);
 // fault can cost more than the arithmetic done on the page.
 void AdviseHugePages(void* data, size_t bytes);
 
-// A read-only view of contiguous row-major host memory owned elsewhere.
+// Where a view's bytes live: this process's memory, or the memory of the
+// CUDA engine's device (mapped from another process through CUDA IPC).
+enum class MemorySpace { kHost, kCuda };
+
+// A read-only view of contiguous row-major memory owned elsewhere.
 struct TensorView {
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
   const void* data = nullptr;
+  MemorySpace space = MemorySpace::kHost;
 
   int64_t num_elements() const { return NumElements(shape); }
   int64_t bytes() const { return num_elements() * DTypeSize(dtype); }

@@ -141,7 +141,7 @@ absl::StatusOr<int64_t> TensorBytes(const v1::Tensor& tensor, const std::string&
 }
 
 absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& field,
-                                  const SliceResolver* shm) {
+                                  const SliceResolver* shm, bool allow_device) {
   auto expected_or = TensorBytes(tensor, field);
   if (!expected_or.ok()) return expected_or.status();
   const int64_t expected = *expected_or;
@@ -153,9 +153,15 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& f
       return absl::FailedPreconditionError(absl::StrCat(
           field, ": shared memory is not enabled on this server (--enable_shared_memory)"));
     }
-    auto data = shm->Resolve(tensor.shm(), expected, field);
-    if (!data.ok()) return data.status();
-    view.data = *data;
+    auto memory = shm->Resolve(tensor.shm(), expected, field);
+    if (!memory.ok()) return memory.status();
+    if (memory->space != MemorySpace::kHost && !allow_device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": GPU memory (a CUDA IPC region) is accepted for hidden and weight only; "
+                 "send it inline or through POSIX shared memory"));
+    }
+    view.data = memory->data;
+    view.space = memory->space;
     return view;
   }
   if (static_cast<int64_t>(tensor.data().size()) != expected) {

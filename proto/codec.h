@@ -27,6 +27,12 @@ v1::Reduction ToProto(Reduction reduction);
 BackwardMode FromProto(v1::BackwardMode mode);
 v1::BackwardMode ToProto(BackwardMode mode);
 
+// The memory a shared-memory slice names.
+struct SliceMemory {
+  void* data = nullptr;
+  MemorySpace space = MemorySpace::kHost;  // kCuda for a CUDA IPC region
+};
+
 // Finds the memory of a shared-memory slice.
 class SliceResolver {
  public:
@@ -34,8 +40,8 @@ class SliceResolver {
   // The address of `bytes` bytes at `slice`, valid as long as this resolver.
   // NOT_FOUND for an unknown region, INVALID_ARGUMENT (naming `field`) if the
   // bytes do not lie inside it.
-  virtual absl::StatusOr<void*> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
-                                        const std::string& field) const = 0;
+  virtual absl::StatusOr<SliceMemory> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
+                                              const std::string& field) const = 0;
 };
 
 // The bytes a wire tensor's dtype and shape call for. INVALID_ARGUMENT
@@ -49,9 +55,10 @@ absl::StatusOr<int64_t> TensorBytes(const v1::Tensor& tensor, const std::string&
 // "hidden: expected 8192×4096 bf16 = 67108864 bytes, got 67108000".
 // The view points into `tensor` (or, for a shared-memory slice, into the
 // region `shm` resolves; FAILED_PRECONDITION without one), which must
-// outlive it.
+// outlive it. A slice of GPU memory (a CUDA IPC region) is INVALID_ARGUMENT
+// unless `allow_device`.
 absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& field,
-                                  const SliceResolver* shm = nullptr);
+                                  const SliceResolver* shm = nullptr, bool allow_device = false);
 
 // Moves a host tensor's bytes into a wire tensor (no copy of the data).
 void MoveToProto(HostTensor&& tensor, v1::Tensor* out);

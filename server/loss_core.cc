@@ -2,8 +2,6 @@
 
 #include <utility>
 
-#include <cstring>
-
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 
@@ -71,60 +69,48 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   // Shared-memory destinations are checked before any compute.
   const DType out_dtype = call.grad_dtype.value_or(lease.info.dtype);
   const int64_t elem = DTypeSize(out_dtype);
-  void* hidden_out = nullptr;
-  void* weight_out = nullptr;
-  void* bias_out = nullptr;
+  BackwardSpec spec;
   auto resolve = [&](const std::optional<v1::SharedMemorySlice>& slice, int64_t bytes,
-                     const char* field, void** out) -> absl::Status {
+                     const char* field, std::optional<GradientDestination>* to) -> absl::Status {
     if (!slice || !status.ok()) return status;
-    FLCE_ASSIGN_OR_RETURN(*out, call.shm->Resolve(*slice, bytes, field));
+    FLCE_ASSIGN_OR_RETURN(SliceMemory memory, call.shm->Resolve(*slice, bytes, field));
+    *to = GradientDestination{memory.data, memory.space};
     return absl::OkStatus();
   };
   status = resolve(call.grad_hidden_out, lease.info.rows * lease.info.hidden * elem,
-                   "grad_hidden_out", &hidden_out);
+                   "grad_hidden_out", &spec.grad_hidden_to);
   if (!call.accumulate_weight_grad) {
     status = resolve(call.grad_weight_out, lease.info.vocab * lease.info.hidden * elem,
-                     "grad_weight_out", &weight_out);
+                     "grad_weight_out", &spec.grad_weight_to);
     if (status.ok() && call.grad_bias_out && !lease.info.has_bias) {
       status = absl::InvalidArgumentError("grad_bias_out: the session has no bias");
     }
-    status = resolve(call.grad_bias_out, lease.info.vocab * elem, "grad_bias_out", &bias_out);
+    status = resolve(call.grad_bias_out, lease.info.vocab * elem, "grad_bias_out",
+                     &spec.grad_bias_to);
   }
   if (!status.ok()) {
     sessions_->Finish(lease, /*consume=*/false);
     return status;
   }
-  BackwardSpec spec;
   if (call.grad_output) spec.grad_output = call.grad_output->view();
-  // The accumulator sums fp32 gradients; dX is narrowed afterwards.
-  spec.grad_dtype = call.accumulate_weight_grad ? DType::kFloat32 : call.grad_dtype;
+  spec.grad_dtype = call.grad_dtype;
+  // The accumulator sums fp32 gradients.
+  if (call.accumulate_weight_grad) spec.weight_grad_dtype = DType::kFloat32;
   spec.last_use = !call.keep_session;
   absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
   sessions_->Finish(lease, /*consume=*/grads.ok() && !call.keep_session);
   if (!grads.ok()) return grads.status();
   BackwardOutcome outcome;
+  outcome.grad_hidden = std::move(grads->grad_hidden);
+  outcome.grad_hidden_in_shm = spec.grad_hidden_to.has_value();
   if (call.accumulate_weight_grad) {
     lease.info.weight->AccumulateGrad(grads->grad_weight, grads->grad_bias);
-    const DType dtype = call.grad_dtype.value_or(lease.info.dtype);
-    outcome.grad_hidden = HostTensor(dtype, grads->grad_hidden.shape);
-    FromFloat(dtype, grads->grad_hidden.data_as<float>(), grads->grad_hidden.num_elements(),
-              &outcome.grad_hidden.data[0]);
   } else {
-    outcome.grad_hidden = std::move(grads->grad_hidden);
     outcome.grad_weight = std::move(grads->grad_weight);
     outcome.grad_bias = std::move(grads->grad_bias);
+    outcome.grad_weight_in_shm = spec.grad_weight_to.has_value();
+    outcome.grad_bias_in_shm = spec.grad_bias_to.has_value();
   }
-  // Into the caller's shared memory, leaving dtype and shape.
-  auto deliver = [](HostTensor& t, void* out, bool* flag) {
-    if (out == nullptr) return;
-    std::memcpy(out, t.data.data(), t.data.size());
-    t.data.clear();
-    t.data.shrink_to_fit();
-    *flag = true;
-  };
-  deliver(outcome.grad_hidden, hidden_out, &outcome.grad_hidden_in_shm);
-  if (outcome.grad_weight) deliver(*outcome.grad_weight, weight_out, &outcome.grad_weight_in_shm);
-  if (outcome.grad_bias) deliver(*outcome.grad_bias, bias_out, &outcome.grad_bias_in_shm);
   return outcome;
 }
 

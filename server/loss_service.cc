@@ -790,13 +790,25 @@ grpc::ServerUnaryReactor* LossServiceImpl::RegisterSharedMemory(
   const absl::Time start = absl::Now();
   absl::Status status = absl::FailedPreconditionError(
       "shared memory is disabled on this server; start it with --enable_shared_memory");
+  std::string what;
   if (shared_memory_ != nullptr) {
-    absl::StatusOr<std::string> id =
-        shared_memory_->Register(request->shm_name(), request->bytes(), PrincipalOf(context));
-    status = id.status();
-    if (id.ok()) response->set_region_id(*id);
+    absl::StatusOr<RegisteredRegion> region;
+    if (request->has_cuda_ipc_handle()) {
+      what = "cuda_ipc ";
+      region = shared_memory_->RegisterCudaIpc(request->cuda_ipc_handle(), request->bytes(),
+                                               core_->engine(), PrincipalOf(context));
+    } else {
+      what = absl::StrCat("shm=", request->shm_name(), " ");
+      region = shared_memory_->Register(request->shm_name(), request->bytes(),
+                                        PrincipalOf(context));
+    }
+    status = region.status();
+    if (region.ok()) {
+      response->set_region_id(region->region_id);
+      response->set_bytes(region->bytes);
+    }
   }
-  LogRpc("RegisterSharedMemory", absl::StrCat("shm=", request->shm_name(), " "), status, start);
+  LogRpc("RegisterSharedMemory", what, status, start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;

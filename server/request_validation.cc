@@ -14,9 +14,10 @@ absl::Status Invalid(const std::string& message) {
 }
 
 absl::StatusOr<TensorView> Required(bool present, const v1::Tensor& tensor,
-                                    const std::string& field, const SliceResolver* shm) {
+                                    const std::string& field, const SliceResolver* shm,
+                                    bool allow_device = false) {
   if (!present) return Invalid(absl::StrCat(field, ": required"));
-  return ViewOf(tensor, field, shm);
+  return ViewOf(tensor, field, shm, allow_device);
 }
 
 absl::Status CheckFloating(const TensorView& view, const std::string& field) {
@@ -101,7 +102,8 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
   call.shm = std::move(shm);
   const SliceResolver* resolver = call.shm.get();
   LossProblem& p = call.problem;
-  FLCE_ASSIGN_OR_RETURN(p.hidden, Required(r.has_hidden(), r.hidden(), "hidden", resolver));
+  FLCE_ASSIGN_OR_RETURN(p.hidden, Required(r.has_hidden(), r.hidden(), "hidden", resolver,
+                                            /*allow_device=*/true));
   FLCE_RETURN_IF_ERROR(CheckFloating(p.hidden, "hidden"));
   if (p.hidden.shape.size() != 2) {
     return Invalid(absl::StrCat("hidden: expected rank 2 [N, H], got shape ",
@@ -112,7 +114,7 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
 
   switch (r.weight_source_case()) {
     case v1::ForwardRequest::kWeight: {
-      FLCE_ASSIGN_OR_RETURN(p.weight, ViewOf(r.weight(), "weight", resolver));
+      FLCE_ASSIGN_OR_RETURN(p.weight, ViewOf(r.weight(), "weight", resolver, /*allow_device=*/true));
       break;
     }
     case v1::ForwardRequest::kWeightRef: {

@@ -14,15 +14,13 @@
 
 namespace flce {
 
-SharedRegion::~SharedRegion() { munmap(base_, static_cast<size_t>(bytes_)); }
-
 class SharedMemoryRegistry::Holds : public SliceResolver {
  public:
   Holds(const SharedMemoryRegistry* registry, std::string principal)
       : registry_(registry), principal_(std::move(principal)) {}
 
-  absl::StatusOr<void*> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
-                                const std::string& field) const override {
+  absl::StatusOr<SliceMemory> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
+                                      const std::string& field) const override {
     std::shared_ptr<SharedRegion> region;
     {
       absl::MutexLock lock(&registry_->mu_);
@@ -40,7 +38,7 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
     }
     absl::MutexLock lock(&mu_);
     held_.push_back(region);
-    return region->base() + slice.offset();
+    return SliceMemory{region->base() + slice.offset(), region->space()};
   }
 
  private:
@@ -50,9 +48,9 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
   mutable std::vector<std::shared_ptr<SharedRegion>> held_ ABSL_GUARDED_BY(mu_);
 };
 
-absl::StatusOr<std::string> SharedMemoryRegistry::Register(const std::string& shm_name,
-                                                           int64_t bytes,
-                                                           const std::string& principal) {
+absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Register(const std::string& shm_name,
+                                                                int64_t bytes,
+                                                                const std::string& principal) {
   if (shm_name.size() < 2 || shm_name[0] != '/' || shm_name.find('/', 1) != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat(
         "shm_name: '", shm_name, "' must be a POSIX shm name: '/' then no other '/'"));
@@ -77,16 +75,50 @@ absl::StatusOr<std::string> SharedMemoryRegistry::Register(const std::string& sh
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot map '", shm_name, "': ", std::strerror(errno)));
   }
+  return Add(std::make_shared<SharedRegion>(
+                 base, bytes, MemorySpace::kHost,
+                 [base, bytes] { munmap(base, static_cast<size_t>(bytes)); }),
+             principal);
+}
+
+absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
+    const std::string& handle, int64_t bytes, LossEngine& engine, const std::string& principal) {
+  if (handle.size() != kCudaIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: expected ",
+                                                   kCudaIpcHandleBytes,
+                                                   " bytes (a cudaIpcMemHandle_t), got ",
+                                                   handle.size()));
+  }
+  if (bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bytes: ", bytes, "; expected >= 0 (0: the whole allocation)"));
+  }
+  absl::StatusOr<std::unique_ptr<ImportedMemory>> imported = engine.ImportCudaIpcMemory(handle);
+  if (!imported.ok()) return imported.status();
+  const int64_t size = (*imported)->bytes();
+  if (bytes > size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bytes: ", bytes, " but the allocation holds ", size));
+  }
+  void* base = (*imported)->data();
+  std::shared_ptr<ImportedMemory> mapping = std::move(*imported);
+  return Add(std::make_shared<SharedRegion>(base, bytes == 0 ? size : bytes, MemorySpace::kCuda,
+                                            [mapping]() mutable { mapping.reset(); }),
+             principal);
+}
+
+absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Add(std::shared_ptr<SharedRegion> region,
+                                                           const std::string& principal) {
   unsigned char id_bytes[16];
   if (getrandom(id_bytes, sizeof(id_bytes), 0) != sizeof(id_bytes)) {
-    munmap(base, static_cast<size_t>(bytes));
     return absl::InternalError("getrandom failed");
   }
-  std::string id;
-  for (unsigned char b : id_bytes) absl::StrAppendFormat(&id, "%02x", b);
+  RegisteredRegion out;
+  for (unsigned char b : id_bytes) absl::StrAppendFormat(&out.region_id, "%02x", b);
+  out.bytes = region->bytes();
   absl::MutexLock lock(&mu_);
-  regions_[id] = Entry{std::make_shared<SharedRegion>(base, bytes), principal};
-  return id;
+  regions_[out.region_id] = Entry{std::move(region), principal};
+  return out;
 }
 
 bool SharedMemoryRegistry::Unregister(const std::string& region_id,

@@ -45,12 +45,21 @@ class PythonClientTest(unittest.TestCase):
     def test_training_loop_through_shared_memory(self):
         self._training_loop(shared_memory=True)
 
-    def _training_loop(self, shared_memory):
+    def _needs_cuda_server(self):
+        if not torch.cuda.is_available() or self.client.info().backend != "cuda":
+            self.skipTest("needs a GPU and a server on the CUDA backend")
+
+    def test_training_loop_through_cuda_ipc(self):
+        self._needs_cuda_server()
+        self._training_loop(shared_memory=False, device="cuda", cuda_ipc=True)
+
+    def _training_loop(self, shared_memory, device="cpu", cuda_ipc=False):
         torch.manual_seed(0)
-        reference = TinyLM(vocab=37, hidden=16)
+        reference = TinyLM(vocab=37, hidden=16).to(device)
         remote = copy.deepcopy(reference)
         loss_fn = flce.RemoteLinearCrossEntropy(self.client, label_smoothing=0.1,
-                                                ignore_index=-100, shared_memory=shared_memory)
+                                                ignore_index=-100, shared_memory=shared_memory,
+                                                cuda_ipc=cuda_ipc)
         self.addCleanup(loss_fn.close)
         opt_ref = torch.optim.SGD(reference.parameters(), lr=0.5)
         opt_remote = torch.optim.SGD(remote.parameters(), lr=0.5)
@@ -59,8 +68,8 @@ class PythonClientTest(unittest.TestCase):
             opt_ref.zero_grad()
             opt_remote.zero_grad()
             for micro in range(2):  # gradient accumulation over two micro-batches
-                tokens = torch.randint(0, 37, (3, 11), generator=gen)
-                targets = torch.randint(0, 37, (3, 11), generator=gen)
+                tokens = torch.randint(0, 37, (3, 11), generator=gen).to(device)
+                targets = torch.randint(0, 37, (3, 11), generator=gen).to(device)
                 targets[0, :2] = -100
                 h_ref = reference.hidden_states(tokens)
                 loss_ref = F.cross_entropy(reference.head(h_ref).reshape(-1, 37),
@@ -80,6 +89,64 @@ class PythonClientTest(unittest.TestCase):
                                              remote.named_parameters()):
                 self.assertLess(rel_err(p.detach(), p_ref.detach()), 1e-5,
                                 f"{name} after step {step}")
+
+    def test_cuda_ipc_equals_the_wire_bit_for_bit(self):
+        self._needs_cuda_server()
+        torch.manual_seed(5)
+        h = torch.randn(37, 24, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(101, 24, device="cuda") / 3).to(torch.bfloat16)
+        b = torch.randn(101, device="cuda", dtype=torch.bfloat16)
+        t = torch.randint(0, 101, (37,), device="cuda")
+        results = []
+        for cuda_ipc in (False, True):
+            hv, wv, bv = (x.clone().requires_grad_() for x in (h, w, b))
+            loss_fn = flce.RemoteLinearCrossEntropy(self.client, z_loss_scale=1e-3,
+                                                    cuda_ipc=cuda_ipc)
+            loss = loss_fn(hv, wv, t, bv)
+            (3 * loss).backward()
+            results.append((loss.detach(), hv.grad, wv.grad, bv.grad))
+        for wire, ipc in zip(*results):
+            self.assertEqual(ipc.device.type, "cuda")
+            self.assertTrue(torch.equal(wire.cpu(), ipc.cpu()))
+
+    def test_cuda_ipc_slices_are_checked_and_released(self):
+        import grpc
+        from flce.client import CudaIpc, to_wire
+        from flce_pb.v1 import loss_service_pb2 as pb
+
+        self._needs_cuda_server()
+        h = torch.randn(8, 16, device="cuda")
+        t = torch.randint(0, 10, (8,))
+        w = torch.randn(10, 16)
+
+        def forward_with(hidden_slice, target_on_gpu=False):
+            r = pb.ForwardRequest()
+            r.hidden.dtype = pb.DTYPE_FLOAT32
+            r.hidden.shape.extend([8, 16])
+            r.hidden.shm.CopyFrom(hidden_slice)
+            if target_on_gpu:
+                r.target.dtype = pb.DTYPE_INT64
+                r.target.shape.append(8)
+                r.target.shm.CopyFrom(hidden_slice)
+            else:
+                to_wire(t, r.target)
+            to_wire(w, r.weight)
+            try:
+                return self.client._stub.Forward(r, timeout=60)
+            except grpc.RpcError as e:
+                return e
+
+        ipc = CudaIpc(self.client)
+        good = ipc.slice(h)
+        expected = self.client.forward(h.cpu(), t, w).loss
+        self.assertEqual(forward_with(good).loss, expected)
+        past_the_end = pb.SharedMemorySlice(region_id=good.region_id, offset=1 << 40)
+        self.assertEqual(forward_with(past_the_end).code(), grpc.StatusCode.INVALID_ARGUMENT)
+        e = forward_with(good, target_on_gpu=True)
+        self.assertEqual(e.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("hidden and weight only", e.details())
+        ipc.release()
+        self.assertEqual(forward_with(good).code(), grpc.StatusCode.NOT_FOUND)
 
     def test_reduction_none_and_bf16_round_trip(self):
         torch.manual_seed(2)

@@ -795,6 +795,35 @@ TEST_F(ServerTest, SharedMemoryIsOffByDefault) {
   EXPECT_THAT(RawForward(r), StatusIs(Code::kFailedPrecondition, HasSubstr("hidden: shared memory")));
 }
 
+TEST_F(ServerTest, CudaIpcRegistrationErrorsHaveTheirCodes) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.enable_shared_memory = true;
+  StartServer(o);
+  auto register_handle = [&](const std::string& handle, int64_t bytes) {
+    grpc::ClientContext context;
+    v1::RegisterSharedMemoryRequest request;
+    request.set_cuda_ipc_handle(handle);
+    request.set_bytes(bytes);
+    v1::RegisterSharedMemoryResponse response;
+    return FromGrpcStatus(stub_->RegisterSharedMemory(&context, request, &response));
+  };
+  EXPECT_THAT(register_handle(std::string(10, 'x'), 0),
+              StatusIs(Code::kInvalidArgument, HasSubstr("cuda_ipc_handle: expected 64 bytes")));
+  EXPECT_THAT(register_handle(std::string(64, '\0'), -1),
+              StatusIs(Code::kInvalidArgument, HasSubstr("bytes: -1")));
+  // A handle no process exported: the CPU backend cannot map GPU memory at
+  // all; the CUDA backend fails to open it and keeps serving.
+  if (Backend() == "cpu") {
+    EXPECT_THAT(register_handle(std::string(64, '\0'), 0),
+                StatusIs(Code::kFailedPrecondition, HasSubstr("--backend=cuda")));
+  } else {
+    EXPECT_THAT(register_handle(std::string(64, '\0'), 0),
+                StatusIs(Code::kInvalidArgument, HasSubstr("cuda_ipc_handle: cannot open")));
+  }
+  ExpectStillServing();
+}
+
 TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
   server_.reset();
   ServerOptions o = TestOptions();

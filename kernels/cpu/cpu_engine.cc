@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/buffer_pool.h"
+#include "kernels/status_macros.h"
 
 namespace flce {
 namespace {
@@ -425,6 +426,7 @@ int64_t CpuEngine::SavedStateBytes(const LossProblem& p,
 absl::StatusOr<ForwardResult> CpuEngine::Forward(const LossProblem& problem,
                                                  const ForwardSpec& spec,
                                                  const CancelFn& cancelled) {
+  FLCE_RETURN_IF_ERROR(RequireHostMemory(problem));
   try {
     return ForwardImpl(problem, spec, cancelled);
   } catch (const std::bad_alloc&) {
@@ -436,7 +438,9 @@ absl::StatusOr<Gradients> CpuEngine::Backward(SavedState& state,
                                               const BackwardSpec& spec,
                                               const CancelFn& cancelled) {
   try {
-    return BackwardImpl(state, spec, cancelled);
+    absl::StatusOr<Gradients> grads = BackwardImpl(state, spec, cancelled);
+    if (grads.ok()) FLCE_RETURN_IF_ERROR(WriteToHostDestinations(spec, *grads));
+    return grads;
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "CPU engine: out of host memory in Backward (session state ",
@@ -530,24 +534,25 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
   Gradients out;
 
   if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
-    const DType dtype = spec.grad_dtype.value_or(stored->dtype);
+    const DType dtype = spec.hidden_dtype(stored->dtype);
+    const DType wdtype = spec.weight_dtype(stored->dtype);
     const float g = grad_output.empty() ? 1.0f : grad_output[0];
     if (spec.last_use) {
       // The state is dropped after this call: scale and narrow in place and
       // hand the buffers over instead of allocating new ones.
       NarrowInPlace(stored->dx, g, dtype);
-      NarrowInPlace(stored->dw, g, dtype);
+      NarrowInPlace(stored->dw, g, wdtype);
       out.grad_hidden = std::move(stored->dx);
       out.grad_weight = std::move(stored->dw);
       if (stored->db) {
-        NarrowInPlace(*stored->db, g, dtype);
+        NarrowInPlace(*stored->db, g, wdtype);
         out.grad_bias = std::move(*stored->db);
       }
       return out;
     }
     out.grad_hidden = ScaledCopy(stored->dx, g, dtype);
-    out.grad_weight = ScaledCopy(stored->dw, g, dtype);
-    if (stored->db) out.grad_bias = ScaledCopy(*stored->db, g, dtype);
+    out.grad_weight = ScaledCopy(stored->dw, g, wdtype);
+    if (stored->db) out.grad_bias = ScaledCopy(*stored->db, g, wdtype);
     return out;
   }
 
@@ -576,10 +581,9 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
   absl::Status status =
       RunChunks(q, ChunkRows(n, q.v, q.h), Pass::kGradFromLse, cancelled, *pool_, io);
   if (!status.ok()) return status;
-  const DType dtype = spec.grad_dtype.value_or(q.dtype);
-  NarrowInPlace(out.grad_hidden, 1.0f, dtype);
-  NarrowInPlace(out.grad_weight, 1.0f, dtype);
-  if (out.grad_bias) NarrowInPlace(*out.grad_bias, 1.0f, dtype);
+  NarrowInPlace(out.grad_hidden, 1.0f, spec.hidden_dtype(q.dtype));
+  NarrowInPlace(out.grad_weight, 1.0f, spec.weight_dtype(q.dtype));
+  if (out.grad_bias) NarrowInPlace(*out.grad_bias, 1.0f, spec.weight_dtype(q.dtype));
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "kernels/cuda/cuda_engine.h"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -99,6 +100,50 @@ struct RowBuffers {
 
 enum class Pass { kLoss, kLossAndGrad, kGradFromLse };
 
+// A mapping of another process's allocation; closed when destroyed.
+class IpcMemory : public ImportedMemory {
+ public:
+  IpcMemory(int device, void* base, int64_t bytes)
+      : device_(device), base_(base), bytes_(bytes) {}
+  ~IpcMemory() override {
+    cudaSetDevice(device_);
+    cudaIpcCloseMemHandle(base_);
+  }
+  void* data() const override { return base_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  const int device_;
+  void* const base_;
+  const int64_t bytes_;
+};
+
+// The size of the allocation that starts at `base`, from the driver's
+// cuMemGetAddressRange (reached through the runtime, so the binary needs
+// no link against the driver library).
+absl::StatusOr<int64_t> AllocationBytes(void* base) {
+  using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static GetAddressRange get_range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<GetAddressRange>(fn);
+  }();
+  if (get_range == nullptr) return absl::InternalError("cuMemGetAddressRange is not available");
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  const CUresult result = get_range(&start, &size, reinterpret_cast<CUdeviceptr>(base));
+  if (result != CUDA_SUCCESS || start != reinterpret_cast<CUdeviceptr>(base)) {
+    return absl::InternalError(
+        absl::StrCat("cuMemGetAddressRange failed on a mapped IPC handle (", result, ")"));
+  }
+  return static_cast<int64_t>(size);
+}
+
 }  // namespace
 
 class EngineImpl {
@@ -196,17 +241,27 @@ class EngineImpl {
         "cublasGemmEx");
   }
 
+  // A device copy of `bytes` at `data`, in host memory or (mapped through
+  // CUDA IPC) device memory: unified addressing tells them apart.
   absl::StatusOr<DeviceBuffer> Upload(Lane& lane, const void* data, int64_t bytes) {
     FLCE_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::Allocate(bytes, lane.stream.get()));
     if (bytes > 0) {
-      FLCE_RETURN_IF_ERROR(Check(cudaMemcpyAsync(buffer.data(), data, bytes,
-                                                 cudaMemcpyHostToDevice, lane.stream.get()),
-                                 "upload"));
+      FLCE_RETURN_IF_ERROR(Check(
+          cudaMemcpyAsync(buffer.data(), data, bytes, cudaMemcpyDefault, lane.stream.get()),
+          "upload"));
     }
     return buffer;
   }
 
   absl::StatusOr<DeviceInputs> UploadProblem(Lane& lane, const LossProblem& p) {
+    // X and W may be device memory; the small tensors are read on the host.
+    for (const TensorView* view : {p.bias ? &*p.bias : nullptr, &p.target,
+                                   p.class_weight ? &*p.class_weight : nullptr}) {
+      if (view != nullptr && view->space != MemorySpace::kHost) {
+        return absl::FailedPreconditionError(
+            "bias, target and class_weight must be in host memory");
+      }
+    }
     DeviceInputs in;
     in.dtype = p.hidden.dtype;
     in.n = p.rows();
@@ -360,19 +415,40 @@ class EngineImpl {
 
   // An fp32 device buffer × scale as a new host tensor of `dtype`, rounded
   // once on the device.
+  // An fp32 device buffer × scale, rounded once on the device to `dtype`,
+  // as a new host tensor or, with `to`, written there (device memory
+  // directly, host memory through the conversion slice) and returned
+  // without bytes.
   absl::StatusOr<HostTensor> Download(Lane& lane, const DeviceBuffer& src32,
-                                      std::vector<int64_t> shape, DType dtype, float scale) {
-    HostTensor out(dtype, std::move(shape));
+                                      std::vector<int64_t> shape, DType dtype, float scale,
+                                      const std::optional<GradientDestination>& to) {
+    HostTensor out;
+    out.dtype = dtype;
+    out.shape = std::move(shape);
     const int64_t count = out.num_elements();
-    if (count == 0) return out;
     cudaStream_t s = lane.stream.get();
+    if (to && to->space == MemorySpace::kCuda) {
+      if (count > 0) {
+        FLCE_RETURN_IF_ERROR(Check(LaunchConvert(src32.data(), DType::kFloat32, to->data,
+                                                 dtype, count, scale, s),
+                                   "convert"));
+      }
+      FLCE_RETURN_IF_ERROR(Check(cudaStreamSynchronize(s), "download"));
+      return out;
+    }
     const int64_t elem = DTypeSize(dtype);
+    char* dst = to ? static_cast<char*>(to->data) : nullptr;
+    if (dst == nullptr) {
+      out = HostTensor(dtype, out.shape);
+      dst = out.data.data();
+    }
+    if (count == 0) return out;
     FLCE_ASSIGN_OR_RETURN(DeviceBuffer slice,
                           DeviceBuffer::Allocate(std::min(count, kSliceElements) * elem, s));
     FLCE_RETURN_IF_ERROR(ConvertInSlices(
         lane, src32.as<float>(), count, dtype, scale, slice,
         [&](const void* data, int64_t first, int64_t m) {
-          return Check(cudaMemcpyAsync(&out.data[first * elem], data, m * elem,
+          return Check(cudaMemcpyAsync(dst + first * elem, data, m * elem,
                                        cudaMemcpyDeviceToHost, s),
                        "download");
         }));
@@ -472,15 +548,16 @@ class EngineImpl {
     if (spec.grad_output) g = TensorToFloats(*spec.grad_output);
     Gradients out;
     if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
-      const DType dtype = spec.grad_dtype.value_or(stored->dtype);
+      const DType dtype = spec.hidden_dtype(stored->dtype);
+      const DType wdtype = spec.weight_dtype(stored->dtype);
       const float scale = g.empty() ? 1.0f : g[0];
-      FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
-                            Download(*lane, stored->dx, {stored->n, stored->h}, dtype, scale));
-      FLCE_ASSIGN_OR_RETURN(out.grad_weight,
-                            Download(*lane, stored->dw, {stored->v, stored->h}, dtype, scale));
+      FLCE_ASSIGN_OR_RETURN(out.grad_hidden, Download(*lane, stored->dx, {stored->n, stored->h},
+                                                      dtype, scale, spec.grad_hidden_to));
+      FLCE_ASSIGN_OR_RETURN(out.grad_weight, Download(*lane, stored->dw, {stored->v, stored->h},
+                                                      wdtype, scale, spec.grad_weight_to));
       if (stored->db.bytes() > 0) {
-        FLCE_ASSIGN_OR_RETURN(out.grad_bias,
-                              Download(*lane, stored->db, {stored->v}, dtype, scale));
+        FLCE_ASSIGN_OR_RETURN(out.grad_bias, Download(*lane, stored->db, {stored->v}, wdtype,
+                                                      scale, spec.grad_bias_to));
       }
       return out;
     }
@@ -506,13 +583,47 @@ class EngineImpl {
                                    dx.as<float>(), dw.as<float>(),
                                    db.bytes() > 0 ? db.as<float>() : nullptr, cancelled));
     // g (host) must outlive its upload: Download synchronises the stream.
-    const DType dtype = spec.grad_dtype.value_or(in.dtype);
-    FLCE_ASSIGN_OR_RETURN(out.grad_hidden, Download(*lane, dx, {in.n, in.h}, dtype, 1.0f));
-    FLCE_ASSIGN_OR_RETURN(out.grad_weight, Download(*lane, dw, {in.v, in.h}, dtype, 1.0f));
+    const DType dtype = spec.hidden_dtype(in.dtype);
+    const DType wdtype = spec.weight_dtype(in.dtype);
+    FLCE_ASSIGN_OR_RETURN(out.grad_hidden, Download(*lane, dx, {in.n, in.h}, dtype, 1.0f,
+                                                    spec.grad_hidden_to));
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight, Download(*lane, dw, {in.v, in.h}, wdtype, 1.0f,
+                                                    spec.grad_weight_to));
     if (db.bytes() > 0) {
-      FLCE_ASSIGN_OR_RETURN(out.grad_bias, Download(*lane, db, {in.v}, dtype, 1.0f));
+      FLCE_ASSIGN_OR_RETURN(out.grad_bias,
+                            Download(*lane, db, {in.v}, wdtype, 1.0f, spec.grad_bias_to));
     }
     return out;
+  }
+
+  absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
+      const std::string& handle) {
+    FLCE_RETURN_IF_ERROR(health());
+    if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: expected ",
+                                                     sizeof(cudaIpcMemHandle_t),
+                                                     " bytes (cudaIpcMemHandle_t), got ",
+                                                     handle.size()));
+    }
+    FLCE_RETURN_IF_ERROR(SetDevice());
+    cudaIpcMemHandle_t ipc;
+    std::memcpy(&ipc, handle.data(), sizeof(ipc));
+    void* base = nullptr;
+    const cudaError_t error = cudaIpcOpenMemHandle(&base, ipc, cudaIpcMemLazyEnablePeerAccess);
+    if (error != cudaSuccess) {
+      if (IsStickyError(error)) return Check(error, "cudaIpcOpenMemHandle");
+      cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda_ipc_handle: cannot open it (", cudaGetErrorName(error),
+          "); it must come from cudaIpcGetMemHandle in another process on this host, "
+          "for an allocation that is still alive"));
+    }
+    absl::StatusOr<int64_t> bytes = AllocationBytes(base);
+    if (!bytes.ok()) {
+      cudaIpcCloseMemHandle(base);
+      return bytes.status();
+    }
+    return std::unique_ptr<ImportedMemory>(new IpcMemory(options_.device, base, *bytes));
   }
 
   // Benchmark path: inputs resident, Forward + Backward device work only.
@@ -653,6 +764,11 @@ absl::StatusOr<ForwardResult> CudaEngine::Forward(const LossProblem& problem,
 absl::StatusOr<Gradients> CudaEngine::Backward(SavedState& state, const BackwardSpec& spec,
                                                const CancelFn& cancelled) {
   return impl_->Backward(state, spec, cancelled);
+}
+
+absl::StatusOr<std::unique_ptr<ImportedMemory>> CudaEngine::ImportCudaIpcMemory(
+    const std::string& handle) {
+  return impl_->ImportCudaIpcMemory(handle);
 }
 
 absl::StatusOr<std::unique_ptr<CudaEngine::DeviceRun>> CudaEngine::PrepareDeviceRun(

@@ -52,6 +52,8 @@ class CudaEngine : public LossEngine {
                                         const CancelFn& cancelled) override;
   absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
                                      const CancelFn& cancelled) override;
+  absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
+      const std::string& handle) override;
 
   // For benchmarks: `problem` uploaded once, then each Run() does the
   // device work of Forward(need_backward, mode) + Backward(grad_output 1)

@@ -183,6 +183,78 @@ def _place(region: SharedMemoryRegion, tensor: "pb.Tensor", offset: int) -> int:
     return (offset + len(data) + 63) // 64 * 64
 
 
+_TORCH_WIRE = {"torch.float32": pb.DTYPE_FLOAT32, "torch.float16": pb.DTYPE_FLOAT16,
+               "torch.bfloat16": pb.DTYPE_BFLOAT16}
+
+
+class CudaIpc:
+    """Passes CUDA tensors of this process to a server on the same host
+    through CUDA IPC (the server runs on the CUDA backend with
+    --enable_shared_memory): the server reads hidden states and weights from,
+    and writes gradients into, this process's GPU memory; no bytes travel.
+
+    For one call at a time: ``slice`` registers the allocation holding a
+    tensor (cudaIpcGetMemHandle of its base, from the CUDA driver) and
+    ``release`` unregisters everything registered since, once the call is
+    over, so no allocation stays mapped that PyTorch's caching allocator
+    might free later."""
+
+    def __init__(self, client: "Client"):
+        import ctypes
+
+        self._ctypes = ctypes
+        self._client = client
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        self._cuda.cuMemGetAddressRange_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        self._cuda.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        self._regions = {}  # allocation base → region id, for the current call
+
+    def slice(self, tensor) -> "pb.SharedMemorySlice":
+        """The slice naming ``tensor``'s bytes (contiguous, on the GPU)."""
+        import torch
+
+        if not tensor.is_cuda or not tensor.is_contiguous():
+            raise ValueError("cuda_ipc: tensors must be contiguous CUDA tensors")
+        # The server reads and writes outside this process's streams.
+        torch.cuda.synchronize(tensor.device)
+        ct = self._ctypes
+        ptr = tensor.data_ptr()
+        base, size = ct.c_uint64(), ct.c_size_t()
+        self._check(self._cuda.cuMemGetAddressRange_v2(ct.byref(base), ct.byref(size), ptr),
+                    "cuMemGetAddressRange")
+        if base.value not in self._regions:
+            handle = ct.create_string_buffer(64)
+            self._check(self._cuda.cuIpcGetMemHandle(handle, base.value), "cuIpcGetMemHandle")
+            response = self._client._call(
+                self._client._stub.RegisterSharedMemory,
+                pb.RegisterSharedMemoryRequest(cuda_ipc_handle=handle.raw, bytes=0))
+            self._regions[base.value] = response.region_id
+        return pb.SharedMemorySlice(region_id=self._regions[base.value], offset=ptr - base.value)
+
+    def place(self, tensor, out: "pb.Tensor"):
+        """Sets ``out`` to ``tensor``'s dtype, shape and slice (no bytes)."""
+        out.dtype = _TORCH_WIRE[str(tensor.dtype)]
+        del out.shape[:]
+        out.shape.extend(tensor.shape)
+        out.shm.CopyFrom(self.slice(tensor))
+
+    def release(self):
+        regions, self._regions = self._regions, {}
+        for region_id in regions.values():
+            self._client._call(self._client._stub.UnregisterSharedMemory,
+                               pb.UnregisterSharedMemoryRequest(region_id=region_id))
+
+    @staticmethod
+    def _check(result, what):
+        if result != 0:
+            raise RuntimeError(f"cuda_ipc: {what} failed with CUDA driver error {result}")
+
+
+def _is_cuda(tensor) -> bool:
+    return tensor is not None and getattr(tensor, "is_cuda", False)
+
+
 @dataclasses.dataclass
 class ForwardResult:
     loss: pb.Tensor            # fp32: [] for mean/sum, [N] for none
@@ -239,18 +311,40 @@ class Client:
                 logit_softcap: Optional[float] = None, z_loss_scale: float = 0.0,
                 need_backward: bool = False, backward_mode: str = "auto",
                 want_lse: bool = False, want_per_row_loss: bool = False,
-                shm: Optional[SharedMemoryRegion] = None) -> ForwardResult:
+                shm: Optional[SharedMemoryRegion] = None,
+                cuda_ipc: bool = False) -> ForwardResult:
         """Forward. Pass ``weight`` (and ``bias``), or ``weight_name`` of a
         registered weight. ``need_backward`` keeps a session for backward().
-        With ``shm``, the tensors travel through that shared-memory region."""
+        With ``shm``, the tensors travel through that shared-memory region;
+        with ``cuda_ipc``, hidden and weight on the GPU are read by the
+        server from this process's GPU memory (see :class:`CudaIpc`)."""
+        ipc = CudaIpc(self) if cuda_ipc and (_is_cuda(hidden) or _is_cuda(weight)) else None
+        try:
+            return self._forward(hidden, target, weight, bias, weight_name, weight_version,
+                                 class_weight, ignore_index, reduction, label_smoothing,
+                                 logit_softcap, z_loss_scale, need_backward, backward_mode,
+                                 want_lse, want_per_row_loss, shm, ipc)
+        finally:
+            if ipc is not None:
+                ipc.release()
+
+    def _forward(self, hidden, target, weight, bias, weight_name, weight_version, class_weight,
+                 ignore_index, reduction, label_smoothing, logit_softcap, z_loss_scale,
+                 need_backward, backward_mode, want_lse, want_per_row_loss, shm, ipc):
         r = pb.ForwardRequest()
-        to_wire(hidden, r.hidden)
+        if ipc is not None and _is_cuda(hidden):
+            ipc.place(hidden.contiguous(), r.hidden)
+        else:
+            to_wire(hidden, r.hidden)
         to_wire(target, r.target)
         if weight_name:
             r.weight_ref.name = weight_name
             r.weight_ref.version = weight_version
         elif weight is not None:
-            to_wire(weight, r.weight)
+            if ipc is not None and _is_cuda(weight):
+                ipc.place(weight.contiguous(), r.weight)
+            else:
+                to_wire(weight, r.weight)
             if bias is not None:
                 to_wire(bias, r.bias)
         o = r.options
@@ -268,8 +362,8 @@ class Client:
         r.outputs.per_row_loss = want_per_row_loss
         if shm is not None:
             offset = 0
-            tensors = [r.hidden, r.target]
-            if not weight_name and weight is not None:
+            tensors = [r.target] + ([] if r.hidden.HasField("shm") else [r.hidden])
+            if not weight_name and weight is not None and not r.weight.HasField("shm"):
                 tensors.append(r.weight)
                 if bias is not None:
                     tensors.append(r.bias)
@@ -289,10 +383,26 @@ class Client:
 
     def backward(self, session_id: str, grad_output=None, *, keep_session: bool = False,
                  float32_grads: bool = False, accumulate_weight_grad: bool = False,
-                 shm: Optional[SharedMemoryRegion] = None) -> Gradients:
+                 shm: Optional[SharedMemoryRegion] = None, into=None) -> Gradients:
         """Backward for a session; grad_output is a scalar (mean/sum) or [N]
         (none), None meaning 1. With ``shm``, the gradients come back through
-        that region (the session must be this client's, with the weight sent)."""
+        that region (the session must be this client's, with the weight sent).
+        With ``into`` = (dX, dW, db), contiguous CUDA tensors of the
+        gradients' dtypes and shapes (None for any to return as bytes), the
+        server writes those gradients straight into them (CUDA IPC)."""
+        targets = [t for t in (into or ()) if t is not None]
+        if targets and shm is not None:
+            raise ValueError("backward: pass shm or into, not both")
+        ipc = CudaIpc(self) if targets else None
+        try:
+            return self._backward(session_id, grad_output, keep_session, float32_grads,
+                                  accumulate_weight_grad, shm, into, ipc)
+        finally:
+            if ipc is not None:
+                ipc.release()
+
+    def _backward(self, session_id, grad_output, keep_session, float32_grads,
+                  accumulate_weight_grad, shm, into, ipc):
         r = pb.BackwardRequest(session_id=session_id, keep_session=keep_session,
                                accumulate_weight_grad=accumulate_weight_grad)
         if grad_output is not None:
@@ -320,6 +430,11 @@ class Client:
                 if size:
                     getattr(r, field).region_id = shm.region_id
                     getattr(r, field).offset = offset
+        if ipc is not None:
+            for field, tensor in zip(("grad_hidden_out", "grad_weight_out", "grad_bias_out"),
+                                     into):
+                if tensor is not None:
+                    getattr(r, field).CopyFrom(ipc.slice(tensor))
         resp = self._call(self._stub.Backward, r)
         if shm is not None:
             for t in (resp.grad_hidden, resp.grad_weight, resp.grad_bias):

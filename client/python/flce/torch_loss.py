@@ -26,11 +26,11 @@ class _RemoteFunction(torch.autograd.Function):
             label_smoothing=module.label_smoothing, logit_softcap=module.logit_softcap,
             z_loss_scale=module.z_loss_scale, class_weight=module.class_weight,
             need_backward=needs_grad, backward_mode=module.backward_mode,
-            shm=module._region_for(hidden, weight, bias, target))
+            shm=module._region_for(hidden, weight, bias, target), cuda_ipc=module.cuda_ipc)
         ctx.session_id = result.session_id
         ctx.module = module
-        ctx.meta = [(t.device, t.dtype) if t is not None else None for t in (hidden, weight, bias)]
-        ctx.has_bias = bias is not None
+        ctx.meta = [(t.device, t.dtype, t.shape) if t is not None else None
+                    for t in (hidden, weight, bias)]
         module.last_num_valid = result.num_valid
         module.last_z_loss = float(to_torch(result.z_loss).sum())
         return to_torch(result.loss, hidden.device)
@@ -40,17 +40,26 @@ class _RemoteFunction(torch.autograd.Function):
         if not ctx.session_id:
             return None, None, None, None, None
         g = grad_output.detach().float().cpu()
+        # With CUDA IPC the server writes the GPU gradients in place.
+        into = None
+        if ctx.module.cuda_ipc:
+            into = tuple(torch.empty(meta[2], device=meta[0], dtype=meta[1])
+                         if meta is not None and meta[0].type == "cuda" else None
+                         for meta in ctx.meta)
         grads = ctx.module.client.backward(ctx.session_id, g if g.dim() else g.reshape(()),
-                                           shm=ctx.module._region)
+                                           shm=ctx.module._region, into=into)
         ctx.session_id = ""  # consumed: a second backward is an error on the server too
-        (hd, ht), (wd, wt), bias_meta = ctx.meta
-        d_hidden = to_torch(grads.grad_hidden).to(device=hd, dtype=ht)
-        d_weight = to_torch(grads.grad_weight).to(device=wd, dtype=wt)
-        d_bias = None
-        if ctx.has_bias:
-            bd, bt = bias_meta
-            d_bias = to_torch(grads.grad_bias).to(device=bd, dtype=bt)
-        return d_hidden, d_weight, d_bias, None, None
+        wire = (grads.grad_hidden, grads.grad_weight, grads.grad_bias)
+        result = []
+        for i, meta in enumerate(ctx.meta):
+            if meta is None:
+                result.append(None)
+            elif into is not None and into[i] is not None:
+                result.append(into[i])
+            else:
+                device, dtype, _ = meta
+                result.append(to_torch(wire[i]).to(device=device, dtype=dtype))
+        return result[0], result[1], result[2], None, None
 
 
 class RemoteLinearCrossEntropy(torch.nn.Module):
@@ -61,14 +70,19 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     ``logit_softcap`` and ``z_loss_scale``. ``backward_mode`` is "auto",
     "store_grads" or "recompute". ``shared_memory=True`` passes tensors
     through a POSIX shared-memory region (same host; the server runs with
-    --enable_shared_memory); ``close()`` frees it.
+    --enable_shared_memory); ``close()`` frees it. ``cuda_ipc=True`` lets
+    the server read hidden and weight from, and write their gradients into,
+    this process's GPU memory (same host, server on the CUDA backend with
+    --enable_shared_memory): nothing but the targets travels.
     """
 
     def __init__(self, client, *, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, logit_softcap: Optional[float] = None,
                  z_loss_scale: float = 0.0, class_weight=None, backward_mode: str = "auto",
-                 shared_memory: bool = False):
+                 shared_memory: bool = False, cuda_ipc: bool = False):
         super().__init__()
+        if shared_memory and cuda_ipc:
+            raise ValueError("choose shared_memory or cuda_ipc, not both")
         self.client = Client(client) if isinstance(client, str) else client
         self.ignore_index = ignore_index
         self.reduction = reduction
@@ -78,6 +92,7 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self.class_weight = class_weight
         self.backward_mode = backward_mode
         self.shared_memory = shared_memory
+        self.cuda_ipc = cuda_ipc
         self._region = None
         self.last_num_valid = 0
         self.last_z_loss = 0.0
