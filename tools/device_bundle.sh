@@ -30,7 +30,7 @@ done
 mkdir -p "$stage/python"
 cp -r client/python/flce client/python/examples/train_tiny_lm.py "$stage/python/"
 cp -r bazel-bin/client/python/flce_pb "$stage/python/"
-cp tests/python_client_test.py tests/server_process.py "$stage/python/"
+cp tests/python_client_test.py tests/server_process.py bench/ipc_bench.py "$stage/python/"
 # Libraries the GPU machine's own system provides (or must provide: the
 # driver and cuBLAS) stay behind.
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libcublas|libcublasLt|libcuda)'

@@ -3,7 +3,7 @@
 # tools/device_bundle.sh packed .devbin/bundle.tar.xz here: the GPU test
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
-# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc]
+# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [ipc]
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
@@ -59,5 +59,10 @@ if want rpc && [ -n "$ARGS" ]; then
   echo "== rpc_bench --backend=cuda --shape=${RPC_SHAPE:-8192x4096x128256}"
   "$bin/rpc_bench" --backend=cuda --shape="${RPC_SHAPE:-8192x4096x128256}" --dtype=bf16 \
     --iters=10 2>&1 | tee "$OUT/rpc_bench.txt" || status=1
+fi
+if want ipc && [ -n "$ARGS" ]; then
+  echo "== ipc_bench --shape=${IPC_SHAPE:-4096x4096x16384}"
+  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/ipc_bench.py "$bin/flce_server" \
+    --shape="${IPC_SHAPE:-4096x4096x16384}" 2>&1 | tee "$OUT/ipc_bench.txt" || status=1
 fi
 exit "$status"
