@@ -14,7 +14,7 @@ struct EngineOptions {
   CpuEngineOptions cpu;
   int cuda_device = 0;
   int cuda_lanes = 2;
-  int64_t cuda_chunk_bytes = int64_t{960} << 20;
+  int64_t cuda_chunk_bytes = int64_t{1016} << 20;
 };
 
 // True if this build has the CUDA engine.

@@ -35,8 +35,8 @@ ABSL_FLAG(int64_t, cpu_chunk_bytes, int64_t{64} << 20,
           "CPU engine: bytes of fp32 logits per token chunk");
 ABSL_FLAG(int, cuda_device, 0, "CUDA engine: device ordinal");
 ABSL_FLAG(int, cuda_lanes, 2, "CUDA engine: concurrent calls (streams)");
-ABSL_FLAG(int64_t, cuda_chunk_bytes, int64_t{960} << 20,
-          "CUDA engine: bytes of fp32 logits per token chunk");
+ABSL_FLAG(int64_t, cuda_chunk_bytes, flce::EngineOptions().cuda_chunk_bytes,
+          "CUDA engine: most bytes of logits (input dtype) per token chunk");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "on SIGTERM/SIGINT, how long RPCs in flight may take to finish");
 ABSL_FLAG(std::string, log_level, "info",

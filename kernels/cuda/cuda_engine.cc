@@ -175,12 +175,18 @@ class EngineImpl {
         "CUDA engine stopped after an unrecoverable device error: ", sticky_error_));
   }
 
-  // Rows per logits chunk: the budget's worth (in whole GEMM tiles of 128
-  // rows once there are enough), at least kMinChunkRows, at most all rows.
+  // Rows per logits chunk: as few chunks as the budget allows (each one
+  // after the first is a pass over the fp32 dW accumulator), of equal size
+  // (no small last chunk that costs a whole pass), rounded up to whole GEMM
+  // tiles of 128 rows where that still fits; at least kMinChunkRows.
   int64_t ChunkRows(int64_t rows, int64_t vocab, DType dtype) const {
-    int64_t by_budget = options_.chunk_bytes / (vocab * DTypeSize(dtype));
-    if (by_budget >= 256) by_budget -= by_budget % 128;
-    return std::max<int64_t>(1, std::min(rows, std::max(CudaEngine::kMinChunkRows, by_budget)));
+    const int64_t by_budget = std::max(CudaEngine::kMinChunkRows,
+                                       options_.chunk_bytes / (vocab * DTypeSize(dtype)));
+    if (rows <= by_budget) return std::max<int64_t>(1, rows);
+    const int64_t chunks = (rows + by_budget - 1) / by_budget;
+    const int64_t even = (rows + chunks - 1) / chunks;
+    const int64_t tiled = (even + 127) / 128 * 128;
+    return tiled <= by_budget ? tiled : even;
   }
 
   // Holds one lane for a call.

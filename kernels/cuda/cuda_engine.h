@@ -18,8 +18,9 @@ struct CudaEngineOptions {
   // Upper bound on the logits chunk (rows × V in the input dtype); a chunk
   // holds at least kMinChunkRows rows. Large chunks keep the GEMMs near
   // peak and re-read the fp32 dW accumulator less often; the chunk is most
-  // of the engine's memory beyond X, W, dX, dW.
-  int64_t chunk_bytes = int64_t{960} << 20;
+  // of the engine's memory beyond X, W, dX, dW (the default leaves 8 MiB of
+  // a GiB for the per-row buffers).
+  int64_t chunk_bytes = int64_t{1016} << 20;
 };
 
 namespace internal_cuda {
