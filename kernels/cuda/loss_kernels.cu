@@ -12,7 +12,7 @@ namespace flce {
 namespace internal_cuda {
 namespace {
 
-constexpr int kRowThreads = 512;
+constexpr int kRowThreads = 1024;
 constexpr int kWarps = kRowThreads / 32;
 
 // ---------------------------------------------------------------------------
@@ -103,8 +103,18 @@ __device__ __forceinline__ bool BlockAny(bool v) { return __syncthreads_or(v ? 1
 // ---------------------------------------------------------------------------
 // The row kernel.
 
+// "Plain" rows: no bias, softcap, class weights or label smoothing (z-loss
+// allowed). The kernels are compiled for them separately (kPlain), with the
+// per-element work those options cost left out.
+bool IsPlain(const RowParams& p) {
+  return p.bias == nullptr && p.softcap <= 0.0f && p.class_weight == nullptr &&
+         p.label_smoothing == 0.0f;
+}
+
 // z' = softcap(z + b).
+template <bool kPlain>
 __device__ __forceinline__ float Transform(const RowParams& p, float z, int64_t j) {
+  if constexpr (kPlain) return z;
   if (p.bias != nullptr) z += p.bias[j];
   if (p.softcap > 0.0f) z = p.softcap * tanhf(z / p.softcap);
   return z;
@@ -137,58 +147,132 @@ __device__ __forceinline__ float Gradient(const RowParams& p, float zp, int64_t 
 template <typename T>
 constexpr int kPack = 16 / sizeof(T);
 
-// Calls f(j, z[j] as float) for this thread's elements of a row, in
-// increasing j. kVec: 16-byte loads (REQUIRES V % kPack<T> == 0, so every
-// row starts 16-byte aligned).
-template <typename T, bool kVec, typename F>
-__device__ __forceinline__ void ForEachInRow(const T* z, int64_t vocab, F&& f) {
-  if constexpr (kVec) {
-    constexpr int P = kPack<T>;
-    for (int64_t base = threadIdx.x * static_cast<int64_t>(P); base < vocab;
-         base += static_cast<int64_t>(kRowThreads) * P) {
+// A thread's share of a row is packs of P consecutive elements: pack i
+// starts at (threadIdx.x + i·kRowThreads)·P. kVec: P = kPack<T>, 16-byte
+// loads (REQUIRES V % kPack<T> == 0, so every row starts 16-byte aligned);
+// else single elements.
+template <typename T, bool kVec>
+struct RowPacks {
+  static constexpr int P = kVec ? kPack<T> : 1;
+  static constexpr int64_t kStride = int64_t{kRowThreads} * P;
+
+  __device__ static void Load(const T* z, int64_t base, float (&x)[P]) {
+    if constexpr (kVec) {
       const uint4 raw = *reinterpret_cast<const uint4*>(z + base);
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int k = 0; k < P; ++k) f(base + k, ToFloatDev(e[k]));
+      for (int k = 0; k < P; ++k) x[k] = ToFloatDev(e[k]);
+    } else {
+      x[0] = ToFloatDev(z[base]);
     }
-  } else {
-    for (int64_t j = threadIdx.x; j < vocab; j += kRowThreads) f(j, ToFloatDev(z[j]));
   }
-}
 
-// z[j] = g(j, z[j] as float) for this thread's elements, in place.
-template <typename T, bool kVec, typename G>
-__device__ __forceinline__ void UpdateRow(T* z, int64_t vocab, G&& g) {
-  if constexpr (kVec) {
-    constexpr int P = kPack<T>;
-    for (int64_t base = threadIdx.x * static_cast<int64_t>(P); base < vocab;
-         base += static_cast<int64_t>(kRowThreads) * P) {
-      uint4 raw = *reinterpret_cast<const uint4*>(z + base);
+  __device__ static void Store(T* z, int64_t base, const float (&x)[P]) {
+    if constexpr (kVec) {
+      uint4 raw;
       T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-      for (int k = 0; k < P; ++k) e[k] = FromFloatDev<T>(g(base + k, ToFloatDev(e[k])));
+      for (int k = 0; k < P; ++k) e[k] = FromFloatDev<T>(x[k]);
       *reinterpret_cast<uint4*>(z + base) = raw;
-    }
-  } else {
-    for (int64_t j = threadIdx.x; j < vocab; j += kRowThreads) {
-      z[j] = FromFloatDev<T>(g(j, ToFloatDev(z[j])));
+    } else {
+      z[base] = FromFloatDev<T>(x[0]);
     }
   }
-}
+
+  // f(first index, values) for each of this thread's packs, in increasing
+  // order, two loads in flight at a time.
+  template <typename F>
+  __device__ static void ForEach(const T* z, int64_t vocab, F&& f) {
+    int64_t base = threadIdx.x * int64_t{P};
+    for (; base + kStride < vocab; base += 2 * kStride) {
+      float a[P], b[P];
+      Load(z, base, a);
+      Load(z, base + kStride, b);
+      f(base, a);
+      f(base + kStride, b);
+    }
+    if (base < vocab) {
+      float a[P];
+      Load(z, base, a);
+      f(base, a);
+    }
+  }
+
+  // Replaces each of this thread's packs by g(first index, values), last
+  // pack first: the block read the row front to back just before, so its
+  // tail is what the L2 cache still holds.
+  template <typename G>
+  __device__ static void UpdateBackwards(T* z, int64_t vocab, G&& g) {
+    const int64_t first = threadIdx.x * int64_t{P};
+    if (first >= vocab) return;
+    int64_t last = first + (vocab - 1 - first) / kStride * kStride;
+    for (; last - kStride >= first; last -= 2 * kStride) {
+      float a[P], b[P];
+      Load(z, last, a);
+      Load(z, last - kStride, b);
+      g(last, a);
+      g(last - kStride, b);
+      Store(z, last, a);
+      Store(z, last - kStride, b);
+    }
+    if (last >= first) {
+      float a[P];
+      Load(z, last, a);
+      g(last, a);
+      Store(z, last, a);
+    }
+  }
+};
 
 // Overwrites a row of logits with its scaled gradient (zeros for an ignored
 // row). Each element is read and written by the same thread.
-template <typename T, bool kVec>
+constexpr float kLog2e = 1.4426950408889634f;
+
+// exp(x) for x <= 0 as exp2: one multiply and the special-function unit.
+__device__ __forceinline__ float ExpNonPositive(float x) { return exp2f(x * kLog2e); }
+
+// Overwrites a row of logits with its scaled gradient (zeros for an ignored
+// row). Each element is read and written by the same thread. zt, the
+// target's logit as read before the call, is needed by thread 0 only.
+template <typename T, bool kVec, bool kPlain>
 __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid, float wt,
-                                 float lse, float scale) {
-  UpdateRow<T, kVec>(z, p.vocab, [&](int64_t j, float x) {
-    return valid ? scale * Gradient(p, Transform(p, x, j), j, t, wt, lse) : 0.0f;
-  });
+                                 float lse, float scale, float zt) {
+  using Packs = RowPacks<T, kVec>;
+  if (!valid) {
+    Packs::UpdateBackwards(z, p.vocab, [](int64_t, float (&x)[Packs::P]) {
+#pragma unroll
+      for (int k = 0; k < Packs::P; ++k) x[k] = 0.0f;
+    });
+    return;
+  }
+  if constexpr (kPlain) {
+    // Gradient() without the options: (w_t + 2·s·lse)·p off the target;
+    // the target element, (w_t·(p_t − 1) + 2·s·lse·p_t) with p_t − 1 first
+    // as there, is written by thread 0 once the block is done.
+    const float zc = 2.0f * p.z_loss_scale * lse;
+    const float c = scale * (wt + zc);
+    Packs::UpdateBackwards(z, p.vocab, [&](int64_t, float (&x)[Packs::P]) {
+#pragma unroll
+      for (int k = 0; k < Packs::P; ++k) x[k] = c * ExpNonPositive(x[k] - lse);
+    });
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const float prob = ExpNonPositive(zt - lse);
+      z[t] = FromFloatDev<T>(scale * (wt * (prob - 1.0f) + zc * prob));
+    }
+  } else {
+    Packs::UpdateBackwards(z, p.vocab, [&](int64_t j0, float (&x)[Packs::P]) {
+#pragma unroll
+      for (int k = 0; k < Packs::P; ++k) {
+        x[k] = scale * Gradient(p, Transform<false>(p, x[k], j0 + k), j0 + k, t, wt, lse);
+      }
+    });
+  }
 }
 
 // One block per row: statistics, the row's loss outputs, and with
 // kWriteGrad the gradient in place. Reads the row twice, writes it once.
-template <typename T, bool kVec, bool kWriteGrad>
+template <typename T, bool kVec, bool kWriteGrad, bool kPlain>
 __global__ void __launch_bounds__(kRowThreads)
     ForwardRowsKernel(RowParams p, T* logits, const float* row_scale, RowOutputs out) {
   __shared__ SoftmaxState shared_state[kWarps];
@@ -202,18 +286,32 @@ __global__ void __launch_bounds__(kRowThreads)
   SoftmaxState s{-CUDART_INF_F, 0.0f, INT64_MAX};
   float weighted_z = 0.0f;  // Σ w_j z'_j, for label smoothing
   bool nan = false;
-  ForEachInRow<T, kVec>(z, p.vocab, [&](int64_t j, float raw) {
-    const float x = Transform(p, raw, j);
-    nan |= isnan(x);
-    if (x > s.max) {
-      s.sum = s.sum * expf(s.max - x) + 1.0f;
-      s.max = x;
-      s.argmax = j;
-    } else {
-      s.sum += expf(x - s.max);
+  using Packs = RowPacks<T, kVec>;
+  Packs::ForEach(z, p.vocab, [&](int64_t j0, float (&x)[Packs::P]) {
+    // The pack's maximum (first index on ties) first: one rescale per pack.
+    float m = -CUDART_INF_F;
+    int64_t arg = INT64_MAX;
+#pragma unroll
+    for (int k = 0; k < Packs::P; ++k) {
+      x[k] = Transform<kPlain>(p, x[k], j0 + k);
+      nan |= isnan(x[k]);
+      if (x[k] > m) {
+        m = x[k];
+        arg = j0 + k;
+      }
     }
-    if (p.label_smoothing > 0.0f) {
-      weighted_z += (p.class_weight != nullptr ? p.class_weight[j] : 1.0f) * x;
+    if (m > s.max) {
+      s.sum *= ExpNonPositive(s.max - m);
+      s.max = m;
+      s.argmax = arg;
+    }
+#pragma unroll
+    for (int k = 0; k < Packs::P; ++k) s.sum += ExpNonPositive(x[k] - s.max);
+    if (!kPlain && p.label_smoothing > 0.0f) {
+#pragma unroll
+      for (int k = 0; k < Packs::P; ++k) {
+        weighted_z += (p.class_weight != nullptr ? p.class_weight[j0 + k] : 1.0f) * x[k];
+      }
     }
   });
   s = BlockCombine(s, shared_state);
@@ -222,10 +320,11 @@ __global__ void __launch_bounds__(kRowThreads)
   const float lse = nan ? CUDART_NAN_F : s.max + logf(s.sum);
   const float wt = valid ? (p.class_weight != nullptr ? p.class_weight[t] : 1.0f) : 0.0f;
 
+  float zt = 0.0f;  // the target's logit, on thread 0
   if (threadIdx.x == 0) {
     out.lse[row] = lse;
     if (valid) {
-      const float zt = Transform(p, ToFloatDev(z[t]), t);
+      zt = Transform<kPlain>(p, ToFloatDev(z[t]), t);
       const float z_row = p.z_loss_scale * lse * lse;
       const float eps = p.label_smoothing;
       out.loss[row] = (1.0f - eps) * wt * (lse - zt) +
@@ -242,11 +341,11 @@ __global__ void __launch_bounds__(kRowThreads)
   }
   if constexpr (kWriteGrad) {
     __syncthreads();  // thread 0 has read z[t]; the row is overwritten next
-    WriteGradientRow<T, kVec>(p, z, t, valid, wt, lse, row_scale[row]);
+    WriteGradientRow<T, kVec, kPlain>(p, z, t, valid, wt, lse, row_scale[row], zt);
   }
 }
 
-template <typename T, bool kVec>
+template <typename T, bool kVec, bool kPlain>
 __global__ void __launch_bounds__(kRowThreads)
     GradientRowsKernel(RowParams p, T* logits, const float* lse, const float* row_scale) {
   const int64_t r = blockIdx.x;
@@ -254,7 +353,11 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t t = p.target[row];
   const bool valid = t != p.ignore_index;
   const float wt = valid ? (p.class_weight != nullptr ? p.class_weight[t] : 1.0f) : 0.0f;
-  WriteGradientRow<T, kVec>(p, logits + r * p.vocab, t, valid, wt, lse[row], row_scale[row]);
+  T* z = logits + r * p.vocab;
+  float zt = 0.0f;  // the target's logit, on thread 0
+  if (kPlain && valid && threadIdx.x == 0) zt = ToFloatDev(z[t]);
+  __syncthreads();  // read before the row is overwritten
+  WriteGradientRow<T, kVec, kPlain>(p, z, t, valid, wt, lse[row], row_scale[row], zt);
 }
 
 // ---------------------------------------------------------------------------
@@ -347,6 +450,26 @@ __global__ void ConvertKernel(const Src* src, Dst* dst, int64_t count, float sca
   }
 }
 
+// Four consecutive elements, loaded and stored as one vector.
+template <typename T>
+struct alignas(4 * sizeof(T)) Quad {
+  T v[4];
+};
+
+// ConvertKernel four elements per thread, for aligned src and dst.
+template <typename Src, typename Dst>
+__global__ void ConvertQuadsKernel(const Quad<Src>* src, Quad<Dst>* dst, int64_t quads,
+                                   float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const Quad<Src> in = src[i];
+    Quad<Dst> out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out.v[k] = FromFloatDev<Dst>(ToFloatDev(in.v[k]) * scale);
+    dst[i] = out;
+  }
+}
+
 __global__ void WidenTargetsKernel(const int32_t* src, int64_t count, int64_t* dst) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < count) dst[i] = src[i];
@@ -358,20 +481,39 @@ unsigned int Blocks(int64_t count, int threads) {
   return static_cast<unsigned int>(blocks < 1 ? 1 : (blocks > INT32_MAX ? INT32_MAX : blocks));
 }
 
+// Whole quads through the vector kernel where both sides are aligned for
+// it, the rest (or everything, unaligned) element by element.
+template <typename Src, typename Dst>
+void ConvertTo(const Src* src, Dst* dst, int64_t count, float scale, cudaStream_t stream) {
+  int64_t done = 0;
+  if (reinterpret_cast<uintptr_t>(src) % sizeof(Quad<Src>) == 0 &&
+      reinterpret_cast<uintptr_t>(dst) % sizeof(Quad<Dst>) == 0) {
+    const int64_t quads = count / 4;
+    if (quads > 0) {
+      ConvertQuadsKernel<<<Blocks(quads, 256), 256, 0, stream>>>(
+          reinterpret_cast<const Quad<Src>*>(src), reinterpret_cast<Quad<Dst>*>(dst), quads,
+          scale);
+    }
+    done = quads * 4;
+  }
+  if (done < count) {
+    ConvertKernel<<<Blocks(count - done, 256), 256, 0, stream>>>(src + done, dst + done,
+                                                                 count - done, scale);
+  }
+}
+
 template <typename Src>
 cudaError_t ConvertFrom(const Src* src, void* dst, DType dst_dtype, int64_t count, float scale,
                         cudaStream_t stream) {
-  const unsigned int blocks = Blocks(count, 256);
   switch (dst_dtype) {
     case DType::kFloat32:
-      ConvertKernel<<<blocks, 256, 0, stream>>>(src, static_cast<float*>(dst), count, scale);
+      ConvertTo(src, static_cast<float*>(dst), count, scale, stream);
       break;
     case DType::kFloat16:
-      ConvertKernel<<<blocks, 256, 0, stream>>>(src, static_cast<__half*>(dst), count, scale);
+      ConvertTo(src, static_cast<__half*>(dst), count, scale, stream);
       break;
     case DType::kBFloat16:
-      ConvertKernel<<<blocks, 256, 0, stream>>>(src, static_cast<__nv_bfloat16*>(dst), count,
-                                                scale);
+      ConvertTo(src, static_cast<__nv_bfloat16*>(dst), count, scale, stream);
       break;
     default:
       return cudaErrorInvalidValue;
@@ -379,40 +521,43 @@ cudaError_t ConvertFrom(const Src* src, void* dst, DType dst_dtype, int64_t coun
   return cudaGetLastError();
 }
 
+// One block of kRowThreads per row.
+template <typename Kernel, typename... Args>
+cudaError_t LaunchRows(Kernel kernel, int64_t rows, cudaStream_t stream, Args... args) {
+  kernel<<<static_cast<unsigned int>(rows), kRowThreads, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+template <typename T, bool kVec, bool kPlain>
+cudaError_t ForwardRowsWith(const RowParams& p, T* z, bool write_grad, const float* row_scale,
+                            const RowOutputs& out, cudaStream_t stream) {
+  auto kernel = write_grad ? ForwardRowsKernel<T, kVec, true, kPlain>
+                           : ForwardRowsKernel<T, kVec, false, kPlain>;
+  return LaunchRows(kernel, p.rows, stream, p, z, row_scale, out);
+}
+
 template <typename T>
 cudaError_t ForwardRowsFor(const RowParams& p, void* logits, bool write_grad,
                            const float* row_scale, const RowOutputs& out, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned int>(p.rows));
   T* z = static_cast<T*>(logits);
-  const bool vec = p.vocab % kPack<T> == 0;
-  if (write_grad) {
-    if (vec) {
-      ForwardRowsKernel<T, true, true><<<grid, kRowThreads, 0, stream>>>(p, z, row_scale, out);
-    } else {
-      ForwardRowsKernel<T, false, true><<<grid, kRowThreads, 0, stream>>>(p, z, row_scale, out);
-    }
-  } else {
-    if (vec) {
-      ForwardRowsKernel<T, true, false><<<grid, kRowThreads, 0, stream>>>(p, z, row_scale, out);
-    } else {
-      ForwardRowsKernel<T, false, false><<<grid, kRowThreads, 0, stream>>>(p, z, row_scale,
-                                                                           out);
-    }
+  if (p.vocab % kPack<T> == 0) {
+    return IsPlain(p) ? ForwardRowsWith<T, true, true>(p, z, write_grad, row_scale, out, stream)
+                      : ForwardRowsWith<T, true, false>(p, z, write_grad, row_scale, out, stream);
   }
-  return cudaGetLastError();
+  return IsPlain(p) ? ForwardRowsWith<T, false, true>(p, z, write_grad, row_scale, out, stream)
+                    : ForwardRowsWith<T, false, false>(p, z, write_grad, row_scale, out, stream);
 }
 
 template <typename T>
 cudaError_t GradientRowsFor(const RowParams& p, void* logits, const float* lse,
                             const float* row_scale, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned int>(p.rows));
   T* z = static_cast<T*>(logits);
-  if (p.vocab % kPack<T> == 0) {
-    GradientRowsKernel<T, true><<<grid, kRowThreads, 0, stream>>>(p, z, lse, row_scale);
-  } else {
-    GradientRowsKernel<T, false><<<grid, kRowThreads, 0, stream>>>(p, z, lse, row_scale);
-  }
-  return cudaGetLastError();
+  const bool vec = p.vocab % kPack<T> == 0;
+  auto kernel = vec ? (IsPlain(p) ? GradientRowsKernel<T, true, true>
+                                  : GradientRowsKernel<T, true, false>)
+                    : (IsPlain(p) ? GradientRowsKernel<T, false, true>
+                                  : GradientRowsKernel<T, false, false>);
+  return LaunchRows(kernel, p.rows, stream, p, z, lse, row_scale);
 }
 
 }  // namespace
