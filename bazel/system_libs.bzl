@@ -8,12 +8,16 @@ options only.
 """
 
 def _system_library_impl(ctx):
-    result = ctx.execute(["pkg-config", "--libs"] + ctx.attr.modules)
-    if result.return_code != 0:
-        fail("system library '%s': pkg-config %s failed (%s); install Debian package(s) %s, e.g. with tools/setup.sh" %
-             (ctx.name, " ".join(ctx.attr.modules), result.stderr.strip(), " ".join(ctx.attr.packages)))
-    linkopts = result.stdout.strip().split(" ") + ctx.attr.extra_linkopts
-    cflags = ctx.execute(["pkg-config", "--cflags"] + ctx.attr.modules).stdout.strip().split(" ")
+    linkopts = []
+    cflags = []
+    if ctx.attr.modules:
+        result = ctx.execute(["pkg-config", "--libs"] + ctx.attr.modules)
+        if result.return_code != 0:
+            fail("system library '%s': pkg-config %s failed (%s); install Debian package(s) %s, e.g. with tools/setup.sh" %
+                 (ctx.name, " ".join(ctx.attr.modules), result.stderr.strip(), " ".join(ctx.attr.packages)))
+        linkopts = result.stdout.strip().split(" ")
+        cflags = ctx.execute(["pkg-config", "--cflags"] + ctx.attr.modules).stdout.strip().split(" ")
+    linkopts = linkopts + ctx.attr.extra_linkopts
 
     # Only -D flags propagate; -I paths under /usr/include are searched anyway.
     defines = [f[2:] for f in cflags if f.startswith("-D")]
@@ -40,7 +44,9 @@ system_library = repository_rule(
     implementation = _system_library_impl,
     attrs = {
         "target": attr.string(mandatory = True),
-        "modules": attr.string_list(mandatory = True),
+        # pkg-config modules; none for libraries that ship no .pc file
+        # (extra_linkopts then names them).
+        "modules": attr.string_list(),
         "headers": attr.string_list(),
         "extra_linkopts": attr.string_list(),
         "packages": attr.string_list(),
@@ -49,7 +55,7 @@ system_library = repository_rule(
 )
 
 def flce_system_libs():
-    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest and @openblas."""
+    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas, @openssl and @civetweb."""
     system_library(
         name = "protobuf",
         target = "protobuf",
@@ -103,4 +109,18 @@ def flce_system_libs():
         modules = ["openblas"],
         headers = ["x86_64-linux-gnu/cblas.h"],
         packages = ["libopenblas-dev"],
+    )
+    system_library(
+        name = "openssl",
+        target = "crypto",
+        modules = ["libcrypto"],
+        headers = ["openssl/sha.h", "openssl/crypto.h"],
+        packages = ["libssl-dev"],
+    )
+    system_library(
+        name = "civetweb",
+        target = "civetweb",
+        headers = ["civetweb.h"],
+        extra_linkopts = ["-lcivetweb"],
+        packages = ["libcivetweb-dev"],
     )

@@ -68,6 +68,7 @@ int Main() {
   if (address.empty()) {
     ServerOptions options;
     options.listen_address = "127.0.0.1:0";
+    options.security.insecure = true;
     options.backend = absl::GetFlag(FLAGS_backend);
     options.max_message_bytes = int64_t{1} << 30;
     options.enable_shared_memory = true;

@@ -8,7 +8,11 @@
 //   flce backward --session=ID [--grad_output=g.npy] --out=DIR
 //   flce release --session=ID
 
+#include <cctype>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,6 +31,12 @@
 ABSL_FLAG(std::string, server, "localhost:50051", "host:port of flce_server");
 ABSL_FLAG(absl::Duration, timeout, absl::Minutes(5), "deadline of each call");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20, "largest message");
+ABSL_FLAG(bool, tls, false, "connect over TLS (implied by the --tls_* files)");
+ABSL_FLAG(std::string, tls_ca_file, "", "PEM CAs to trust (default: the system's)");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate chain (mutual TLS)");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the bearer token (else the FLCE_TOKEN environment variable)");
 // Problem options (smoke, forward).
 ABSL_FLAG(int64_t, n, 64, "smoke: rows (tokens)");
 ABSL_FLAG(int64_t, h, 128, "smoke: hidden size");
@@ -94,10 +104,38 @@ absl::StatusOr<LossOptions> OptionsFromFlags() {
   return o;
 }
 
+// The contents of `path` without trailing whitespace; exits naming `flag`
+// if it cannot be read.
+std::string ReadOrDie(const std::string& path, const char* flag) {
+  std::ifstream in(path);
+  if (!in) {
+    std::fprintf(stderr, "error: %s: cannot read %s\n", flag, path.c_str());
+    std::exit(1);
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string s = text.str();
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  return s;
+}
+
 std::unique_ptr<LossClient> MakeClient() {
   ClientOptions options;
   options.timeout = absl::GetFlag(FLAGS_timeout);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca_file);
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert_file);
+  const std::string key = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls = absl::GetFlag(FLAGS_tls) || !ca.empty() || !cert.empty();
+  if (!ca.empty()) options.tls_root_certs = ReadOrDie(ca, "--tls_ca_file");
+  if (!cert.empty()) options.tls_client_cert = ReadOrDie(cert, "--tls_cert_file");
+  if (!key.empty()) options.tls_client_key = ReadOrDie(key, "--tls_key_file");
+  const std::string token_file = absl::GetFlag(FLAGS_token_file);
+  if (!token_file.empty()) {
+    options.token = ReadOrDie(token_file, "--token_file");
+  } else if (const char* token = std::getenv("FLCE_TOKEN")) {
+    options.token = token;
+  }
   return LossClient::Create(absl::GetFlag(FLAGS_server), options);
 }
 

@@ -24,8 +24,15 @@ std::unique_ptr<LossClient> LossClient::Create(const std::string& target,
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  auto channel = grpc::CreateCustomChannel(
-      target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_certs;
+    ssl.pem_cert_chain = options.tls_client_cert;
+    ssl.pem_private_key = options.tls_client_key;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  auto channel = grpc::CreateCustomChannel(target, credentials, args);
   return std::unique_ptr<LossClient>(new LossClient(std::move(channel), options));
 }
 
@@ -38,6 +45,7 @@ LossClient::LossClient(std::shared_ptr<grpc::Channel> channel, ClientOptions opt
 void LossClient::Prepare(grpc::ClientContext& context) const {
   context.set_deadline(std::chrono::system_clock::now() +
                        absl::ToChronoMilliseconds(options_.timeout));
+  if (!options_.token.empty()) context.AddMetadata("authorization", "Bearer " + options_.token);
 }
 
 v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args, bool with_data) {

@@ -33,6 +33,13 @@ struct ClientOptions {
   // would make a message larger than this (default: max_message_bytes less
   // 1 MiB for the rest of the message).
   int64_t stream_above_bytes = -1;
+  // TLS: connect over TLS, trusting the CAs of `tls_root_certs` (PEM; empty:
+  // the system's roots). Mutual TLS: also present this certificate chain
+  // and key (PEM).
+  bool tls = false;
+  std::string tls_root_certs, tls_client_cert, tls_client_key;
+  // Sent as "authorization: Bearer <token>" on every call when not empty.
+  std::string token;
 };
 
 class SharedMemoryArena;

@@ -35,7 +35,8 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
   if (call.need_backward) {
     spec.mode = ResolveMode(call);
     FLCE_ASSIGN_OR_RETURN(
-        reservation, sessions_->Reserve(engine_->SavedStateBytes(call.problem, spec.mode)));
+        reservation,
+        sessions_->Reserve(engine_->SavedStateBytes(call.problem, spec.mode), principal));
   }
   FLCE_ASSIGN_OR_RETURN(outcome.result, engine_->Forward(call.problem, spec, cancelled));
   if (call.need_backward) {
@@ -49,8 +50,7 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     info.weight = call.weight_ref;
     outcome.mode = spec.mode;
     outcome.session_id = sessions_->Commit(std::move(reservation),
-                                           std::move(outcome.result.saved), info,
-                                           principal);
+                                           std::move(outcome.result.saved), info);
   }
   return outcome;
 }

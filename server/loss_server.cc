@@ -1,6 +1,8 @@
 #include "server/loss_server.h"
 
 #include <chrono>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -25,9 +27,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_queued_requests: ", o.max_queued_requests, "; expected >= 0"));
   }
-  if (o.sessions.max_sessions < 0 || o.sessions.memory_budget_bytes < 0) {
+  if (o.sessions.max_sessions < 0 || o.sessions.memory_budget_bytes < 0 ||
+      o.sessions.max_sessions_per_principal < 0 || o.sessions.memory_bytes_per_principal < 0) {
     return absl::InvalidArgumentError(
-        "--max_sessions and --session_memory_bytes must be >= 0");
+        "--max_sessions, --session_memory_bytes and their _per_principal forms must be >= 0");
   }
   if (o.weight_memory_bytes < 0) {
     return absl::InvalidArgumentError("--weight_memory_bytes must be >= 0");
@@ -44,6 +47,49 @@ absl::Status CheckOptions(const ServerOptions& o) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " is not PEM"));
+  }
+  return text.str();
+}
+
+// TLS (and mutual TLS) from the options, or plaintext when asked for.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const SecurityOptions& o) {
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("--tls_cert_file and --tls_key_file go together");
+  }
+  if (o.tls_cert_file.empty()) {
+    if (!o.tls_client_ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls_client_ca_file needs TLS: pass --tls_cert_file and --tls_key_file");
+    }
+    if (!o.insecure) {
+      return absl::InvalidArgumentError(
+          "no TLS certificate: pass --tls_cert_file and --tls_key_file, or --insecure to "
+          "serve plaintext");
+    }
+    SPDLOG_WARN("serving plaintext (--insecure): tensors{} travel unencrypted",
+                o.auth_tokens_file.empty() ? "" : " and bearer tokens");
+    return grpc::InsecureServerCredentials();
+  }
+  grpc::SslServerCredentialsOptions ssl;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  FLCE_ASSIGN_OR_RETURN(pair.cert_chain, ReadPem(o.tls_cert_file, "--tls_cert_file"));
+  FLCE_ASSIGN_OR_RETURN(pair.private_key, ReadPem(o.tls_key_file, "--tls_key_file"));
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!o.tls_client_ca_file.empty()) {
+    FLCE_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                          ReadPem(o.tls_client_ca_file, "--tls_client_ca_file"));
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
@@ -57,8 +103,17 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
 absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
     const ServerOptions& options, std::unique_ptr<LossEngine> engine) {
   FLCE_RETURN_IF_ERROR(CheckOptions(options));
+  FLCE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                        Credentials(options.security));
   std::unique_ptr<LossServer> s(new LossServer());
   s->options_ = options;
+  if (options.security.auth_tokens_file.empty()) {
+    s->auth_ = Authenticator::Anonymous();
+  } else {
+    FLCE_ASSIGN_OR_RETURN(s->auth_,
+                          Authenticator::FromTokensFile(options.security.auth_tokens_file));
+  }
+  s->auth_->set_use_client_certificates(!options.security.tls_client_ca_file.empty());
   s->engine_ = std::move(engine);
   s->sessions_ = std::make_unique<SessionStore>(options.sessions);
   s->weights_ = std::make_unique<WeightRegistry>(options.weight_memory_bytes);
@@ -71,13 +126,19 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   LossServer* raw = s.get();
   s->service_ = std::make_unique<LossServiceImpl>(
       s->core_.get(), s->queue_.get(), ServiceLimits{options.max_message_bytes},
-      s->shared_memory_.get(), [raw] { raw->MarkUnhealthy(); });
+      s->shared_memory_.get(), s->auth_.get(), [raw] { raw->MarkUnhealthy(); });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
-                           &s->port_);
+  builder.AddListeningPort(options.listen_address, credentials, &s->port_);
+  // Engine calls can run for minutes: let clients keep idle connections
+  // alive with pings every 10 s or more, and ping them every minute.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60'000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20'000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10'000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
@@ -95,6 +156,13 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   for (const DeviceInfo& d : s->engine_->devices()) devices += d.name;
   SPDLOG_INFO("flce {} listening on port {} ({}), backend={} device=\"{}\"", kVersion,
               s->port_, options.listen_address, s->engine_->backend(), devices);
+  SPDLOG_INFO("security: transport={} auth={}",
+              options.security.tls_cert_file.empty()        ? "plaintext"
+              : options.security.tls_client_ca_file.empty() ? "tls"
+                                                            : "mutual-tls",
+              s->auth_->uses_tokens()                            ? "bearer-tokens"
+              : !options.security.tls_client_ca_file.empty() ? "client-certificates"
+                                                               : "none");
   SPDLOG_INFO(
       "limits: max_sessions={} session_memory_bytes={} weight_memory_bytes={} session_ttl={} "
       "workers={} max_queued_requests={} max_message_bytes={}",

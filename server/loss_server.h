@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/loss_engine.h"
+#include "server/auth.h"
 #include "server/engine_factory.h"
 #include "server/loss_core.h"
 #include "server/loss_service.h"
@@ -23,9 +24,26 @@
 
 namespace flce {
 
+// Transport security and authentication (server/auth.h).
+struct SecurityOptions {
+  // PEM files of the server's certificate chain and key: TLS. Both or
+  // neither.
+  std::string tls_cert_file, tls_key_file;
+  // PEM file of the CAs that sign client certificates: mutual TLS (clients
+  // without a certificate it verifies cannot connect). Needs TLS.
+  std::string tls_client_ca_file;
+  // "<principal> <token>" lines: every loss-service call must carry a
+  // bearer token.
+  std::string auth_tokens_file;
+  // Serve plaintext. Without TLS the server refuses to start unless this is
+  // set, so plaintext is always a decision.
+  bool insecure = false;
+};
+
 struct ServerOptions {
   // host:port; port 0 picks a free port (read it back with port()).
   std::string listen_address = "0.0.0.0:50051";
+  SecurityOptions security;
   std::string backend = "auto";  // auto, cuda or cpu
   SessionLimits sessions;
   // Budget of the registered weights' bytes (latest versions).
@@ -70,6 +88,7 @@ class LossServer {
 
   ServerOptions options_;
   std::unique_ptr<LossEngine> engine_;
+  std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<SessionStore> sessions_;
   std::unique_ptr<WeightRegistry> weights_;
   std::unique_ptr<SharedMemoryRegistry> shared_memory_;

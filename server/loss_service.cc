@@ -22,10 +22,6 @@
 namespace flce {
 namespace {
 
-// The principal a request acts for. Authentication is not configured in this
-// version, so every caller is the anonymous principal "".
-std::string PrincipalOf(const grpc::CallbackServerContext*) { return ""; }
-
 bool DeadlinePassed(const grpc::CallbackServerContext* context) {
   return std::chrono::system_clock::now() > context->deadline();
 }
@@ -71,6 +67,15 @@ void LogRpc(const char* rpc, const std::string& detail, const absl::Status& stat
               absl::StatusCodeToString(status.code()), MillisSince(start));
 }
 
+// Finishes a unary call that failed authentication.
+grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* context, const char* rpc,
+                                 const absl::Status& status) {
+  LogRpc(rpc, "", status, absl::Now());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
 std::string ProblemDetail(const LossProblem& p) {
   return absl::StrCat("n=", p.rows(), " h=", p.hidden_size(), " v=", p.vocab(),
                       " dtype=", DTypeName(p.hidden.dtype), " ");
@@ -102,17 +107,23 @@ void Run(grpc::CallbackServerContext* context, WorkQueue* queue, const char* rpc
 }  // namespace
 
 LossServiceImpl::LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
-                                 SharedMemoryRegistry* shared_memory,
+                                 SharedMemoryRegistry* shared_memory, const Authenticator* auth,
                                  std::function<void()> on_engine_unhealthy)
     : core_(core),
       queue_(queue),
       limits_(limits),
       shared_memory_(shared_memory),
+      auth_(auth),
       on_engine_unhealthy_(std::move(on_engine_unhealthy)) {}
 
-std::shared_ptr<SliceResolver> LossServiceImpl::ResolverFor(
+absl::StatusOr<std::string> LossServiceImpl::Authenticate(
     const grpc::CallbackServerContext* context) const {
-  return shared_memory_ ? shared_memory_->ResolverFor(PrincipalOf(context)) : nullptr;
+  if (auth_ == nullptr) return std::string();
+  return auth_->Authenticate(*context);
+}
+
+std::shared_ptr<SliceResolver> LossServiceImpl::ResolverFor(const std::string& principal) const {
+  return shared_memory_ ? shared_memory_->ResolverFor(principal) : nullptr;
 }
 
 absl::Status LossServiceImpl::Explain(absl::Status status,
@@ -131,18 +142,19 @@ absl::Status LossServiceImpl::Explain(absl::Status status,
 }
 
 absl::Status LossServiceImpl::ComputeForward(grpc::CallbackServerContext* context,
+                                             const std::string& principal,
                                              const ForwardCall& call,
                                              v1::ForwardResponse* response, absl::Time start,
                                              std::string* detail) {
   const absl::Time engine_start = absl::Now();
   absl::StatusOr<ForwardOutcome> outcome =
-      core_->Forward(call, PrincipalOf(context), CancelFor(context));
+      core_->Forward(call, principal, CancelFor(context));
   if (!outcome.ok()) return Explain(outcome.status(), context);
   if (!outcome->session_id.empty()) {
     // Nobody will learn this id if the caller is gone: free it.
     absl::Status alive = CheckAlive(context, "while computing");
     if (!alive.ok()) {
-      core_->Release(outcome->session_id, PrincipalOf(context));
+      core_->Release(outcome->session_id, principal);
       return alive;
     }
   }
@@ -162,11 +174,12 @@ absl::Status LossServiceImpl::ComputeForward(grpc::CallbackServerContext* contex
 }
 
 void LossServiceImpl::StartForward(grpc::CallbackServerContext* context,
+                                   const std::string& principal,
                                    const v1::ForwardRequest* request,
                                    v1::ForwardResponse* response, const char* rpc,
                                    std::function<void(const absl::Status&)> finish) {
   absl::StatusOr<ForwardCall> call =
-      DecodeForward(*request, core_->weights(), PrincipalOf(context), ResolverFor(context));
+      DecodeForward(*request, core_->weights(), principal, ResolverFor(principal));
   if (!call.ok()) {
     LogRpc(rpc, "", call.status(), absl::Now());
     finish(call.status());
@@ -175,7 +188,7 @@ void LossServiceImpl::StartForward(grpc::CallbackServerContext* context,
   auto detail = std::make_shared<std::string>(ProblemDetail(call->problem));
   Run(context, queue_, rpc, detail,
       [=, call = *std::move(call)](absl::Time start) {
-        return ComputeForward(context, call, response, start, detail.get());
+        return ComputeForward(context, principal, call, response, start, detail.get());
       },
       std::move(finish));
 }
@@ -183,18 +196,21 @@ void LossServiceImpl::StartForward(grpc::CallbackServerContext* context,
 grpc::ServerUnaryReactor* LossServiceImpl::Forward(grpc::CallbackServerContext* context,
                                                    const v1::ForwardRequest* request,
                                                    v1::ForwardResponse* response) {
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) return Refuse(context, "Forward", principal.status());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  StartForward(context, request, response, "Forward",
+  StartForward(context, *principal, request, response, "Forward",
                [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
   return reactor;
 }
 
 void LossServiceImpl::StartBackward(grpc::CallbackServerContext* context,
+                                    const std::string& principal,
                                     const v1::BackwardRequest* request, const char* rpc,
                                     std::shared_ptr<BackwardOutcome> outcome,
                                     std::shared_ptr<CallStats> stats,
                                     std::function<void(const absl::Status&)> finish) {
-  absl::StatusOr<BackwardCall> call = DecodeBackward(*request, ResolverFor(context));
+  absl::StatusOr<BackwardCall> call = DecodeBackward(*request, ResolverFor(principal));
   if (!call.ok()) {
     LogRpc(rpc, "", call.status(), absl::Now());
     finish(call.status());
@@ -205,7 +221,7 @@ void LossServiceImpl::StartBackward(grpc::CallbackServerContext* context,
       [=, call = *std::move(call)](absl::Time start) -> absl::Status {
         const absl::Time engine_start = absl::Now();
         absl::StatusOr<BackwardOutcome> grads =
-            core_->Backward(call, PrincipalOf(context), CancelFor(context));
+            core_->Backward(call, principal, CancelFor(context));
         if (!grads.ok()) return Explain(grads.status(), context);
         *outcome = *std::move(grads);
         stats->queue_ms = absl::ToDoubleMilliseconds(engine_start - start);
@@ -218,10 +234,12 @@ void LossServiceImpl::StartBackward(grpc::CallbackServerContext* context,
 grpc::ServerUnaryReactor* LossServiceImpl::Backward(grpc::CallbackServerContext* context,
                                                     const v1::BackwardRequest* request,
                                                     v1::BackwardResponse* response) {
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) return Refuse(context, "Backward", principal.status());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
-  StartBackward(context, request, "Backward", outcome, stats,
+  StartBackward(context, *principal, request, "Backward", outcome, stats,
                 [=](const absl::Status& status) {
                   if (status.ok()) {
                     EncodeGradient(std::move(outcome->grad_hidden), outcome->grad_hidden_in_shm,
@@ -248,7 +266,9 @@ grpc::ServerUnaryReactor* LossServiceImpl::ReleaseSession(
     const v1::ReleaseSessionRequest* request,
     v1::ReleaseSessionResponse* response) {
   const absl::Time start = absl::Now();
-  response->set_released(core_->Release(request->session_id(), PrincipalOf(context)));
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) return Refuse(context, "ReleaseSession", principal.status());
+  response->set_released(core_->Release(request->session_id(), *principal));
   LogRpc("ReleaseSession", SessionDetail(request->session_id()), absl::OkStatus(),
          start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -259,6 +279,8 @@ grpc::ServerUnaryReactor* LossServiceImpl::ReleaseSession(
 grpc::ServerUnaryReactor* LossServiceImpl::GetServerInfo(
     grpc::CallbackServerContext* context, const v1::GetServerInfoRequest*,
     v1::GetServerInfoResponse* response) {
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) return Refuse(context, "GetServerInfo", principal.status());
   const LossEngine& engine = core_->engine();
   const SessionStore& sessions = core_->sessions();
   response->set_version(kVersion);
@@ -303,8 +325,14 @@ void FillWeightInfo(const RegisteredWeight& w, v1::WeightInfo* info) {
 class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
  public:
   PutWeightReactor(grpc::CallbackServerContext* context, WeightRegistry* weights,
-                   v1::PutWeightResponse* response)
+                   v1::PutWeightResponse* response, absl::StatusOr<std::string> principal)
       : context_(context), weights_(weights), response_(response), start_(absl::Now()) {
+    if (!principal.ok()) {  // refused before reading a byte
+      LogRpc("PutWeight", "", principal.status(), start_);
+      Finish(ToGrpcStatus(principal.status()));
+      return;
+    }
+    principal_ = *std::move(principal);
     StartRead(&chunk_);
   }
 
@@ -403,7 +431,7 @@ class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
     }
     FLCE_ASSIGN_OR_RETURN(
         std::shared_ptr<RegisteredWeight> registered,
-        weights_->Put(name_, PrincipalOf(context_), std::move(weight_), std::move(bias_)));
+        weights_->Put(name_, principal_, std::move(weight_), std::move(bias_)));
     FillWeightInfo(*registered, response_->mutable_weight());
     detail_ = absl::StrCat("weight=", name_, " version=", registered->version(), " bytes=",
                            total_, " ");
@@ -414,6 +442,7 @@ class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
   WeightRegistry* const weights_;
   v1::PutWeightResponse* const response_;
   const absl::Time start_;
+  std::string principal_;
   v1::PutWeightChunk chunk_;
   bool started_ = false;
   std::string name_, detail_;
@@ -428,11 +457,12 @@ class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
 // back into the accumulator.
 class TakeGradReactor : public grpc::ServerWriteReactor<v1::WeightGradChunk> {
  public:
-  TakeGradReactor(grpc::CallbackServerContext* context, WeightRegistry* weights,
+  TakeGradReactor(const absl::StatusOr<std::string>& principal, WeightRegistry* weights,
                   const v1::TakeWeightGradRequest* request, int64_t chunk_bytes)
       : chunk_bytes_(chunk_bytes), start_(absl::Now()) {
     detail_ = absl::StrCat("weight=", request->weight().name(), " ");
-    absl::Status status = Prepare(*weights, *request, PrincipalOf(context));
+    absl::Status status =
+        principal.ok() ? Prepare(*weights, *request, *principal) : principal.status();
     if (!status.ok()) {
       Done(status);
       return;
@@ -514,14 +544,16 @@ class TakeGradReactor : public grpc::ServerWriteReactor<v1::WeightGradChunk> {
 
 grpc::ServerReadReactor<v1::PutWeightChunk>* LossServiceImpl::PutWeight(
     grpc::CallbackServerContext* context, v1::PutWeightResponse* response) {
-  return new PutWeightReactor(context, &core_->weights(), response);
+  return new PutWeightReactor(context, &core_->weights(), response, Authenticate(context));
 }
 
 grpc::ServerUnaryReactor* LossServiceImpl::DeleteWeight(grpc::CallbackServerContext* context,
                                                         const v1::DeleteWeightRequest* request,
                                                         v1::DeleteWeightResponse* response) {
   const absl::Time start = absl::Now();
-  response->set_deleted(core_->weights().Delete(request->name(), PrincipalOf(context)));
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) return Refuse(context, "DeleteWeight", principal.status());
+  response->set_deleted(core_->weights().Delete(request->name(), *principal));
   LogRpc("DeleteWeight", absl::StrCat("weight=", request->name(), " "), absl::OkStatus(), start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
@@ -531,7 +563,9 @@ grpc::ServerUnaryReactor* LossServiceImpl::DeleteWeight(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* LossServiceImpl::ListWeights(grpc::CallbackServerContext* context,
                                                        const v1::ListWeightsRequest*,
                                                        v1::ListWeightsResponse* response) {
-  for (const auto& weight : core_->weights().List(PrincipalOf(context))) {
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) return Refuse(context, "ListWeights", principal.status());
+  for (const auto& weight : core_->weights().List(*principal)) {
     FillWeightInfo(*weight, response->add_weights());
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -541,7 +575,8 @@ grpc::ServerUnaryReactor* LossServiceImpl::ListWeights(grpc::CallbackServerConte
 
 grpc::ServerWriteReactor<v1::WeightGradChunk>* LossServiceImpl::TakeWeightGrad(
     grpc::CallbackServerContext* context, const v1::TakeWeightGradRequest* request) {
-  return new TakeGradReactor(context, &core_->weights(), request, limits_.stream_chunk_bytes);
+  return new TakeGradReactor(Authenticate(context), &core_->weights(), request,
+                             limits_.stream_chunk_bytes);
 }
 
 namespace {
@@ -581,13 +616,18 @@ const char* FieldName(v1::TensorField field) {
 // at the end of the stream, the assembled request goes through Forward.
 class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestChunk> {
  public:
+  // A failed `admitted` (authentication) finishes the call before reading.
   ForwardStreamReactor(grpc::CallbackServerContext* context, v1::ForwardResponse* response,
-                       int64_t max_bytes,
+                       int64_t max_bytes, const absl::Status& admitted,
                        std::function<void(ForwardStreamReactor*)> start_forward)
       : context_(context),
         response_(response),
         max_bytes_(max_bytes),
         start_forward_(std::move(start_forward)) {
+    if (!admitted.ok()) {
+      Fail(admitted);
+      return;
+    }
     StartRead(&chunk_);
   }
 
@@ -763,10 +803,12 @@ class BackwardStreamReactor : public grpc::ServerWriteReactor<v1::BackwardRespon
 
 grpc::ServerReadReactor<v1::ForwardRequestChunk>* LossServiceImpl::ForwardStream(
     grpc::CallbackServerContext* context, v1::ForwardResponse* response) {
+  absl::StatusOr<std::string> principal = Authenticate(context);
   return new ForwardStreamReactor(
-      context, response, limits_.max_stream_request_bytes,
-      [this, context](ForwardStreamReactor* reactor) {
-        StartForward(context, reactor->request(), reactor->response(), "ForwardStream",
+      context, response, limits_.max_stream_request_bytes, principal.status(),
+      [this, context, principal = principal.value_or("")](ForwardStreamReactor* reactor) {
+        StartForward(context, principal, reactor->request(), reactor->response(),
+                     "ForwardStream",
                      [reactor](const absl::Status& status) { reactor->Complete(status); });
       });
 }
@@ -774,9 +816,15 @@ grpc::ServerReadReactor<v1::ForwardRequestChunk>* LossServiceImpl::ForwardStream
 grpc::ServerWriteReactor<v1::BackwardResponseChunk>* LossServiceImpl::BackwardStream(
     grpc::CallbackServerContext* context, const v1::BackwardRequest* request) {
   auto* reactor = new BackwardStreamReactor(limits_.stream_chunk_bytes);
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) {
+    LogRpc("BackwardStream", "", principal.status(), absl::Now());
+    reactor->Start(principal.status(), BackwardOutcome(), 0, 0, *request);
+    return reactor;
+  }
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
-  StartBackward(context, request, "BackwardStream", outcome, stats,
+  StartBackward(context, *principal, request, "BackwardStream", outcome, stats,
                 [=](const absl::Status& status) {
                   reactor->Start(status, std::move(*outcome), stats->queue_ms,
                                  stats->engine_ms, *request);
@@ -791,16 +839,18 @@ grpc::ServerUnaryReactor* LossServiceImpl::RegisterSharedMemory(
   absl::Status status = absl::FailedPreconditionError(
       "shared memory is disabled on this server; start it with --enable_shared_memory");
   std::string what;
-  if (shared_memory_ != nullptr) {
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) {
+    status = principal.status();
+  } else if (shared_memory_ != nullptr) {
     absl::StatusOr<RegisteredRegion> region;
     if (request->has_cuda_ipc_handle()) {
       what = "cuda_ipc ";
       region = shared_memory_->RegisterCudaIpc(request->cuda_ipc_handle(), request->bytes(),
-                                               core_->engine(), PrincipalOf(context));
+                                               core_->engine(), *principal);
     } else {
       what = absl::StrCat("shm=", request->shm_name(), " ");
-      region = shared_memory_->Register(request->shm_name(), request->bytes(),
-                                        PrincipalOf(context));
+      region = shared_memory_->Register(request->shm_name(), request->bytes(), *principal);
     }
     status = region.status();
     if (region.ok()) {
@@ -817,9 +867,10 @@ grpc::ServerUnaryReactor* LossServiceImpl::RegisterSharedMemory(
 grpc::ServerUnaryReactor* LossServiceImpl::UnregisterSharedMemory(
     grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
     v1::UnregisterSharedMemoryResponse* response) {
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) return Refuse(context, "UnregisterSharedMemory", principal.status());
   response->set_unregistered(shared_memory_ != nullptr &&
-                             shared_memory_->Unregister(request->region_id(),
-                                                        PrincipalOf(context)));
+                             shared_memory_->Unregister(request->region_id(), *principal));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

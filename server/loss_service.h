@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/flce/v1/loss_service.grpc.pb.h"
+#include "server/auth.h"
 #include "server/loss_core.h"
 #include "server/shared_memory.h"
 #include "server/work_queue.h"
@@ -33,10 +34,11 @@ struct ServiceLimits {
 class LossServiceImpl final : public v1::LossService::CallbackService {
  public:
   // All pointers must outlive the service; `shared_memory` is null when
-  // shared memory is disabled. `on_engine_unhealthy` runs once, the first
-  // time a failed call leaves the engine unhealthy.
+  // shared memory is disabled, `auth` null for anonymous callers only.
+  // `on_engine_unhealthy` runs once, the first time a failed call leaves
+  // the engine unhealthy.
   LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
-                  SharedMemoryRegistry* shared_memory,
+                  SharedMemoryRegistry* shared_memory, const Authenticator* auth,
                   std::function<void()> on_engine_unhealthy);
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
@@ -83,15 +85,15 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   // Decodes a Forward request, queues its computation and calls finish()
   // with the outcome (the response filled in on OK). `request` and
   // `response` must live until then.
-  void StartForward(grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
-                    v1::ForwardResponse* response, const char* rpc,
-                    std::function<void(const absl::Status&)> finish);
-  absl::Status ComputeForward(grpc::CallbackServerContext* context, const ForwardCall& call,
-                              v1::ForwardResponse* response, absl::Time start,
-                              std::string* detail);
+  void StartForward(grpc::CallbackServerContext* context, const std::string& principal,
+                    const v1::ForwardRequest* request, v1::ForwardResponse* response,
+                    const char* rpc, std::function<void(const absl::Status&)> finish);
+  absl::Status ComputeForward(grpc::CallbackServerContext* context, const std::string& principal,
+                              const ForwardCall& call, v1::ForwardResponse* response,
+                              absl::Time start, std::string* detail);
   // The same for Backward; the gradients land in *outcome.
-  void StartBackward(grpc::CallbackServerContext* context, const v1::BackwardRequest* request,
-                     const char* rpc, std::shared_ptr<BackwardOutcome> outcome,
+  void StartBackward(grpc::CallbackServerContext* context, const std::string& principal,
+                     const v1::BackwardRequest* request, const char* rpc, std::shared_ptr<BackwardOutcome> outcome,
                      std::shared_ptr<CallStats> stats,
                      std::function<void(const absl::Status&)> finish);
 
@@ -99,13 +101,18 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   // once, and the health hook when the engine stopped.
   absl::Status Explain(absl::Status status, const grpc::CallbackServerContext* context);
 
-  // A resolver of the caller's shared-memory slices, or null (disabled).
-  std::shared_ptr<SliceResolver> ResolverFor(const grpc::CallbackServerContext* context) const;
+  // The caller's principal (server/auth.h), or UNAUTHENTICATED. Every
+  // handler asks first.
+  absl::StatusOr<std::string> Authenticate(const grpc::CallbackServerContext* context) const;
+
+  // A resolver of the principal's shared-memory slices, or null (disabled).
+  std::shared_ptr<SliceResolver> ResolverFor(const std::string& principal) const;
 
   LossCore* const core_;
   WorkQueue* const queue_;
   const ServiceLimits limits_;
   SharedMemoryRegistry* const shared_memory_;
+  const Authenticator* const auth_;
   const std::function<void()> on_engine_unhealthy_;
   std::once_flag unhealthy_once_;
 };

@@ -20,6 +20,10 @@ ABSL_FLAG(std::string, backend, "auto", "auto, cuda or cpu");
 ABSL_FLAG(int64_t, max_sessions, 1024, "most live sessions at once");
 ABSL_FLAG(int64_t, session_memory_bytes, int64_t{16} << 30,
           "memory budget for all sessions' saved state, in bytes");
+ABSL_FLAG(int64_t, max_sessions_per_principal, 0,
+          "most live sessions of one principal (0: only --max_sessions applies)");
+ABSL_FLAG(int64_t, session_memory_bytes_per_principal, 0,
+          "session memory of one principal (0: only --session_memory_bytes applies)");
 ABSL_FLAG(int64_t, weight_memory_bytes, int64_t{32} << 30,
           "memory budget for registered weights (PutWeight), in bytes");
 ABSL_FLAG(bool, enable_shared_memory, false,
@@ -37,6 +41,15 @@ ABSL_FLAG(int, cuda_device, 0, "CUDA engine: device ordinal");
 ABSL_FLAG(int, cuda_lanes, 2, "CUDA engine: concurrent calls (streams)");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, flce::EngineOptions().cuda_chunk_bytes,
           "CUDA engine: most bytes of logits (input dtype) per token chunk");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain of the server: serve TLS (with --tls_key_file)");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA certificates: require client certificates they sign (mutual TLS)");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "file of '<principal> <token>' lines: require 'authorization: Bearer <token>'");
+ABSL_FLAG(bool, insecure, false,
+          "serve plaintext without TLS (refused unless given; logs a warning)");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "on SIGTERM/SIGINT, how long RPCs in flight may take to finish");
 ABSL_FLAG(std::string, log_level, "info",
@@ -46,7 +59,8 @@ ABSL_FLAG(bool, version, false, "print the version and exit");
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "flce_server: fused linear + cross-entropy loss over gRPC.\n"
-      "  flce_server --listen_address=0.0.0.0:50051 --backend=auto");
+      "  flce_server --listen_address=0.0.0.0:50051 --backend=auto \\\n"
+      "      --tls_cert_file=server.crt --tls_key_file=server.key");
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_version)) {
     std::printf("flce_server %s\n", flce::kVersion);
@@ -67,9 +81,17 @@ int main(int argc, char** argv) {
   flce::ServerOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen_address);
   options.backend = absl::GetFlag(FLAGS_backend);
+  options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.security.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  options.security.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  options.security.insecure = absl::GetFlag(FLAGS_insecure);
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
   options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl);
+  options.sessions.max_sessions_per_principal = absl::GetFlag(FLAGS_max_sessions_per_principal);
+  options.sessions.memory_bytes_per_principal =
+      absl::GetFlag(FLAGS_session_memory_bytes_per_principal);
   options.weight_memory_bytes = absl::GetFlag(FLAGS_weight_memory_bytes);
   options.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
   options.workers = absl::GetFlag(FLAGS_workers);

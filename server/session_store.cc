@@ -26,19 +26,21 @@ std::string Short(const std::string& id) { return id.substr(0, 8); }
 
 Reservation::Reservation(Reservation&& other) noexcept
     : store_(std::exchange(other.store_, nullptr)),
-      bytes_(std::exchange(other.bytes_, 0)) {}
+      bytes_(std::exchange(other.bytes_, 0)),
+      principal_(std::move(other.principal_)) {}
 
 Reservation& Reservation::operator=(Reservation&& other) noexcept {
   if (this != &other) {
-    if (store_ != nullptr) store_->Unreserve(bytes_);
+    if (store_ != nullptr) store_->Unreserve(bytes_, principal_);
     store_ = std::exchange(other.store_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
+    principal_ = std::move(other.principal_);
   }
   return *this;
 }
 
 Reservation::~Reservation() {
-  if (store_ != nullptr) store_->Unreserve(bytes_);
+  if (store_ != nullptr) store_->Unreserve(bytes_, principal_);
 }
 
 SessionStore::SessionStore(SessionLimits limits, Clock clock)
@@ -68,8 +70,23 @@ bool SessionStore::Fits(int64_t bytes) const {
          live_bytes_ + reserved_bytes_ + bytes <= limits_.memory_budget_bytes;
 }
 
-absl::StatusOr<Reservation> SessionStore::Reserve(int64_t bytes) {
+absl::StatusOr<Reservation> SessionStore::Reserve(int64_t bytes, const std::string& principal) {
   absl::MutexLock lock(&mu_);
+  auto mine_it = usage_.find(principal);
+  const Usage mine = mine_it == usage_.end() ? Usage() : mine_it->second;
+  if (limits_.max_sessions_per_principal > 0 &&
+      mine.sessions >= limits_.max_sessions_per_principal) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sessions: this principal has ", mine.sessions, " live of at most ",
+        limits_.max_sessions_per_principal,
+        " per principal; release sessions (Backward or ReleaseSession) first"));
+  }
+  if (limits_.memory_bytes_per_principal > 0 &&
+      mine.bytes + bytes > limits_.memory_bytes_per_principal) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session memory: this session needs ", bytes, " bytes, this principal's sessions hold ",
+        mine.bytes, " of its ", limits_.memory_bytes_per_principal, " bytes"));
+  }
   const int64_t count = static_cast<int64_t>(live_.size()) + reserved_count_;
   if (count >= limits_.max_sessions) {
     return absl::ResourceExhaustedError(
@@ -85,23 +102,32 @@ absl::StatusOr<Reservation> SessionStore::Reserve(int64_t bytes) {
   }
   ++reserved_count_;
   reserved_bytes_ += bytes;
-  return Reservation(this, bytes);
+  AddUsageLocked(principal, 1, bytes);
+  return Reservation(this, bytes, principal);
 }
 
-void SessionStore::Unreserve(int64_t bytes) {
+void SessionStore::AddUsageLocked(const std::string& principal, int64_t sessions,
+                                  int64_t bytes) {
+  Usage& usage = usage_[principal];
+  usage.sessions += sessions;
+  usage.bytes += bytes;
+  if (usage.sessions == 0) usage_.erase(principal);
+}
+
+void SessionStore::Unreserve(int64_t bytes, const std::string& principal) {
   absl::MutexLock lock(&mu_);
   --reserved_count_;
   reserved_bytes_ -= bytes;
+  AddUsageLocked(principal, -1, -bytes);
 }
 
 std::string SessionStore::Commit(Reservation reservation,
                                  std::unique_ptr<SavedState> state,
-                                 const SessionInfo& info,
-                                 const std::string& principal) {
+                                 const SessionInfo& info) {
   Session session;
   session.state = std::move(state);
   session.info = info;
-  session.principal = principal;
+  session.principal = reservation.principal_;
   session.bytes = reservation.bytes();
   session.last_used = clock_();
   std::string id = NewId();
@@ -183,6 +209,7 @@ bool SessionStore::Release(const std::string& id, const std::string& principal) 
 void SessionStore::EndLocked(const std::string& id, Ended how) {
   auto it = live_.find(id);
   live_bytes_ -= it->second.bytes;
+  AddUsageLocked(it->second.principal, -1, -it->second.bytes);
   ended_[id] = Tombstone{how, it->second.principal, clock_()};
   live_.erase(it);
 }

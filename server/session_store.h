@@ -34,6 +34,10 @@ struct SessionLimits {
   int64_t max_sessions = 1024;
   int64_t memory_budget_bytes = int64_t{16} << 30;
   absl::Duration ttl = absl::Minutes(10);
+  // The count and memory limits for each principal's own sessions; 0: only
+  // the totals apply.
+  int64_t max_sessions_per_principal = 0;
+  int64_t memory_bytes_per_principal = 0;
 };
 
 // What Backward needs to know about a session besides the engine's state.
@@ -62,9 +66,11 @@ class Reservation {
 
  private:
   friend class SessionStore;
-  Reservation(SessionStore* store, int64_t bytes) : store_(store), bytes_(bytes) {}
+  Reservation(SessionStore* store, int64_t bytes, std::string principal)
+      : store_(store), bytes_(bytes), principal_(std::move(principal)) {}
   SessionStore* store_ = nullptr;
   int64_t bytes_ = 0;
+  std::string principal_;
 };
 
 // A session held by one Backward.
@@ -87,13 +93,14 @@ class SessionStore {
   // True if a session of `bytes` would fit now.
   bool Fits(int64_t bytes) const;
 
-  // Holds room for one session of `bytes`. RESOURCE_EXHAUSTED, with the
-  // numbers, when the count or the memory budget would be exceeded.
-  absl::StatusOr<Reservation> Reserve(int64_t bytes);
+  // Holds room for one session of `bytes` for `principal`.
+  // RESOURCE_EXHAUSTED, with the numbers, when the count or the memory
+  // budget would be exceeded, in total or for the principal.
+  absl::StatusOr<Reservation> Reserve(int64_t bytes, const std::string& principal);
 
-  // Turns a reservation into a live session; returns its id.
+  // Turns a reservation into a live session of its principal; returns its id.
   std::string Commit(Reservation reservation, std::unique_ptr<SavedState> state,
-                     const SessionInfo& info, const std::string& principal);
+                     const SessionInfo& info);
 
   // Takes a session for a Backward.
   // NOT_FOUND: unknown, expired or another principal's.
@@ -135,7 +142,12 @@ class SessionStore {
     absl::Time when;
   };
 
-  void Unreserve(int64_t bytes);
+  struct Usage {
+    int64_t sessions = 0, bytes = 0;  // live and reserved
+  };
+  void Unreserve(int64_t bytes, const std::string& principal);
+  void AddUsageLocked(const std::string& principal, int64_t sessions, int64_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a live session, leaving a tombstone. REQUIRES: mu_ held.
   void EndLocked(const std::string& id, Ended how)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -145,6 +157,7 @@ class SessionStore {
   const Clock clock_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Session> live_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Tombstone> ended_ ABSL_GUARDED_BY(mu_);
   int64_t reserved_count_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;

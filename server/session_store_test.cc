@@ -28,10 +28,10 @@ class SessionStoreTest : public ::testing::Test {
                [this] { return now_; }) {}
 
   std::string Make(int64_t bytes, const std::string& principal = "") {
-    auto reservation = store_.Reserve(bytes);
+    auto reservation = store_.Reserve(bytes, principal);
     EXPECT_TRUE(reservation.ok()) << reservation.status();
     return store_.Commit(std::move(*reservation), std::make_unique<FakeState>(bytes),
-                         SessionInfo{}, principal);
+                         SessionInfo{});
   }
 
   absl::Time now_ = absl::FromUnixSeconds(1000000);
@@ -123,7 +123,7 @@ TEST_F(SessionStoreTest, CountLimitIsResourceExhaustedWithNumbers) {
   Make(1);
   Make(1);
   Make(1);
-  auto r = store_.Reserve(1);
+  auto r = store_.Reserve(1, "");
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(r.status().message(), HasSubstr("3 live of at most 3"));
 }
@@ -132,15 +132,43 @@ TEST_F(SessionStoreTest, MemoryBudgetIsResourceExhaustedWithNumbers) {
   Make(600);
   EXPECT_FALSE(store_.Fits(401));
   EXPECT_TRUE(store_.Fits(400));
-  auto r = store_.Reserve(401);
+  auto r = store_.Reserve(401, "");
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(r.status().message(),
               HasSubstr("needs 401 bytes, 600 of the budget of 1000 bytes"));
 }
 
+TEST(SessionStorePrincipalTest, PerPrincipalLimitsLeaveOthersRoom) {
+  SessionLimits limits;
+  limits.max_sessions = 10;
+  limits.memory_budget_bytes = 10000;
+  limits.max_sessions_per_principal = 2;
+  limits.memory_bytes_per_principal = 500;
+  SessionStore store(limits);
+  auto make = [&](int64_t bytes, const std::string& principal) -> absl::StatusOr<std::string> {
+    auto reservation = store.Reserve(bytes, principal);
+    if (!reservation.ok()) return reservation.status();
+    return store.Commit(std::move(*reservation), std::make_unique<FakeState>(bytes),
+                        SessionInfo{});
+  };
+  ASSERT_TRUE(make(100, "alice").ok());
+  auto second = make(100, "alice");
+  ASSERT_TRUE(second.ok());
+  auto third = make(100, "alice");
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.status().message(), HasSubstr("2 live of at most 2 per principal"));
+  auto big = make(501, "bob");
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(big.status().message(), HasSubstr("of its 500 bytes"));
+  EXPECT_TRUE(make(500, "bob").ok());
+  // Alice's freed session makes room for her again.
+  EXPECT_TRUE(store.Release(*second, "alice"));
+  EXPECT_TRUE(make(100, "alice").ok());
+}
+
 TEST_F(SessionStoreTest, DroppedReservationReturnsItsBudget) {
   {
-    auto r = store_.Reserve(900);
+    auto r = store_.Reserve(900, "");
     ASSERT_TRUE(r.ok());
     EXPECT_EQ(store_.bytes_in_use(), 900);
     EXPECT_FALSE(store_.Fits(200));

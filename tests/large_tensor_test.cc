@@ -45,6 +45,7 @@ TEST(LargeTensorTest, HiddenStatesAboveTwoGiBStreamBothWays) {
 
   ServerOptions options;
   options.listen_address = "127.0.0.1:0";
+  options.security.insecure = true;
   options.backend = "cpu";
   auto server = LossServer::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();

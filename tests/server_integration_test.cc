@@ -49,6 +49,7 @@ bool RequireGpu() {
 ServerOptions TestOptions() {
   ServerOptions o;
   o.listen_address = "127.0.0.1:0";
+  o.security.insecure = true;
   o.backend = Backend();
   o.workers = 2;
   o.reap_interval = absl::Milliseconds(50);

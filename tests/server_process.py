@@ -8,14 +8,16 @@ import time
 
 
 class ServerProcess:
-    """flce_server on 127.0.0.1 with the given flags; ``address`` once up."""
+    """flce_server on 127.0.0.1 with the given flags; ``address`` once up.
+    Plaintext (--insecure) unless ``tls`` (the flags then name the
+    certificates)."""
 
-    def __init__(self, binary, *flags):
+    def __init__(self, binary, *flags, tls=False):
         self.log_path = os.path.join(tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR")),
                                      "server.log")
         self.log = open(self.log_path, "w+")
         self.process = subprocess.Popen(
-            [binary, "--listen_address=127.0.0.1:0", *flags], stderr=self.log)
+            [binary, "--listen_address=127.0.0.1:0", *(() if tls else ("--insecure",)), *flags], stderr=self.log)
         port = None
         for _ in range(400):
             self.log.seek(0)

@@ -38,7 +38,7 @@ fi
 
 if [ -z "$ARGS" ] || want smoke; then
   echo "== flce smoke against --backend=cuda"
-  "$bin/flce_server" --backend=cuda --listen_address=127.0.0.1:50051 > "$OUT/server.log" 2>&1 &
+  "$bin/flce_server" --backend=cuda --insecure --listen_address=127.0.0.1:50051 > "$OUT/server.log" 2>&1 &
   server=$!
   for _ in $(seq 100); do "$bin/flce" health > /dev/null 2>&1 && break; sleep 0.1; done
   "$bin/flce" info

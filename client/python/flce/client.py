@@ -274,13 +274,28 @@ class Gradients:
 
 
 class Client:
-    """A connection to one flce server ("host:port")."""
+    """A connection to one flce server ("host:port").
+
+    Plaintext unless ``tls`` (or any of the PEM arguments) is given:
+    ``root_certificates`` are the CAs to trust (None: the system's);
+    ``certificate_chain`` and ``private_key`` are this client's certificate
+    for a server that requires one (mutual TLS). ``token`` is sent as
+    "authorization: Bearer <token>" on every call."""
 
     def __init__(self, target: str, timeout: float = 300.0,
-                 max_message_bytes: int = 256 << 20, stream_chunk_bytes: int = 4 << 20):
+                 max_message_bytes: int = 256 << 20, stream_chunk_bytes: int = 4 << 20, *,
+                 tls: bool = False, root_certificates: Optional[bytes] = None,
+                 certificate_chain: Optional[bytes] = None, private_key: Optional[bytes] = None,
+                 token: Optional[str] = None):
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
-        self._channel = grpc.insecure_channel(target, options=options)
+        if tls or root_certificates or certificate_chain:
+            credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
+                                                       certificate_chain)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.LossServiceStub(self._channel)
         self._sessions = {}  # session id → (N, H, V, has_bias, dtype), for shm layouts
         self.timeout = timeout
@@ -301,7 +316,7 @@ class Client:
 
     def _call(self, method, request):
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise FlceError(e.code(), e.details()) from None
 
@@ -468,7 +483,8 @@ class Client:
                 yield pb.PutWeightChunk(data=payload[offset:offset + step])
 
         try:
-            return self._stub.PutWeight(chunks(), timeout=self.timeout).weight
+            return self._stub.PutWeight(chunks(), timeout=self.timeout,
+                                        metadata=self._metadata).weight
         except grpc.RpcError as e:
             raise FlceError(e.code(), e.details()) from None
 
@@ -487,7 +503,8 @@ class Client:
         header = None
         parts = []
         try:
-            for chunk in self._stub.TakeWeightGrad(r, timeout=self.timeout):
+            for chunk in self._stub.TakeWeightGrad(r, timeout=self.timeout,
+                                                   metadata=self._metadata):
                 if chunk.HasField("header"):
                     header = chunk.header
                 parts.append(chunk.data)
