@@ -55,7 +55,7 @@ system_library = repository_rule(
 )
 
 def flce_system_libs():
-    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas, @openssl and @civetweb."""
+    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas and @openssl."""
     system_library(
         name = "protobuf",
         target = "protobuf",
@@ -116,11 +116,4 @@ def flce_system_libs():
         modules = ["libcrypto"],
         headers = ["openssl/sha.h", "openssl/crypto.h"],
         packages = ["libssl-dev"],
-    )
-    system_library(
-        name = "civetweb",
-        target = "civetweb",
-        headers = ["civetweb.h"],
-        extra_linkopts = ["-lcivetweb"],
-        packages = ["libcivetweb-dev"],
     )

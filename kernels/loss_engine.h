@@ -176,6 +176,10 @@ class LossEngine {
   virtual std::string backend() const = 0;
   virtual std::vector<DeviceInfo> devices() const = 0;
 
+  // Device memory the engine holds now (pooled workspace and sessions'
+  // state on the device), in bytes; 0 for engines without a device.
+  virtual int64_t device_memory_bytes() const { return 0; }
+
   // OK while the engine can serve; UNAVAILABLE after an unrecoverable
   // device failure, after which every call fails with it.
   virtual absl::Status health() const { return absl::OkStatus(); }

@@ -126,7 +126,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   LossServer* raw = s.get();
   s->service_ = std::make_unique<LossServiceImpl>(
       s->core_.get(), s->queue_.get(), ServiceLimits{options.max_message_bytes},
-      s->shared_memory_.get(), s->auth_.get(), [raw] { raw->MarkUnhealthy(); });
+      s->shared_memory_.get(), s->auth_.get(), &s->metrics_,
+      [raw] { return raw->Metrics().gauges; }, [raw] { raw->MarkUnhealthy(); });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -151,6 +152,14 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(true);
   s->reaper_ = std::thread([raw] { raw->ReaperLoop(); });
+  if (!options.metrics_address.empty()) {
+    FLCE_ASSIGN_OR_RETURN(s->metrics_http_,
+                          MetricsHttpServer::Start(options.metrics_address, [raw] {
+                            return PrometheusText(raw->Metrics());
+                          }));
+    SPDLOG_INFO("metrics on http://{}/metrics (port {})", options.metrics_address,
+                s->metrics_http_->port());
+  }
 
   std::string devices;
   for (const DeviceInfo& d : s->engine_->devices()) devices += d.name;
@@ -175,7 +184,27 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
 
 LossServer::~LossServer() { Shutdown(absl::ZeroDuration()); }
 
+int LossServer::metrics_port() const {
+  return metrics_http_ ? metrics_http_->port() : 0;
+}
+
+MetricsSnapshot LossServer::Metrics() const {
+  Gauges g;
+  g.queued_requests = queue_->queued();
+  g.running_requests = queue_->running();
+  g.live_sessions = sessions_->live_sessions();
+  g.session_memory_bytes = sessions_->bytes_in_use();
+  g.registered_weights = weights_->size();
+  g.weight_memory_bytes = weights_->bytes_in_use();
+  g.shared_memory_regions = shared_memory_ ? shared_memory_->size() : 0;
+  g.device_memory_bytes = engine_->device_memory_bytes();
+  g.serving = serving_.load();
+  g.sessions_expired = sessions_->expired_total();
+  return metrics_.Snapshot(g);
+}
+
 void LossServer::MarkUnhealthy() {
+  serving_ = false;
   SPDLOG_ERROR("engine unhealthy ({}); health is NOT_SERVING",
                std::string(engine_->health().message()));
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
@@ -195,6 +224,7 @@ void LossServer::Shutdown(absl::Duration grace) {
   shut_down_ = true;
   if (server_ == nullptr) return;  // Start failed before serving
   SPDLOG_INFO("shutdown: draining (grace {})", absl::FormatDuration(grace));
+  serving_ = false;
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, false);
   health->SetServingStatus(false);

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <atomic>
 #include <thread>
 
 #include "absl/status/statusor.h"
@@ -17,6 +18,8 @@
 #include "server/engine_factory.h"
 #include "server/loss_core.h"
 #include "server/loss_service.h"
+#include "server/metrics.h"
+#include "server/metrics_http.h"
 #include "server/session_store.h"
 #include "server/shared_memory.h"
 #include "server/weight_registry.h"
@@ -54,6 +57,8 @@ struct ServerOptions {
   int max_queued_requests = 64;  // waiting beyond the running ones
   int64_t max_message_bytes = int64_t{256} << 20;
   absl::Duration reap_interval = absl::Seconds(5);
+  // host:port of the Prometheus endpoint (GET /metrics); empty: none.
+  std::string metrics_address;
   EngineOptions engine;
 };
 
@@ -70,8 +75,12 @@ class LossServer {
 
   ~LossServer();  // Shutdown(absl::ZeroDuration()) if still running
 
-  // The bound port.
+  // The bound port, and the metrics endpoint's (0 without one).
   int port() const { return port_; }
+  int metrics_port() const;
+
+  // The counters and the current gauges (what /metrics and GetStats show).
+  MetricsSnapshot Metrics() const;
   const LossEngine& engine() const { return *engine_; }
 
   // Turns health NOT_SERVING for good (the engine reported a sticky failure).
@@ -95,6 +104,9 @@ class LossServer {
   std::unique_ptr<LossCore> core_;
   std::unique_ptr<WorkQueue> queue_;
   std::unique_ptr<LossServiceImpl> service_;
+  ServiceMetrics metrics_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
+  std::atomic<bool> serving_{true};
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   absl::Notification stop_reaper_;

@@ -60,17 +60,19 @@ double MillisSince(absl::Time start) {
   return absl::ToDoubleMilliseconds(absl::Now() - start);
 }
 
-// One access-log line per finished RPC.
-void LogRpc(const char* rpc, const std::string& detail, const absl::Status& status,
-            absl::Time start) {
+// One access-log line per finished RPC, and its count and latency.
+void LogRpc(ServiceMetrics* metrics, const char* rpc, const std::string& detail,
+            const absl::Status& status, absl::Time start) {
+  const double ms = MillisSince(start);
   SPDLOG_INFO("rpc={} {}code={} ms={:.1f}", rpc, detail,
-              absl::StatusCodeToString(status.code()), MillisSince(start));
+              absl::StatusCodeToString(status.code()), ms);
+  if (metrics != nullptr) metrics->RecordRpc(rpc, status.code(), ms / 1e3);
 }
 
 // Finishes a unary call that failed authentication.
-grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* context, const char* rpc,
-                                 const absl::Status& status) {
-  LogRpc(rpc, "", status, absl::Now());
+grpc::ServerUnaryReactor* Refuse(ServiceMetrics* metrics, grpc::CallbackServerContext* context,
+                                 const char* rpc, const absl::Status& status) {
+  LogRpc(metrics, rpc, "", status, absl::Now());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -88,18 +90,19 @@ std::string SessionDetail(const std::string& id) {
 // Queues `work` (returning the RPC's status), then calls finish(status) on
 // the worker; at once if the queue refuses.
 template <typename Work>
-void Run(grpc::CallbackServerContext* context, WorkQueue* queue, const char* rpc,
+void Run(ServiceMetrics* metrics, grpc::CallbackServerContext* context, WorkQueue* queue,
+         const char* rpc,
          std::shared_ptr<std::string> detail, Work work,
          std::function<void(const absl::Status&)> finish) {
   const absl::Time start = absl::Now();
   absl::Status submitted = queue->Submit([=]() mutable {
     absl::Status status = CheckAlive(context, "while queued");
     if (status.ok()) status = work(start);
-    LogRpc(rpc, *detail, status, start);
+    LogRpc(metrics, rpc, *detail, status, start);
     finish(status);
   });
   if (!submitted.ok()) {
-    LogRpc(rpc, *detail, submitted, start);
+    LogRpc(metrics, rpc, *detail, submitted, start);
     finish(submitted);
   }
 }
@@ -108,12 +111,15 @@ void Run(grpc::CallbackServerContext* context, WorkQueue* queue, const char* rpc
 
 LossServiceImpl::LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
                                  SharedMemoryRegistry* shared_memory, const Authenticator* auth,
+                                 ServiceMetrics* metrics, std::function<Gauges()> gauges,
                                  std::function<void()> on_engine_unhealthy)
     : core_(core),
       queue_(queue),
       limits_(limits),
       shared_memory_(shared_memory),
       auth_(auth),
+      metrics_(metrics),
+      gauges_(std::move(gauges)),
       on_engine_unhealthy_(std::move(on_engine_unhealthy)) {}
 
 absl::StatusOr<std::string> LossServiceImpl::Authenticate(
@@ -149,6 +155,8 @@ absl::Status LossServiceImpl::ComputeForward(grpc::CallbackServerContext* contex
   const absl::Time engine_start = absl::Now();
   absl::StatusOr<ForwardOutcome> outcome =
       core_->Forward(call, principal, CancelFor(context));
+  metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - start));
+  metrics_->RecordEngine("Forward", absl::ToDoubleSeconds(absl::Now() - engine_start));
   if (!outcome.ok()) return Explain(outcome.status(), context);
   if (!outcome->session_id.empty()) {
     // Nobody will learn this id if the caller is gone: free it.
@@ -181,23 +189,28 @@ void LossServiceImpl::StartForward(grpc::CallbackServerContext* context,
   absl::StatusOr<ForwardCall> call =
       DecodeForward(*request, core_->weights(), principal, ResolverFor(principal));
   if (!call.ok()) {
-    LogRpc(rpc, "", call.status(), absl::Now());
+    LogRpc(metrics_, rpc, "", call.status(), absl::Now());
     finish(call.status());
     return;
   }
   auto detail = std::make_shared<std::string>(ProblemDetail(call->problem));
-  Run(context, queue_, rpc, detail,
+  const int64_t received = static_cast<int64_t>(request->ByteSizeLong());
+  Run(metrics_, context, queue_, rpc, detail,
       [=, call = *std::move(call)](absl::Time start) {
         return ComputeForward(context, principal, call, response, start, detail.get());
       },
-      std::move(finish));
+      [=, finish = std::move(finish)](const absl::Status& status) {
+        metrics_->AddBytes(rpc, received,
+                           status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
+        finish(status);
+      });
 }
 
 grpc::ServerUnaryReactor* LossServiceImpl::Forward(grpc::CallbackServerContext* context,
                                                    const v1::ForwardRequest* request,
                                                    v1::ForwardResponse* response) {
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(context, "Forward", principal.status());
+  if (!principal.ok()) return Refuse(metrics_, context, "Forward", principal.status());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   StartForward(context, *principal, request, response, "Forward",
                [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
@@ -212,16 +225,18 @@ void LossServiceImpl::StartBackward(grpc::CallbackServerContext* context,
                                     std::function<void(const absl::Status&)> finish) {
   absl::StatusOr<BackwardCall> call = DecodeBackward(*request, ResolverFor(principal));
   if (!call.ok()) {
-    LogRpc(rpc, "", call.status(), absl::Now());
+    LogRpc(metrics_, rpc, "", call.status(), absl::Now());
     finish(call.status());
     return;
   }
   auto detail = std::make_shared<std::string>(SessionDetail(call->session_id));
-  Run(context, queue_, rpc, detail,
+  Run(metrics_, context, queue_, rpc, detail,
       [=, call = *std::move(call)](absl::Time start) -> absl::Status {
         const absl::Time engine_start = absl::Now();
         absl::StatusOr<BackwardOutcome> grads =
             core_->Backward(call, principal, CancelFor(context));
+        metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - start));
+        metrics_->RecordEngine("Backward", absl::ToDoubleSeconds(absl::Now() - engine_start));
         if (!grads.ok()) return Explain(grads.status(), context);
         *outcome = *std::move(grads);
         stats->queue_ms = absl::ToDoubleMilliseconds(engine_start - start);
@@ -235,7 +250,7 @@ grpc::ServerUnaryReactor* LossServiceImpl::Backward(grpc::CallbackServerContext*
                                                     const v1::BackwardRequest* request,
                                                     v1::BackwardResponse* response) {
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(context, "Backward", principal.status());
+  if (!principal.ok()) return Refuse(metrics_, context, "Backward", principal.status());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
@@ -256,6 +271,8 @@ grpc::ServerUnaryReactor* LossServiceImpl::Backward(grpc::CallbackServerContext*
                     response->mutable_stats()->set_queue_ms(stats->queue_ms);
                     response->mutable_stats()->set_engine_ms(stats->engine_ms);
                   }
+                  metrics_->AddBytes("Backward", static_cast<int64_t>(request->ByteSizeLong()),
+                                     static_cast<int64_t>(response->ByteSizeLong()));
                   reactor->Finish(ToGrpcStatus(status));
                 });
   return reactor;
@@ -267,9 +284,9 @@ grpc::ServerUnaryReactor* LossServiceImpl::ReleaseSession(
     v1::ReleaseSessionResponse* response) {
   const absl::Time start = absl::Now();
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(context, "ReleaseSession", principal.status());
+  if (!principal.ok()) return Refuse(metrics_, context, "ReleaseSession", principal.status());
   response->set_released(core_->Release(request->session_id(), *principal));
-  LogRpc("ReleaseSession", SessionDetail(request->session_id()), absl::OkStatus(),
+  LogRpc(metrics_, "ReleaseSession", SessionDetail(request->session_id()), absl::OkStatus(),
          start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
@@ -279,8 +296,9 @@ grpc::ServerUnaryReactor* LossServiceImpl::ReleaseSession(
 grpc::ServerUnaryReactor* LossServiceImpl::GetServerInfo(
     grpc::CallbackServerContext* context, const v1::GetServerInfoRequest*,
     v1::GetServerInfoResponse* response) {
+  const absl::Time start = absl::Now();
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(context, "GetServerInfo", principal.status());
+  if (!principal.ok()) return Refuse(metrics_, context, "GetServerInfo", principal.status());
   const LossEngine& engine = core_->engine();
   const SessionStore& sessions = core_->sessions();
   response->set_version(kVersion);
@@ -302,6 +320,7 @@ grpc::ServerUnaryReactor* LossServiceImpl::GetServerInfo(
   limits->set_weight_memory_budget_bytes(core_->weights().memory_budget_bytes());
   response->set_running_requests(queue_->running());
   response->set_queued_requests(queue_->queued());
+  LogRpc(metrics_, "GetServerInfo", "", absl::OkStatus(), start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -325,10 +344,15 @@ void FillWeightInfo(const RegisteredWeight& w, v1::WeightInfo* info) {
 class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
  public:
   PutWeightReactor(grpc::CallbackServerContext* context, WeightRegistry* weights,
-                   v1::PutWeightResponse* response, absl::StatusOr<std::string> principal)
-      : context_(context), weights_(weights), response_(response), start_(absl::Now()) {
+                   v1::PutWeightResponse* response, absl::StatusOr<std::string> principal,
+                   ServiceMetrics* metrics)
+      : context_(context),
+        weights_(weights),
+        response_(response),
+        metrics_(metrics),
+        start_(absl::Now()) {
     if (!principal.ok()) {  // refused before reading a byte
-      LogRpc("PutWeight", "", principal.status(), start_);
+      LogRpc(metrics_, "PutWeight", "", principal.status(), start_);
       Finish(ToGrpcStatus(principal.status()));
       return;
     }
@@ -348,7 +372,8 @@ class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
         return;
       }
     }
-    LogRpc("PutWeight", detail_, status, start_);
+    LogRpc(metrics_, "PutWeight", detail_, status, start_);
+    metrics_->AddBytes("PutWeight", received_, 0);
     Finish(ToGrpcStatus(status));
   }
 
@@ -441,6 +466,7 @@ class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
   grpc::CallbackServerContext* const context_;
   WeightRegistry* const weights_;
   v1::PutWeightResponse* const response_;
+  ServiceMetrics* const metrics_;
   const absl::Time start_;
   std::string principal_;
   v1::PutWeightChunk chunk_;
@@ -458,8 +484,9 @@ class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
 class TakeGradReactor : public grpc::ServerWriteReactor<v1::WeightGradChunk> {
  public:
   TakeGradReactor(const absl::StatusOr<std::string>& principal, WeightRegistry* weights,
-                  const v1::TakeWeightGradRequest* request, int64_t chunk_bytes)
-      : chunk_bytes_(chunk_bytes), start_(absl::Now()) {
+                  const v1::TakeWeightGradRequest* request, int64_t chunk_bytes,
+                  ServiceMetrics* metrics)
+      : chunk_bytes_(chunk_bytes), metrics_(metrics), start_(absl::Now()) {
     detail_ = absl::StrCat("weight=", request->weight().name(), " ");
     absl::Status status =
         principal.ok() ? Prepare(*weights, *request, *principal) : principal.status();
@@ -525,11 +552,13 @@ class TakeGradReactor : public grpc::ServerWriteReactor<v1::WeightGradChunk> {
   }
 
   void Done(const absl::Status& status) {
-    LogRpc("TakeWeightGrad", detail_, status, start_);
+    LogRpc(metrics_, "TakeWeightGrad", detail_, status, start_);
+    metrics_->AddBytes("TakeWeightGrad", 0, static_cast<int64_t>(offset_));
     Finish(ToGrpcStatus(status));
   }
 
   const int64_t chunk_bytes_;
+  ServiceMetrics* const metrics_;
   const absl::Time start_;
   std::string detail_;
   std::shared_ptr<RegisteredWeight> weight_;
@@ -544,7 +573,8 @@ class TakeGradReactor : public grpc::ServerWriteReactor<v1::WeightGradChunk> {
 
 grpc::ServerReadReactor<v1::PutWeightChunk>* LossServiceImpl::PutWeight(
     grpc::CallbackServerContext* context, v1::PutWeightResponse* response) {
-  return new PutWeightReactor(context, &core_->weights(), response, Authenticate(context));
+  return new PutWeightReactor(context, &core_->weights(), response, Authenticate(context),
+                              metrics_);
 }
 
 grpc::ServerUnaryReactor* LossServiceImpl::DeleteWeight(grpc::CallbackServerContext* context,
@@ -552,9 +582,9 @@ grpc::ServerUnaryReactor* LossServiceImpl::DeleteWeight(grpc::CallbackServerCont
                                                         v1::DeleteWeightResponse* response) {
   const absl::Time start = absl::Now();
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(context, "DeleteWeight", principal.status());
+  if (!principal.ok()) return Refuse(metrics_, context, "DeleteWeight", principal.status());
   response->set_deleted(core_->weights().Delete(request->name(), *principal));
-  LogRpc("DeleteWeight", absl::StrCat("weight=", request->name(), " "), absl::OkStatus(), start);
+  LogRpc(metrics_, "DeleteWeight", absl::StrCat("weight=", request->name(), " "), absl::OkStatus(), start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -564,10 +594,12 @@ grpc::ServerUnaryReactor* LossServiceImpl::ListWeights(grpc::CallbackServerConte
                                                        const v1::ListWeightsRequest*,
                                                        v1::ListWeightsResponse* response) {
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(context, "ListWeights", principal.status());
+  if (!principal.ok()) return Refuse(metrics_, context, "ListWeights", principal.status());
+  const absl::Time start = absl::Now();
   for (const auto& weight : core_->weights().List(*principal)) {
     FillWeightInfo(*weight, response->add_weights());
   }
+  LogRpc(metrics_, "ListWeights", "", absl::OkStatus(), start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -576,7 +608,7 @@ grpc::ServerUnaryReactor* LossServiceImpl::ListWeights(grpc::CallbackServerConte
 grpc::ServerWriteReactor<v1::WeightGradChunk>* LossServiceImpl::TakeWeightGrad(
     grpc::CallbackServerContext* context, const v1::TakeWeightGradRequest* request) {
   return new TakeGradReactor(Authenticate(context), &core_->weights(), request,
-                             limits_.stream_chunk_bytes);
+                             limits_.stream_chunk_bytes, metrics_);
 }
 
 namespace {
@@ -618,10 +650,11 @@ class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestCh
  public:
   // A failed `admitted` (authentication) finishes the call before reading.
   ForwardStreamReactor(grpc::CallbackServerContext* context, v1::ForwardResponse* response,
-                       int64_t max_bytes, const absl::Status& admitted,
+                       int64_t max_bytes, const absl::Status& admitted, ServiceMetrics* metrics,
                        std::function<void(ForwardStreamReactor*)> start_forward)
       : context_(context),
         response_(response),
+        metrics_(metrics),
         max_bytes_(max_bytes),
         start_forward_(std::move(start_forward)) {
     if (!admitted.ok()) {
@@ -652,7 +685,7 @@ class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestCh
 
  private:
   void Fail(const absl::Status& status) {
-    LogRpc("ForwardStream", "", status, absl::Now());
+    LogRpc(metrics_, "ForwardStream", "", status, absl::Now());
     Complete(status);
   }
 
@@ -718,6 +751,7 @@ class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestCh
 
   grpc::CallbackServerContext* const context_;
   v1::ForwardResponse* const response_;
+  ServiceMetrics* const metrics_;
   const int64_t max_bytes_;
   const std::function<void(ForwardStreamReactor*)> start_forward_;
   v1::ForwardRequestChunk chunk_;
@@ -805,7 +839,7 @@ grpc::ServerReadReactor<v1::ForwardRequestChunk>* LossServiceImpl::ForwardStream
     grpc::CallbackServerContext* context, v1::ForwardResponse* response) {
   absl::StatusOr<std::string> principal = Authenticate(context);
   return new ForwardStreamReactor(
-      context, response, limits_.max_stream_request_bytes, principal.status(),
+      context, response, limits_.max_stream_request_bytes, principal.status(), metrics_,
       [this, context, principal = principal.value_or("")](ForwardStreamReactor* reactor) {
         StartForward(context, principal, reactor->request(), reactor->response(),
                      "ForwardStream",
@@ -818,7 +852,7 @@ grpc::ServerWriteReactor<v1::BackwardResponseChunk>* LossServiceImpl::BackwardSt
   auto* reactor = new BackwardStreamReactor(limits_.stream_chunk_bytes);
   absl::StatusOr<std::string> principal = Authenticate(context);
   if (!principal.ok()) {
-    LogRpc("BackwardStream", "", principal.status(), absl::Now());
+    LogRpc(metrics_, "BackwardStream", "", principal.status(), absl::Now());
     reactor->Start(principal.status(), BackwardOutcome(), 0, 0, *request);
     return reactor;
   }
@@ -826,6 +860,14 @@ grpc::ServerWriteReactor<v1::BackwardResponseChunk>* LossServiceImpl::BackwardSt
   auto stats = std::make_shared<CallStats>();
   StartBackward(context, *principal, request, "BackwardStream", outcome, stats,
                 [=](const absl::Status& status) {
+                  int64_t sent = 0;
+                  for (const HostTensor* t : {&outcome->grad_hidden,
+                                              outcome->grad_weight ? &*outcome->grad_weight : nullptr,
+                                              outcome->grad_bias ? &*outcome->grad_bias : nullptr}) {
+                    if (t != nullptr) sent += static_cast<int64_t>(t->data.size());
+                  }
+                  metrics_->AddBytes("BackwardStream",
+                                     static_cast<int64_t>(request->ByteSizeLong()), sent);
                   reactor->Start(status, std::move(*outcome), stats->queue_ms,
                                  stats->engine_ms, *request);
                 });
@@ -858,7 +900,7 @@ grpc::ServerUnaryReactor* LossServiceImpl::RegisterSharedMemory(
       response->set_bytes(region->bytes);
     }
   }
-  LogRpc("RegisterSharedMemory", what, status, start);
+  LogRpc(metrics_, "RegisterSharedMemory", what, status, start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -868,9 +910,57 @@ grpc::ServerUnaryReactor* LossServiceImpl::UnregisterSharedMemory(
     grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
     v1::UnregisterSharedMemoryResponse* response) {
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(context, "UnregisterSharedMemory", principal.status());
+  if (!principal.ok()) return Refuse(metrics_, context, "UnregisterSharedMemory", principal.status());
+  const absl::Time start = absl::Now();
   response->set_unregistered(shared_memory_ != nullptr &&
                              shared_memory_->Unregister(request->region_id(), *principal));
+  LogRpc(metrics_, "UnregisterSharedMemory", "", absl::OkStatus(), start);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+namespace {
+
+void ToProto(const HistogramSnapshot& h, v1::Histogram* out) {
+  out->mutable_upper_bounds()->Assign(kLatencyBuckets.begin(), kLatencyBuckets.end());
+  out->mutable_counts()->Assign(h.counts.begin(), h.counts.end());
+  out->set_sum(h.sum);
+  out->set_count(h.count);
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* LossServiceImpl::GetStats(grpc::CallbackServerContext* context,
+                                                    const v1::GetStatsRequest*,
+                                                    v1::GetStatsResponse* response) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) return Refuse(metrics_, context, "GetStats", principal.status());
+  const MetricsSnapshot s = metrics_->Snapshot(gauges_());
+  for (const auto& [key, count] : s.requests) {
+    v1::GetStatsResponse::RequestCount* c = response->add_requests();
+    c->set_rpc(key.first);
+    c->set_code(key.second);
+    c->set_count(count);
+  }
+  for (const auto& [rpc, h] : s.latency) ToProto(h, &(*response->mutable_request_duration())[rpc]);
+  for (const auto& [rpc, h] : s.engine) ToProto(h, &(*response->mutable_engine_duration())[rpc]);
+  ToProto(s.queue_wait, response->mutable_queue_wait());
+  for (const auto& [rpc, b] : s.received_bytes) (*response->mutable_received_bytes())[rpc] = b;
+  for (const auto& [rpc, b] : s.sent_bytes) (*response->mutable_sent_bytes())[rpc] = b;
+  response->set_sessions_expired(s.gauges.sessions_expired);
+  const Gauges& g = s.gauges;
+  response->set_queued_requests(g.queued_requests);
+  response->set_running_requests(g.running_requests);
+  response->set_live_sessions(g.live_sessions);
+  response->set_session_memory_bytes(g.session_memory_bytes);
+  response->set_registered_weights(g.registered_weights);
+  response->set_weight_memory_bytes(g.weight_memory_bytes);
+  response->set_shared_memory_regions(g.shared_memory_regions);
+  response->set_device_memory_bytes(g.device_memory_bytes);
+  response->set_serving(g.serving);
+  LogRpc(metrics_, "GetStats", "", absl::OkStatus(), start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -18,6 +18,7 @@
 #include "proto/flce/v1/loss_service.grpc.pb.h"
 #include "server/auth.h"
 #include "server/loss_core.h"
+#include "server/metrics.h"
 #include "server/shared_memory.h"
 #include "server/work_queue.h"
 
@@ -37,8 +38,11 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   // shared memory is disabled, `auth` null for anonymous callers only.
   // `on_engine_unhealthy` runs once, the first time a failed call leaves
   // the engine unhealthy.
+  // `metrics` records every RPC; `gauges` reads the current gauges for
+  // GetStats.
   LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
                   SharedMemoryRegistry* shared_memory, const Authenticator* auth,
+                  ServiceMetrics* metrics, std::function<Gauges()> gauges,
                   std::function<void()> on_engine_unhealthy);
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
@@ -59,6 +63,9 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::GetServerInfoRequest* request,
       v1::GetServerInfoResponse* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest* request,
+                                     v1::GetStatsResponse* response) override;
   grpc::ServerUnaryReactor* RegisterSharedMemory(
       grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,
       v1::RegisterSharedMemoryResponse* response) override;
@@ -113,6 +120,8 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   const ServiceLimits limits_;
   SharedMemoryRegistry* const shared_memory_;
   const Authenticator* const auth_;
+  ServiceMetrics* const metrics_;
+  const std::function<Gauges()> gauges_;
   const std::function<void()> on_engine_unhealthy_;
   std::once_flag unhealthy_once_;
 };

@@ -210,6 +210,7 @@ void SessionStore::EndLocked(const std::string& id, Ended how) {
   auto it = live_.find(id);
   live_bytes_ -= it->second.bytes;
   AddUsageLocked(it->second.principal, -1, -it->second.bytes);
+  if (how == Ended::kExpired) ++expired_total_;
   ended_[id] = Tombstone{how, it->second.principal, clock_()};
   live_.erase(it);
 }
@@ -241,6 +242,11 @@ int SessionStore::ReapExpired() {
 int64_t SessionStore::live_sessions() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(live_.size());
+}
+
+int64_t SessionStore::expired_total() const {
+  absl::MutexLock lock(&mu_);
+  return expired_total_;
 }
 
 int64_t SessionStore::bytes_in_use() const {

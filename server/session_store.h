@@ -122,6 +122,7 @@ class SessionStore {
 
   int64_t live_sessions() const;
   int64_t bytes_in_use() const;  // live sessions and reservations
+  int64_t expired_total() const;  // sessions ended by their TTL, ever
 
  private:
   friend class Reservation;
@@ -160,6 +161,7 @@ class SessionStore {
   absl::flat_hash_map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Tombstone> ended_ ABSL_GUARDED_BY(mu_);
   int64_t reserved_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t expired_total_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -130,6 +130,11 @@ bool SharedMemoryRegistry::Unregister(const std::string& region_id,
   return true;
 }
 
+int64_t SharedMemoryRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(regions_.size());
+}
+
 std::shared_ptr<SliceResolver> SharedMemoryRegistry::ResolverFor(
     const std::string& principal) const {
   return std::make_shared<Holds>(this, principal);

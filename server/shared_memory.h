@@ -64,6 +64,8 @@ class SharedMemoryRegistry {
 
   bool Unregister(const std::string& region_id, const std::string& principal);
 
+  int64_t size() const;  // registered regions
+
   // A resolver for `principal`'s regions that keeps every region it resolved
   // mapped for as long as it lives (so a call in flight never loses one).
   std::shared_ptr<SliceResolver> ResolverFor(const std::string& principal) const;

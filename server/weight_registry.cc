@@ -146,6 +146,11 @@ std::vector<std::shared_ptr<RegisteredWeight>> WeightRegistry::List(
   return out;
 }
 
+int64_t WeightRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(latest_.size());
+}
+
 int64_t WeightRegistry::bytes_in_use() const {
   absl::MutexLock lock(&mu_);
   return bytes_;

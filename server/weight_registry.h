@@ -87,6 +87,8 @@ class WeightRegistry {
 
   int64_t bytes_in_use() const;
   int64_t memory_budget_bytes() const { return budget_; }
+  // Registered names (their latest versions).
+  int64_t size() const;
 
  private:
   const int64_t budget_;

@@ -2,7 +2,10 @@
 // against the fp64 reference, every row of the error table that this build
 // can produce, sessions, concurrency, deadlines and shutdown.
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -796,6 +799,66 @@ TEST_F(ServerTest, SharedMemoryIsOffByDefault) {
   EXPECT_THAT(RawForward(r), StatusIs(Code::kFailedPrecondition, HasSubstr("hidden: shared memory")));
 }
 
+// GET `path` from 127.0.0.1:`port` over plain HTTP/1.1; the whole reply.
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+  (void)!write(fd, request.data(), request.size());
+  std::string reply;
+  char buffer[4096];
+  for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) reply.append(buffer, n);
+  close(fd);
+  return reply;
+}
+
+TEST_F(ServerTest, MetricsEndpointAndGetStatsCountRequests) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.metrics_address = "127.0.0.1:0";
+  StartServer(o);
+  ASSERT_GT(server_->metrics_port(), 0);
+  const OwnedProblem p = Problem(9, 7, 31);
+  auto fwd = client_->Forward(Args(p, true, BackwardMode::kStoreGrads));
+  ASSERT_TRUE(fwd.ok());
+  BackwardArgs back;
+  back.session_id = fwd->session_id;
+  ASSERT_TRUE(client_->Backward(back).ok());
+  ASSERT_FALSE(client_->Backward(back).ok());  // consumed: FAILED_PRECONDITION
+
+  const std::string reply = HttpGet(server_->metrics_port(), "/metrics");
+  EXPECT_THAT(reply, HasSubstr("200 OK"));
+  EXPECT_THAT(reply, HasSubstr("Content-Type: text/plain; version=0.0.4"));
+  EXPECT_THAT(reply, HasSubstr("flce_requests_total{rpc=\"Forward\",code=\"OK\"} 1\n"));
+  EXPECT_THAT(reply, HasSubstr("flce_requests_total{rpc=\"Backward\",code=\"OK\"} 1\n"));
+  EXPECT_THAT(reply,
+              HasSubstr("flce_requests_total{rpc=\"Backward\",code=\"FAILED_PRECONDITION\"} 1\n"));
+  EXPECT_THAT(reply, HasSubstr("flce_engine_duration_seconds_count{rpc=\"Forward\"} 1\n"));
+  EXPECT_THAT(reply, HasSubstr("flce_live_sessions 0\n"));
+  EXPECT_THAT(reply, HasSubstr("flce_serving 1\n"));
+  EXPECT_THAT(HttpGet(server_->metrics_port(), "/other"), HasSubstr("404"));
+
+  grpc::ClientContext context;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(stub_->GetStats(&context, v1::GetStatsRequest(), &stats).ok());
+  int64_t forwards = 0;
+  for (const auto& r : stats.requests()) {
+    if (r.rpc() == "Forward" && r.code() == "OK") forwards = r.count();
+  }
+  EXPECT_EQ(forwards, 1);
+  EXPECT_EQ(stats.request_duration().at("Backward").count(), 2);
+  EXPECT_GT(stats.received_bytes().at("Forward"), static_cast<int64_t>(p.hidden.data.size()));
+  EXPECT_TRUE(stats.serving());
+  EXPECT_EQ(stats.live_sessions(), 0);
+}
+
 TEST_F(ServerTest, CudaIpcRegistrationErrorsHaveTheirCodes) {
   server_.reset();
   ServerOptions o = TestOptions();
@@ -984,6 +1047,7 @@ TEST(ServerHealthTest, AStickyEngineFailureTurnsHealthNotServing) {
   EXPECT_EQ(*client->CheckHealth("flce.v1.LossService"),
             grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(*client->CheckHealth(""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_FALSE((*server)->Metrics().gauges.serving);
 }
 
 TEST(ServerStartTest, BadOptionsAndMissingBackends) {

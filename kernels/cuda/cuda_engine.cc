@@ -167,6 +167,7 @@ class EngineImpl {
   }
 
   const cudaDeviceProp& props() const { return props_; }
+  int device() const { return options_.device; }
 
   absl::Status health() const {
     if (healthy_.load()) return absl::OkStatus();
@@ -751,6 +752,19 @@ std::vector<DeviceInfo> CudaEngine::devices() const {
 }
 
 absl::Status CudaEngine::health() const { return impl_->health(); }
+
+int64_t CudaEngine::device_memory_bytes() const {
+  // The stream-ordered pool's reservation: freed workspace stays in it.
+  cudaMemPool_t pool;
+  uint64_t reserved = 0;
+  if (cudaDeviceGetDefaultMemPool(&pool, impl_->device()) != cudaSuccess ||
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return static_cast<int64_t>(reserved);
+}
 
 int64_t CudaEngine::SavedStateBytes(const LossProblem& p, BackwardMode mode) const {
   const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();

@@ -48,6 +48,7 @@ class CudaEngine : public LossEngine {
   std::string backend() const override { return "cuda"; }
   std::vector<DeviceInfo> devices() const override;
   absl::Status health() const override;
+  int64_t device_memory_bytes() const override;
   int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;
   absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
                                         const CancelFn& cancelled) override;
