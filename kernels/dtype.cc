@@ -3,6 +3,7 @@
 #include <cmath>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -13,7 +14,17 @@ namespace {
 // Bulk IEEE half conversions with the F16C instructions (round to nearest
 // even, subnormals kept, as the portable functions), chosen at run time.
 bool HasF16c() {
-  static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  static const bool has = [] {
+    // CPUID leaf 1: ECX bit 29 F16C, bit 28 AVX, bit 27 OSXSAVE; the OS must
+    // save the YMM state (XCR0 bits 1 and 2). (clang lacks
+    // __builtin_cpu_supports("f16c").)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+    if (!(c & (1u << 29)) || !(c & (1u << 28)) || !(c & (1u << 27))) return false;
+    unsigned xcr0_low = 0, xcr0_high = 0;
+    __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+    return (xcr0_low & 6u) == 6u;
+  }();
   return has;
 }
 
@@ -123,7 +134,7 @@ uint16_t FloatToHalf(float f) {
 void ToFloat(DType dtype, const void* src, int64_t count, float* dst) {
   switch (dtype) {
     case DType::kFloat32:
-      std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
+      if (count > 0) std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
       return;
     case DType::kBFloat16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
@@ -146,7 +157,7 @@ void ToFloat(DType dtype, const void* src, int64_t count, float* dst) {
 void FromFloat(DType dtype, const float* src, int64_t count, void* dst) {
   switch (dtype) {
     case DType::kFloat32:
-      std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
+      if (count > 0) std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
       return;
     case DType::kBFloat16: {
       uint16_t* d = static_cast<uint16_t*>(dst);

@@ -45,9 +45,7 @@ int64_t RegisteredWeight::bytes() const {
 void RegisteredWeight::AccumulateGrad(const HostTensor& dw, const std::optional<HostTensor>& db) {
   absl::MutexLock lock(&mu_);
   if (!grad_) {
-    grad_.emplace();
-    grad_->dw = dw;
-    if (db) grad_->db = *db;
+    grad_ = Grad{dw, db, 0};
   } else {
     AddInto(grad_->dw, dw);
     if (db && grad_->db) AddInto(*grad_->db, *db);

@@ -317,7 +317,7 @@ absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
 void ScaleAndConvert(const float* src, int64_t count, float scale, DType dtype,
                      void* dst) {
   if (scale == 1.0f && dtype == DType::kFloat32) {
-    if (dst != src) std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
+    if (dst != src && count > 0) std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
     return;
   }
   constexpr int64_t kBlock = 4096;
@@ -506,7 +506,7 @@ absl::StatusOr<ForwardResult> CpuEngine::ForwardImpl(const LossProblem& problem,
   }
   if (spec.want_lse) {
     result.lse = FloatTensor({n});
-    std::memcpy(result.lse->mutable_data<float>(), lse.data(), n * sizeof(float));
+    if (n > 0) std::memcpy(result.lse->mutable_data<float>(), lse.data(), n * sizeof(float));
   }
   if (spec.want_per_row_loss) {
     result.per_row_loss = FloatTensor({n});
