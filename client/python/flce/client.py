@@ -467,6 +467,10 @@ class Client:
     def info(self) -> "pb.GetServerInfoResponse":
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest())
 
+    def stats(self) -> "pb.GetStatsResponse":
+        """Request counts, latency histograms and gauges (as /metrics shows)."""
+        return self._call(self._stub.GetStats, pb.GetStatsRequest())
+
     def put_weight(self, name: str, weight, bias=None) -> "pb.WeightInfo":
         """Registers weight [V, H] (and bias [V]) under ``name``, streamed in
         chunks with a CRC-32C; returns its WeightInfo (with the version)."""
