@@ -9,7 +9,8 @@ OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
 tar -C /tmp/flce -xJf .devbin/bundle.tar.xz
 cublas="$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)"
-export LD_LIBRARY_PATH="/tmp/flce/lib:$(dirname "${cublas:-/usr/local/cuda/lib64/x}"):/usr/local/cuda/lib64"
+cublas_dir="$(dirname "${cublas:-/usr/local/cuda/lib64/x}")"
+export LD_LIBRARY_PATH="/tmp/flce/lib:${cublas_dir}:/usr/local/cuda/lib64"
 export GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 bin=/tmp/flce/bin
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
