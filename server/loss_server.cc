@@ -219,6 +219,24 @@ void LossServer::ReaperLoop() {
   }
 }
 
+int64_t LossServer::Drain(absl::Duration max_wait) {
+  SPDLOG_INFO("drain: refusing new work; waiting up to {} for {} session(s) to finish",
+              absl::FormatDuration(max_wait), sessions_->live_sessions());
+  serving_ = false;
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, false);
+  health->SetServingStatus(false);
+  service_->StartDraining();
+  const absl::Time deadline = absl::Now() + max_wait;
+  while (absl::Now() < deadline &&
+         (sessions_->live_sessions() > 0 || queue_->running() + queue_->queued() > 0)) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  const int64_t left = sessions_->live_sessions();
+  SPDLOG_INFO("drain: done, {} session(s) left", left);
+  return left;
+}
+
 void LossServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;

@@ -86,6 +86,12 @@ class LossServer {
   // Turns health NOT_SERVING for good (the engine reported a sticky failure).
   void MarkUnhealthy();
 
+  // Rolling-upgrade drain: health turns NOT_SERVING and new work is refused
+  // (UNAVAILABLE, "draining") while calls on existing sessions are served,
+  // until no session is left or `max_wait` passed. Returns the sessions
+  // still live. Call Shutdown after it.
+  int64_t Drain(absl::Duration max_wait);
+
   // Graceful stop: health turns NOT_SERVING, new RPCs are refused, RPCs in
   // flight get up to `grace` to finish and are cancelled after it; then the
   // workers and the reaper stop. Idempotent.

@@ -128,6 +128,17 @@ absl::StatusOr<std::string> LossServiceImpl::Authenticate(
   return auth_->Authenticate(*context);
 }
 
+absl::StatusOr<std::string> LossServiceImpl::Admit(
+    const grpc::CallbackServerContext* context) const {
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (principal.ok() && draining_) {
+    return absl::UnavailableError(
+        "server is draining for shutdown: send new work to another replica (sessions already "
+        "here are still served)");
+  }
+  return principal;
+}
+
 std::shared_ptr<SliceResolver> LossServiceImpl::ResolverFor(const std::string& principal) const {
   return shared_memory_ ? shared_memory_->ResolverFor(principal) : nullptr;
 }
@@ -209,7 +220,7 @@ void LossServiceImpl::StartForward(grpc::CallbackServerContext* context,
 grpc::ServerUnaryReactor* LossServiceImpl::Forward(grpc::CallbackServerContext* context,
                                                    const v1::ForwardRequest* request,
                                                    v1::ForwardResponse* response) {
-  absl::StatusOr<std::string> principal = Authenticate(context);
+  absl::StatusOr<std::string> principal = Admit(context);
   if (!principal.ok()) return Refuse(metrics_, context, "Forward", principal.status());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   StartForward(context, *principal, request, response, "Forward",
@@ -573,7 +584,7 @@ class TakeGradReactor : public grpc::ServerWriteReactor<v1::WeightGradChunk> {
 
 grpc::ServerReadReactor<v1::PutWeightChunk>* LossServiceImpl::PutWeight(
     grpc::CallbackServerContext* context, v1::PutWeightResponse* response) {
-  return new PutWeightReactor(context, &core_->weights(), response, Authenticate(context),
+  return new PutWeightReactor(context, &core_->weights(), response, Admit(context),
                               metrics_);
 }
 
@@ -837,7 +848,7 @@ class BackwardStreamReactor : public grpc::ServerWriteReactor<v1::BackwardRespon
 
 grpc::ServerReadReactor<v1::ForwardRequestChunk>* LossServiceImpl::ForwardStream(
     grpc::CallbackServerContext* context, v1::ForwardResponse* response) {
-  absl::StatusOr<std::string> principal = Authenticate(context);
+  absl::StatusOr<std::string> principal = Admit(context);
   return new ForwardStreamReactor(
       context, response, limits_.max_stream_request_bytes, principal.status(), metrics_,
       [this, context, principal = principal.value_or("")](ForwardStreamReactor* reactor) {
@@ -881,7 +892,7 @@ grpc::ServerUnaryReactor* LossServiceImpl::RegisterSharedMemory(
   absl::Status status = absl::FailedPreconditionError(
       "shared memory is disabled on this server; start it with --enable_shared_memory");
   std::string what;
-  absl::StatusOr<std::string> principal = Authenticate(context);
+  absl::StatusOr<std::string> principal = Admit(context);
   if (!principal.ok()) {
     status = principal.status();
   } else if (shared_memory_ != nullptr) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <atomic>
 #include <functional>
 #include <mutex>
 
@@ -44,6 +45,12 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
                   SharedMemoryRegistry* shared_memory, const Authenticator* auth,
                   ServiceMetrics* metrics, std::function<Gauges()> gauges,
                   std::function<void()> on_engine_unhealthy);
+
+  // From now on, new work (Forward, ForwardStream, PutWeight,
+  // RegisterSharedMemory) is refused with UNAVAILABLE so that clients move
+  // to another replica, while calls on existing sessions, weights and
+  // regions are still served.
+  void StartDraining() { draining_ = true; }
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
                                     const v1::ForwardRequest* request,
@@ -111,6 +118,8 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   // The caller's principal (server/auth.h), or UNAUTHENTICATED. Every
   // handler asks first.
   absl::StatusOr<std::string> Authenticate(const grpc::CallbackServerContext* context) const;
+  // Authenticate, and UNAVAILABLE while draining: for RPCs that start new work.
+  absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext* context) const;
 
   // A resolver of the principal's shared-memory slices, or null (disabled).
   std::shared_ptr<SliceResolver> ResolverFor(const std::string& principal) const;
@@ -124,6 +133,7 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   const std::function<Gauges()> gauges_;
   const std::function<void()> on_engine_unhealthy_;
   std::once_flag unhealthy_once_;
+  std::atomic<bool> draining_{false};
 };
 
 }  // namespace flce

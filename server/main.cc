@@ -52,6 +52,9 @@ ABSL_FLAG(std::string, metrics_address, "",
           "host:port for Prometheus metrics over HTTP (GET /metrics); empty: off");
 ABSL_FLAG(bool, insecure, false,
           "serve plaintext without TLS (refused unless given; logs a warning)");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::ZeroDuration(),
+          "on SIGTERM/SIGINT, first refuse new work but serve existing sessions until "
+          "none is left or this long (rolling upgrades); then --shutdown_grace");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
           "on SIGTERM/SIGINT, how long RPCs in flight may take to finish");
 ABSL_FLAG(std::string, log_level, "info",
@@ -114,6 +117,9 @@ int main(int argc, char** argv) {
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   SPDLOG_INFO("received {}; shutting down", strsignal(signal_number));
+  if (absl::GetFlag(FLAGS_drain_timeout) > absl::ZeroDuration()) {
+    (*server)->Drain(absl::GetFlag(FLAGS_drain_timeout));
+  }
   (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace));
   return 0;
 }

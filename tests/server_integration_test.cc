@@ -859,6 +859,28 @@ TEST_F(ServerTest, MetricsEndpointAndGetStatsCountRequests) {
   EXPECT_EQ(stats.live_sessions(), 0);
 }
 
+TEST_F(ServerTest, DrainRefusesNewWorkButServesExistingSessions) {
+  const OwnedProblem p = Problem(5, 4, 9);
+  auto fwd = client_->Forward(Args(p, true, BackwardMode::kStoreGrads));
+  ASSERT_TRUE(fwd.ok());
+  std::atomic<int64_t> left{-1};
+  std::thread drain([&] { left = server_->Drain(absl::Seconds(20)); });
+  for (int i = 0; i < 200 && *client_->CheckHealth() == grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(*client_->CheckHealth(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_THAT(client_->Forward(Args(p, true)).status(),
+              StatusIs(Code::kUnavailable, HasSubstr("draining")));
+  EXPECT_THAT(client_->PutWeight("w", p.weight.view(), std::nullopt).status(),
+              StatusIs(Code::kUnavailable, HasSubstr("draining")));
+  BackwardArgs back;
+  back.session_id = fwd->session_id;
+  EXPECT_TRUE(client_->Backward(back).ok());  // the session here is still served
+  drain.join();  // returns once no session is left
+  EXPECT_EQ(left.load(), 0);
+  server_->Shutdown(absl::Seconds(1));
+}
+
 TEST_F(ServerTest, CudaIpcRegistrationErrorsHaveTheirCodes) {
   server_.reset();
   ServerOptions o = TestOptions();
