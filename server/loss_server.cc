@@ -148,9 +148,20 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
     return absl::UnavailableError(absl::StrCat(
         "--listen_address: cannot listen on ", options.listen_address));
   }
-  grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
-  health->SetServingStatus(kServiceName, true);
-  health->SetServingStatus(true);
+  if (!options.health_address.empty()) {
+    // Plaintext and only grpc.health.v1 (the default health service of a
+    // server with no other service): for kubelet's gRPC probes, which do
+    // not speak TLS.
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(options.health_address, grpc::InsecureServerCredentials(),
+                                    &s->health_port_);
+    s->health_server_ = health_builder.BuildAndStart();
+    if (s->health_server_ == nullptr || s->health_port_ == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("--health_address: cannot listen on ", options.health_address));
+    }
+  }
+  s->SetServing(true);
   s->reaper_ = std::thread([raw] { raw->ReaperLoop(); });
   if (!options.metrics_address.empty()) {
     FLCE_ASSIGN_OR_RETURN(s->metrics_http_,
@@ -184,6 +195,16 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
 
 LossServer::~LossServer() { Shutdown(absl::ZeroDuration()); }
 
+void LossServer::SetServing(bool serving) {
+  serving_ = serving;
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server == nullptr) continue;
+    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+    health->SetServingStatus(kServiceName, serving);
+    health->SetServingStatus(serving);
+  }
+}
+
 int LossServer::metrics_port() const {
   return metrics_http_ ? metrics_http_->port() : 0;
 }
@@ -204,12 +225,9 @@ MetricsSnapshot LossServer::Metrics() const {
 }
 
 void LossServer::MarkUnhealthy() {
-  serving_ = false;
   SPDLOG_ERROR("engine unhealthy ({}); health is NOT_SERVING",
                std::string(engine_->health().message()));
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  health->SetServingStatus(kServiceName, false);
-  health->SetServingStatus(false);
+  SetServing(false);
 }
 
 void LossServer::ReaperLoop() {
@@ -222,10 +240,7 @@ void LossServer::ReaperLoop() {
 int64_t LossServer::Drain(absl::Duration max_wait) {
   SPDLOG_INFO("drain: refusing new work; waiting up to {} for {} session(s) to finish",
               absl::FormatDuration(max_wait), sessions_->live_sessions());
-  serving_ = false;
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  health->SetServingStatus(kServiceName, false);
-  health->SetServingStatus(false);
+  SetServing(false);
   service_->StartDraining();
   const absl::Time deadline = absl::Now() + max_wait;
   while (absl::Now() < deadline &&
@@ -242,14 +257,12 @@ void LossServer::Shutdown(absl::Duration grace) {
   shut_down_ = true;
   if (server_ == nullptr) return;  // Start failed before serving
   SPDLOG_INFO("shutdown: draining (grace {})", absl::FormatDuration(grace));
-  serving_ = false;
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  health->SetServingStatus(kServiceName, false);
-  health->SetServingStatus(false);
+  SetServing(false);
   // Refuses new RPCs, waits for those in flight until the deadline, then
   // cancels them; their tasks see the cancellation between chunks.
   server_->Shutdown(std::chrono::system_clock::now() +
                     absl::ToChronoMilliseconds(grace));
+  if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
   queue_->Shutdown();
   stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();

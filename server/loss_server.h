@@ -59,6 +59,9 @@ struct ServerOptions {
   absl::Duration reap_interval = absl::Seconds(5);
   // host:port of the Prometheus endpoint (GET /metrics); empty: none.
   std::string metrics_address;
+  // host:port of a plaintext port serving only grpc.health.v1 (for probes
+  // that cannot speak TLS, like kubelet's); empty: none.
+  std::string health_address;
   EngineOptions engine;
 };
 
@@ -78,6 +81,7 @@ class LossServer {
   // The bound port, and the metrics endpoint's (0 without one).
   int port() const { return port_; }
   int metrics_port() const;
+  int health_port() const { return health_port_; }
 
   // The counters and the current gauges (what /metrics and GetStats show).
   MetricsSnapshot Metrics() const;
@@ -100,6 +104,8 @@ class LossServer {
  private:
   LossServer() = default;
   void ReaperLoop();
+  // Health of both listening servers, and the serving gauge.
+  void SetServing(bool serving);
 
   ServerOptions options_;
   std::unique_ptr<LossEngine> engine_;
@@ -114,7 +120,9 @@ class LossServer {
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::atomic<bool> serving_{true};
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;
   int port_ = 0;
+  int health_port_ = 0;
   absl::Notification stop_reaper_;
   std::thread reaper_;
   bool shut_down_ = false;

@@ -50,6 +50,8 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "file of '<principal> <token>' lines: require 'authorization: Bearer <token>'");
 ABSL_FLAG(std::string, metrics_address, "",
           "host:port for Prometheus metrics over HTTP (GET /metrics); empty: off");
+ABSL_FLAG(std::string, health_address, "",
+          "host:port of a plaintext port with only grpc.health.v1, for probes without TLS");
 ABSL_FLAG(bool, insecure, false,
           "serve plaintext without TLS (refused unless given; logs a warning)");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::ZeroDuration(),
@@ -92,6 +94,7 @@ int main(int argc, char** argv) {
   options.security.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   options.security.insecure = absl::GetFlag(FLAGS_insecure);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.health_address = absl::GetFlag(FLAGS_health_address);
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
   options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl);

@@ -131,6 +131,25 @@ TEST(SecurityTest, TlsServesClientsThatTrustItsCa) {
               StatusIs(Code::kUnavailable, ::testing::_));
 }
 
+TEST(SecurityTest, PlaintextHealthPortServesOnlyHealth) {
+  ServerOptions o = Options();
+  o.security.tls_cert_file = std::string(kCerts) + "server.crt";
+  o.security.tls_key_file = std::string(kCerts) + "server.key";
+  o.health_address = "127.0.0.1:0";
+  auto server = StartOrDie(o);
+  ASSERT_NE(server, nullptr);
+  ASSERT_GT(server->health_port(), 0);
+  auto probe = LossClient::Create("127.0.0.1:" + std::to_string(server->health_port()));
+  auto health = probe->CheckHealth("flce.v1.LossService");
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+  // The loss service is not there in plaintext.
+  EXPECT_THAT(probe->GetServerInfo().status(), StatusIs(Code::kUnimplemented, ::testing::_));
+  server->Drain(absl::ZeroDuration());
+  EXPECT_EQ(*probe->CheckHealth("flce.v1.LossService"),
+            grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+}
+
 TEST(SecurityTest, MutualTlsNeedsACertificateTheServerTrusts) {
   ServerOptions o = Options();
   o.security.tls_cert_file = std::string(kCerts) + "server.crt";
