@@ -325,12 +325,13 @@ grpc::ServerUnaryReactor* LossServiceImpl::GetServerInfo(
   limits->set_max_message_bytes(limits_.max_message_bytes);
   limits->set_session_ttl_seconds(absl::ToDoubleSeconds(sessions.limits().ttl));
   limits->set_max_queued_requests(queue_->max_queued());
-  response->set_live_sessions(sessions.live_sessions());
-  response->set_session_memory_bytes(sessions.bytes_in_use());
-  response->set_weight_memory_bytes(core_->weights().bytes_in_use());
   limits->set_weight_memory_budget_bytes(core_->weights().memory_budget_bytes());
-  response->set_running_requests(queue_->running());
-  response->set_queued_requests(queue_->queued());
+  const Gauges load = gauges_();
+  response->set_live_sessions(load.live_sessions);
+  response->set_session_memory_bytes(load.session_memory_bytes);
+  response->set_weight_memory_bytes(load.weight_memory_bytes);
+  response->set_running_requests(load.running_requests);
+  response->set_queued_requests(load.queued_requests);
   LogRpc(metrics_, "GetServerInfo", "", absl::OkStatus(), start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
