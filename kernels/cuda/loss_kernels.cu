@@ -288,23 +288,22 @@ __global__ void __launch_bounds__(kRowThreads)
   bool nan = false;
   using Packs = RowPacks<T, kVec>;
   Packs::ForEach(z, p.vocab, [&](int64_t j0, float (&x)[Packs::P]) {
-    // The pack's maximum (first index on ties) first: one rescale per pack.
+    // The pack's maximum first (one rescale per pack); its index only when
+    // it is a new running maximum (first index on ties), which is rare.
     float m = -CUDART_INF_F;
-    int64_t arg = INT64_MAX;
 #pragma unroll
     for (int k = 0; k < Packs::P; ++k) {
       x[k] = Transform<kPlain>(p, x[k], j0 + k);
-      nan |= isnan(x[k]);
-      if (x[k] > m) {
-        m = x[k];
-        arg = j0 + k;
-      }
+      m = fmaxf(m, x[k]);
     }
     if (m > s.max) {
+      int k = 0;
+      while (k + 1 < Packs::P && x[k] != m) ++k;
       s.sum *= ExpNonPositive(s.max - m);
       s.max = m;
-      s.argmax = arg;
+      s.argmax = j0 + k;
     }
+    // A NaN or +inf logit turns the sum into NaN (below), which marks the row.
 #pragma unroll
     for (int k = 0; k < Packs::P; ++k) s.sum += ExpNonPositive(x[k] - s.max);
     if (!kPlain && p.label_smoothing > 0.0f) {
@@ -314,6 +313,7 @@ __global__ void __launch_bounds__(kRowThreads)
       }
     }
   });
+  nan = isnan(s.sum);
   s = BlockCombine(s, shared_state);
   if (p.label_smoothing > 0.0f) weighted_z = BlockSum(weighted_z, shared_sum);
   nan = BlockAny(nan);
