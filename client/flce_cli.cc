@@ -169,6 +169,14 @@ int Info() {
   return 0;
 }
 
+// GetStats in protobuf text format.
+int Stats() {
+  auto stats = MakeClient()->GetStats();
+  if (!stats.ok()) return Fail(stats.status());
+  std::printf("%s", stats->DebugString().c_str());
+  return 0;
+}
+
 int Health() {
   auto status = MakeClient()->CheckHealth("flce.v1.LossService");
   if (!status.ok()) return Fail(status.status());
@@ -395,7 +403,7 @@ absl::Status ReleaseCommand() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "flce COMMAND [--flags]\n"
-      "commands: info, health, smoke, forward, backward, release\n"
+      "commands: info, health, stats, smoke, forward, backward, release\n"
       "  flce smoke --server=localhost:50051 --dtype=bf16 --n=64 --h=128 --v=1000\n"
       "  flce smoke --matrix\n"
       "  flce forward --hidden=x.npy --weight=w.npy --target=t.npy --need_backward\n"
@@ -408,6 +416,7 @@ int main(int argc, char** argv) {
   const std::string command = args[1];
   if (command == "info") return flce::Info();
   if (command == "health") return flce::Health();
+  if (command == "stats") return flce::Stats();
   if (command == "smoke") return flce::Smoke();
   absl::Status status;
   if (command == "forward") {

@@ -325,6 +325,15 @@ absl::StatusOr<v1::GetServerInfoResponse> LossClient::GetServerInfo() {
   return response;
 }
 
+absl::StatusOr<v1::GetStatsResponse> LossClient::GetStats() {
+  grpc::ClientContext context;
+  Prepare(context);
+  v1::GetStatsResponse response;
+  FLCE_RETURN_IF_ERROR(
+      FromGrpcStatus(stub_->GetStats(&context, v1::GetStatsRequest(), &response)));
+  return response;
+}
+
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus>
 LossClient::CheckHealth(const std::string& service) {
   grpc::health::v1::HealthCheckRequest request;

@@ -143,6 +143,8 @@ class LossClient {
   // True if a live session was freed.
   absl::StatusOr<bool> ReleaseSession(const std::string& session_id);
   absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
+  // Request counts, latency histograms and gauges (what /metrics shows).
+  absl::StatusOr<v1::GetStatsResponse> GetStats();
 
   // A shared-memory region of `bytes`, registered with the server.
   absl::StatusOr<std::unique_ptr<SharedMemoryArena>> CreateSharedMemory(int64_t bytes);

@@ -74,6 +74,10 @@ class CliEndToEndTest(unittest.TestCase):
         out = self.flce("smoke", "--matrix", "--n=33", "--h=17", "--v=257").stdout
         self.assertIn("PASS: 15 passed, 0 failed", out)
         self.assertNotIn("FAIL", out)
+        # The smoke runs are counted in the server's stats.
+        stats = self.flce("stats").stdout
+        self.assertRegex(stats, r'rpc: "Forward"\s+code: "OK"\s+count: (1[5-9]|[2-9]\d)')
+        self.assertIn("serving: true", stats)
 
     def test_3_forward_backward_on_npy_files_match_numpy(self):
         rng = np.random.default_rng(5)
