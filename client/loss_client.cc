@@ -48,6 +48,17 @@ void LossClient::Prepare(grpc::ClientContext& context) const {
   if (!options_.token.empty()) context.AddMetadata("authorization", "Bearer " + options_.token);
 }
 
+template <typename Stub, typename Request, typename Response>
+absl::StatusOr<Response> LossClient::Unary(
+    Stub* stub, grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+    const Request& request) const {
+  grpc::ClientContext context;
+  Prepare(context);
+  Response response;
+  FLCE_RETURN_IF_ERROR(FromGrpcStatus((stub->*method)(&context, request, &response)));
+  return response;
+}
+
 v1::ForwardRequest BuildForwardRequest(const ForwardArgs& args, bool with_data) {
   const LossProblem& p = args.problem;
   v1::ForwardRequest request;
@@ -135,10 +146,8 @@ absl::StatusOr<RemoteForward> LossClient::Forward(const ForwardArgs& args) {
   } else if (RequestBytes(args) > StreamAbove()) {
     FLCE_ASSIGN_OR_RETURN(response, ForwardStreamed(args));
   } else {
-    const v1::ForwardRequest request = BuildForwardRequest(args);
-    grpc::ClientContext context;
-    Prepare(context);
-    FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->Forward(&context, request, &response)));
+    FLCE_ASSIGN_OR_RETURN(response,
+                          Unary(stub_.get(), &v1::LossService::Stub::Forward, BuildForwardRequest(args)));
   }
   if (!response.session_id().empty()) {
     const LossProblem& p = args.problem;
@@ -267,9 +276,7 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
   if (args.shm == nullptr && grad_bytes > StreamAbove()) {
     FLCE_ASSIGN_OR_RETURN(response, BackwardStreamed(request));
   } else {
-    grpc::ClientContext context;
-    Prepare(context);
-    FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->Backward(&context, request, &response)));
+    FLCE_ASSIGN_OR_RETURN(response, Unary(stub_.get(), &v1::LossService::Stub::Backward, request));
   }
   // Gradients the server wrote into shared memory become ordinary bytes.
   for (v1::Tensor* t : {response.has_grad_hidden() ? response.mutable_grad_hidden() : nullptr,
@@ -308,40 +315,25 @@ absl::StatusOr<bool> LossClient::ReleaseSession(const std::string& session_id) {
   }
   v1::ReleaseSessionRequest request;
   request.set_session_id(session_id);
-  grpc::ClientContext context;
-  Prepare(context);
-  v1::ReleaseSessionResponse response;
-  FLCE_RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->ReleaseSession(&context, request, &response)));
+  FLCE_ASSIGN_OR_RETURN(v1::ReleaseSessionResponse response,
+                        Unary(stub_.get(), &v1::LossService::Stub::ReleaseSession, request));
   return response.released();
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> LossClient::GetServerInfo() {
-  grpc::ClientContext context;
-  Prepare(context);
-  v1::GetServerInfoResponse response;
-  FLCE_RETURN_IF_ERROR(FromGrpcStatus(
-      stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &response)));
-  return response;
+  return Unary(stub_.get(), &v1::LossService::Stub::GetServerInfo, v1::GetServerInfoRequest());
 }
 
 absl::StatusOr<v1::GetStatsResponse> LossClient::GetStats() {
-  grpc::ClientContext context;
-  Prepare(context);
-  v1::GetStatsResponse response;
-  FLCE_RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->GetStats(&context, v1::GetStatsRequest(), &response)));
-  return response;
+  return Unary(stub_.get(), &v1::LossService::Stub::GetStats, v1::GetStatsRequest());
 }
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus>
 LossClient::CheckHealth(const std::string& service) {
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
-  grpc::ClientContext context;
-  Prepare(context);
-  grpc::health::v1::HealthCheckResponse response;
-  FLCE_RETURN_IF_ERROR(FromGrpcStatus(health_->Check(&context, request, &response)));
+  FLCE_ASSIGN_OR_RETURN(grpc::health::v1::HealthCheckResponse response,
+                        Unary(health_.get(), &grpc::health::v1::Health::Stub::Check, request));
   return response.status();
 }
 
@@ -387,19 +379,14 @@ absl::StatusOr<v1::WeightInfo> LossClient::PutWeight(const std::string& name,
 absl::StatusOr<bool> LossClient::DeleteWeight(const std::string& name) {
   v1::DeleteWeightRequest request;
   request.set_name(name);
-  grpc::ClientContext context;
-  Prepare(context);
-  v1::DeleteWeightResponse response;
-  FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->DeleteWeight(&context, request, &response)));
+  FLCE_ASSIGN_OR_RETURN(v1::DeleteWeightResponse response,
+                        Unary(stub_.get(), &v1::LossService::Stub::DeleteWeight, request));
   return response.deleted();
 }
 
 absl::StatusOr<std::vector<v1::WeightInfo>> LossClient::ListWeights() {
-  grpc::ClientContext context;
-  Prepare(context);
-  v1::ListWeightsResponse response;
-  FLCE_RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->ListWeights(&context, v1::ListWeightsRequest(), &response)));
+  FLCE_ASSIGN_OR_RETURN(v1::ListWeightsResponse response,
+                        Unary(stub_.get(), &v1::LossService::Stub::ListWeights, v1::ListWeightsRequest()));
   return std::vector<v1::WeightInfo>(response.weights().begin(), response.weights().end());
 }
 
@@ -474,11 +461,7 @@ absl::StatusOr<v1::ForwardResponse> LossClient::ForwardThroughShm(const ForwardA
   place(p.target, request.mutable_target());
   if (p.class_weight) place(*p.class_weight, request.mutable_options()->mutable_class_weight());
   FLCE_RETURN_IF_ERROR(status);
-  grpc::ClientContext context;
-  Prepare(context);
-  v1::ForwardResponse response;
-  FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->Forward(&context, request, &response)));
-  return response;
+  return Unary(stub_.get(), &v1::LossService::Stub::Forward, request);
 }
 
 absl::StatusOr<std::unique_ptr<SharedMemoryArena>> LossClient::CreateSharedMemory(int64_t bytes) {
@@ -506,11 +489,8 @@ absl::StatusOr<std::unique_ptr<SharedMemoryArena>> LossClient::CreateSharedMemor
   v1::RegisterSharedMemoryRequest request;
   request.set_shm_name(arena->name_);
   request.set_bytes(bytes);
-  grpc::ClientContext context;
-  Prepare(context);
-  v1::RegisterSharedMemoryResponse response;
-  FLCE_RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->RegisterSharedMemory(&context, request, &response)));
+  FLCE_ASSIGN_OR_RETURN(v1::RegisterSharedMemoryResponse response,
+                        Unary(stub_.get(), &v1::LossService::Stub::RegisterSharedMemory, request));
   arena->region_id_ = response.region_id();
   return arena;
 }
@@ -519,10 +499,9 @@ SharedMemoryArena::~SharedMemoryArena() {
   if (!region_id_.empty()) {
     v1::UnregisterSharedMemoryRequest request;
     request.set_region_id(region_id_);
-    grpc::ClientContext context;
-    client_->Prepare(context);
-    v1::UnregisterSharedMemoryResponse response;
-    client_->stub_->UnregisterSharedMemory(&context, request, &response);
+    // Best effort: a destructor cannot report a failure.
+    client_->Unary(client_->stub_.get(), &v1::LossService::Stub::UnregisterSharedMemory, request)
+        .IgnoreError();
   }
   if (base_ != nullptr) munmap(base_, static_cast<size_t>(bytes_));
   shm_unlink(name_.c_str());

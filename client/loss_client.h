@@ -166,6 +166,11 @@ class LossClient {
  private:
   LossClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
   void Prepare(grpc::ClientContext& context) const;
+  // A unary call of `stub` with Prepare's deadline and token.
+  template <typename Stub, typename Request, typename Response>
+  absl::StatusOr<Response> Unary(
+      Stub* stub, grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+      const Request& request) const;
   int64_t StreamAbove() const;
   absl::StatusOr<v1::ForwardResponse> ForwardStreamed(const ForwardArgs& args);
   absl::StatusOr<v1::BackwardResponse> BackwardStreamed(const v1::BackwardRequest& request);
