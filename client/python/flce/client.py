@@ -335,66 +335,59 @@ class Client:
         server from this process's GPU memory (see :class:`CudaIpc`)."""
         ipc = CudaIpc(self) if cuda_ipc and (_is_cuda(hidden) or _is_cuda(weight)) else None
         try:
-            return self._forward(hidden, target, weight, bias, weight_name, weight_version,
-                                 class_weight, ignore_index, reduction, label_smoothing,
-                                 logit_softcap, z_loss_scale, need_backward, backward_mode,
-                                 want_lse, want_per_row_loss, shm, ipc)
+            r = pb.ForwardRequest()
+            if ipc is not None and _is_cuda(hidden):
+                ipc.place(hidden.contiguous(), r.hidden)
+            else:
+                to_wire(hidden, r.hidden)
+            to_wire(target, r.target)
+            if weight_name:
+                r.weight_ref.name = weight_name
+                r.weight_ref.version = weight_version
+            elif weight is not None:
+                if ipc is not None and _is_cuda(weight):
+                    ipc.place(weight.contiguous(), r.weight)
+                else:
+                    to_wire(weight, r.weight)
+                if bias is not None:
+                    to_wire(bias, r.bias)
+            o = r.options
+            o.ignore_index = ignore_index
+            o.reduction = _REDUCTIONS[reduction]
+            o.label_smoothing = label_smoothing
+            if class_weight is not None:
+                to_wire(class_weight, o.class_weight)
+            if logit_softcap is not None:
+                o.logit_softcap = logit_softcap
+            o.z_loss_scale = z_loss_scale
+            r.need_backward = need_backward
+            r.backward_mode = _MODES[backward_mode]
+            r.outputs.lse = want_lse
+            r.outputs.per_row_loss = want_per_row_loss
+            if shm is not None:
+                offset = 0
+                tensors = [r.target] + ([] if r.hidden.HasField("shm") else [r.hidden])
+                if not weight_name and weight is not None and not r.weight.HasField("shm"):
+                    tensors.append(r.weight)
+                    if bias is not None:
+                        tensors.append(r.bias)
+                if class_weight is not None:
+                    tensors.append(o.class_weight)
+                for t in tensors:
+                    offset = _place(shm, t, offset)
+            resp = self._call(self._stub.Forward, r)
+            if resp.session_id:
+                h = r.hidden.shape[1]
+                v = r.weight.shape[0] if r.HasField("weight") else 0
+                self._sessions[resp.session_id] = (r.hidden.shape[0], h, v,
+                                                   r.HasField("bias"), r.hidden.dtype)
+            return ForwardResult(resp.loss, resp.z_loss,
+                                 resp.lse if resp.HasField("lse") else None,
+                                 resp.num_valid, resp.num_correct, resp.session_id,
+                                 _MODE_NAMES.get(resp.backward_mode, "auto"))
         finally:
             if ipc is not None:
                 ipc.release()
-
-    def _forward(self, hidden, target, weight, bias, weight_name, weight_version, class_weight,
-                 ignore_index, reduction, label_smoothing, logit_softcap, z_loss_scale,
-                 need_backward, backward_mode, want_lse, want_per_row_loss, shm, ipc):
-        r = pb.ForwardRequest()
-        if ipc is not None and _is_cuda(hidden):
-            ipc.place(hidden.contiguous(), r.hidden)
-        else:
-            to_wire(hidden, r.hidden)
-        to_wire(target, r.target)
-        if weight_name:
-            r.weight_ref.name = weight_name
-            r.weight_ref.version = weight_version
-        elif weight is not None:
-            if ipc is not None and _is_cuda(weight):
-                ipc.place(weight.contiguous(), r.weight)
-            else:
-                to_wire(weight, r.weight)
-            if bias is not None:
-                to_wire(bias, r.bias)
-        o = r.options
-        o.ignore_index = ignore_index
-        o.reduction = _REDUCTIONS[reduction]
-        o.label_smoothing = label_smoothing
-        if class_weight is not None:
-            to_wire(class_weight, o.class_weight)
-        if logit_softcap is not None:
-            o.logit_softcap = logit_softcap
-        o.z_loss_scale = z_loss_scale
-        r.need_backward = need_backward
-        r.backward_mode = _MODES[backward_mode]
-        r.outputs.lse = want_lse
-        r.outputs.per_row_loss = want_per_row_loss
-        if shm is not None:
-            offset = 0
-            tensors = [r.target] + ([] if r.hidden.HasField("shm") else [r.hidden])
-            if not weight_name and weight is not None and not r.weight.HasField("shm"):
-                tensors.append(r.weight)
-                if bias is not None:
-                    tensors.append(r.bias)
-            if class_weight is not None:
-                tensors.append(o.class_weight)
-            for t in tensors:
-                offset = _place(shm, t, offset)
-        resp = self._call(self._stub.Forward, r)
-        if resp.session_id:
-            h = r.hidden.shape[1]
-            v = r.weight.shape[0] if r.HasField("weight") else 0
-            self._sessions[resp.session_id] = (r.hidden.shape[0], h, v,
-                                               r.HasField("bias"), r.hidden.dtype)
-        return ForwardResult(resp.loss, resp.z_loss, resp.lse if resp.HasField("lse") else None,
-                             resp.num_valid, resp.num_correct, resp.session_id,
-                             _MODE_NAMES.get(resp.backward_mode, "auto"))
 
     def backward(self, session_id: str, grad_output=None, *, keep_session: bool = False,
                  float32_grads: bool = False, accumulate_weight_grad: bool = False,
@@ -410,55 +403,50 @@ class Client:
             raise ValueError("backward: pass shm or into, not both")
         ipc = CudaIpc(self) if targets else None
         try:
-            return self._backward(session_id, grad_output, keep_session, float32_grads,
-                                  accumulate_weight_grad, shm, into, ipc)
+            r = pb.BackwardRequest(session_id=session_id, keep_session=keep_session,
+                                   accumulate_weight_grad=accumulate_weight_grad)
+            if grad_output is not None:
+                to_wire(grad_output, r.grad_output)
+            if float32_grads:
+                r.grad_dtype = pb.DTYPE_FLOAT32
+            shape = self._sessions.get(session_id)
+            if not keep_session:
+                self._sessions.pop(session_id, None)
+            if shm is not None:
+                if shape is None or (shape[2] == 0 and not accumulate_weight_grad):
+                    raise ValueError("shm: gradients come back through shared memory only for "
+                                     "sessions this client made with the weight sent")
+                n, h, v, has_bias, dtype = shape
+                elem = 4 if float32_grads else _elem_size(dtype)
+                align = lambda x: (x + 63) // 64 * 64
+                dx, dw = n * h * elem, 0 if accumulate_weight_grad else v * h * elem
+                db = v * elem if has_bias and not accumulate_weight_grad else 0
+                if align(dx) + align(dw) + db > shm.nbytes:
+                    raise ValueError(f"shm: the gradients need {align(dx) + align(dw) + db} "
+                                     f"bytes, the region holds {shm.nbytes}")
+                for field, offset, size in (("grad_hidden_out", 0, dx),
+                                            ("grad_weight_out", align(dx), dw),
+                                            ("grad_bias_out", align(dx) + align(dw), db)):
+                    if size:
+                        getattr(r, field).region_id = shm.region_id
+                        getattr(r, field).offset = offset
+            if ipc is not None:
+                for field, tensor in zip(("grad_hidden_out", "grad_weight_out", "grad_bias_out"),
+                                         into):
+                    if tensor is not None:
+                        getattr(r, field).CopyFrom(ipc.slice(tensor))
+            resp = self._call(self._stub.Backward, r)
+            if shm is not None:
+                for t in (resp.grad_hidden, resp.grad_weight, resp.grad_bias):
+                    if t.HasField("shm"):
+                        nbytes = int(np.prod(t.shape)) * _elem_size(t.dtype)
+                        t.data = bytes(shm.buffer[t.shm.offset:t.shm.offset + nbytes])
+            return Gradients(resp.grad_hidden,
+                             resp.grad_weight if resp.HasField("grad_weight") else None,
+                             resp.grad_bias if resp.HasField("grad_bias") else None)
         finally:
             if ipc is not None:
                 ipc.release()
-
-    def _backward(self, session_id, grad_output, keep_session, float32_grads,
-                  accumulate_weight_grad, shm, into, ipc):
-        r = pb.BackwardRequest(session_id=session_id, keep_session=keep_session,
-                               accumulate_weight_grad=accumulate_weight_grad)
-        if grad_output is not None:
-            to_wire(grad_output, r.grad_output)
-        if float32_grads:
-            r.grad_dtype = pb.DTYPE_FLOAT32
-        shape = self._sessions.get(session_id)
-        if not keep_session:
-            self._sessions.pop(session_id, None)
-        if shm is not None:
-            if shape is None or (shape[2] == 0 and not accumulate_weight_grad):
-                raise ValueError("shm: gradients come back through shared memory only for "
-                                 "sessions this client made with the weight sent")
-            n, h, v, has_bias, dtype = shape
-            elem = 4 if float32_grads else _elem_size(dtype)
-            align = lambda x: (x + 63) // 64 * 64
-            dx, dw = n * h * elem, 0 if accumulate_weight_grad else v * h * elem
-            db = v * elem if has_bias and not accumulate_weight_grad else 0
-            if align(dx) + align(dw) + db > shm.nbytes:
-                raise ValueError(f"shm: the gradients need {align(dx) + align(dw) + db} bytes, "
-                                 f"the region holds {shm.nbytes}")
-            for field, offset, size in (("grad_hidden_out", 0, dx),
-                                        ("grad_weight_out", align(dx), dw),
-                                        ("grad_bias_out", align(dx) + align(dw), db)):
-                if size:
-                    getattr(r, field).region_id = shm.region_id
-                    getattr(r, field).offset = offset
-        if ipc is not None:
-            for field, tensor in zip(("grad_hidden_out", "grad_weight_out", "grad_bias_out"),
-                                     into):
-                if tensor is not None:
-                    getattr(r, field).CopyFrom(ipc.slice(tensor))
-        resp = self._call(self._stub.Backward, r)
-        if shm is not None:
-            for t in (resp.grad_hidden, resp.grad_weight, resp.grad_bias):
-                if t.HasField("shm"):
-                    nbytes = int(np.prod(t.shape)) * _elem_size(t.dtype)
-                    t.data = bytes(shm.buffer[t.shm.offset:t.shm.offset + nbytes])
-        return Gradients(resp.grad_hidden,
-                         resp.grad_weight if resp.HasField("grad_weight") else None,
-                         resp.grad_bias if resp.HasField("grad_bias") else None)
 
     def release_session(self, session_id: str) -> bool:
         return self._call(self._stub.ReleaseSession,
