@@ -9,8 +9,8 @@
 // CPU: the engine's host API, floor = OpenBLAS sgemm. CUDA: the engine's
 // device work on resident inputs (CudaEngine::DeviceRun: no host transfers),
 // floor = cuBLAS GEMMs in the input dtype; the extra device memory is the
-// stream-ordered pool's measured high-water mark minus X, W and the fp32
-// dX, dW the session keeps.
+// stream-ordered pool's measured high-water mark minus X, W and the dX, dW
+// the run keeps (fp32 accumulators; RECOMPUTE's dW in the input dtype).
 //
 // Effective rate = 6·N·H·V / time (the useful FLOP of fwd+bwd), as in
 // DESIGN.md §7. Prints a table; --json prints one JSON object per row.
@@ -264,7 +264,7 @@ int RunCuda() {
         uint64_t high = 0;
         cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
         const int64_t resident = (s.n * s.h + s.v * s.h) * DTypeSize(dtype) +  // X, W
-                                 (s.n * s.h + s.v * s.h) * 4;  // dX, dW (fp32, kept)
+                                 (*run)->gradient_bytes();                   // dX, dW
         extra_gib = (static_cast<double>(high) - resident) / (1 << 30);
       }
     }

@@ -56,11 +56,16 @@ struct DeviceInputs {
   const char* x_row(int64_t r) const {
     return hidden.as<const char>() + r * h * DTypeSize(dtype);
   }
-  RowParams Params(int64_t row0, int64_t rows) const {
+  // Whole rows [row0, row0 + rows).
+  RowParams Params(int64_t row0, int64_t rows) const { return Params(row0, rows, 0, v); }
+  // Columns [col0, col0 + cols) of rows [row0, row0 + rows).
+  RowParams Params(int64_t row0, int64_t rows, int64_t col0, int64_t cols) const {
     RowParams p;
     p.rows = rows;
     p.row0 = row0;
     p.vocab = v;
+    p.col0 = col0;
+    p.cols = cols;
     p.bias = bias.bytes() > 0 ? bias.as<const float>() : nullptr;
     p.class_weight = class_weight.bytes() > 0 ? class_weight.as<const float>() : nullptr;
     p.class_weight_sum = class_weight_sum;
@@ -188,6 +193,22 @@ class EngineImpl {
     const int64_t even = (rows + chunks - 1) / chunks;
     const int64_t tiled = (even + 127) / 128 * 128;
     return tiled <= by_budget ? tiled : even;
+  }
+
+  // Columns per vocabulary slice when the RECOMPUTE backward takes all
+  // `rows` at once, or 0 when a slice of min_slice_columns does not fit the
+  // budget. As few slices as fit, of equal width, whole GEMM tiles of 128
+  // columns where that still fits, else a multiple of 16 (so every slice
+  // but the last keeps its rows 16-byte aligned).
+  int64_t SliceColumns(int64_t rows, int64_t vocab, DType dtype) const {
+    const int64_t by_budget =
+        options_.chunk_bytes / (std::max<int64_t>(1, rows) * DTypeSize(dtype));
+    if (by_budget >= vocab) return std::max<int64_t>(1, vocab);
+    if (by_budget < std::max<int64_t>(16, options_.min_slice_columns)) return 0;
+    const int64_t slices = (vocab + by_budget - 1) / by_budget;
+    const int64_t even = (vocab + slices - 1) / slices;
+    const int64_t tiled = (even + 127) / 128 * 128;
+    return tiled <= by_budget ? tiled : by_budget / 16 * 16;
   }
 
   // Holds one lane for a call.
@@ -399,6 +420,77 @@ class EngineImpl {
     return absl::OkStatus();
   }
 
+  // The RECOMPUTE backward: dX (fp32 [N, H]), dW ([V, H] in `wdtype`,
+  // device memory) and db (fp32 [V], or null) for the row scales in `rows`
+  // and the saved `lse`.
+  //
+  // Over vocabulary slices of all rows where the budget allows: per slice
+  // the logits GEMM, the gradient in place from the lse, dX += dZ_s·W_s
+  // (fp32, beta 1 after the first slice: N×H is small) and dW_s = dZ_sᵀ·X
+  // over every token in one GEMM, rounded once straight into its final
+  // dtype: no fp32 dW accumulator, no pass over it per chunk and none to
+  // narrow it. Else over token chunks into an fp32 accumulator, narrowed
+  // into dw at the end.
+  absl::Status RecomputeGradients(Lane& lane, const DeviceInputs& in, const RowBuffers& rows,
+                                  const float* lse, float* dx, void* dw, DType wdtype,
+                                  float* db, const CancelFn& cancelled) {
+    cudaStream_t s = lane.stream.get();
+    const int64_t width = SliceColumns(in.n, in.v, in.dtype);
+    if (width == 0) {
+      if (wdtype == DType::kFloat32) {
+        return RunChunks(lane, in, Pass::kGradFromLse, rows, lse, dx, static_cast<float*>(dw),
+                         db, cancelled);
+      }
+      FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw32, DeviceBuffer::Allocate(in.v * in.h * 4, s));
+      FLCE_RETURN_IF_ERROR(RunChunks(lane, in, Pass::kGradFromLse, rows, lse, dx,
+                                     dw32.as<float>(), db, cancelled));
+      return Check(LaunchConvert(dw32.data(), DType::kFloat32, dw, wdtype, in.v * in.h, 1.0f, s),
+                   "convert");
+    }
+    const int64_t welem = DTypeSize(wdtype);
+    if (in.n == 0) {
+      FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(dw, 0, in.v * in.h * welem, s), "zero dW"));
+      if (db) FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(db, 0, in.v * 4, s), "zero db"));
+      return absl::OkStatus();
+    }
+    const int64_t elem = DTypeSize(in.dtype);
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer logits,
+                          DeviceBuffer::Allocate(in.n * std::min(width, in.v) * elem, s));
+    for (int64_t c0 = 0; c0 < in.v; c0 += width) {
+      if (cancelled && cancelled()) return absl::CancelledError("cancelled between slices");
+      const int64_t cols = std::min(width, in.v - c0);
+      const char* w_s = in.weight.as<const char>() + c0 * in.h * elem;
+      // logits_s[N, cols] (row-major) = X · W_sᵀ. Column-major view:
+      // logits_sᵀ (cols×N, ld cols) = op(A)·op(B) with
+      //   A = W_s, rows c0.. of W: column-major H×cols (ld H), op T;
+      //   B = X, column-major H×N (ld H), op N.
+      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_T, CUBLAS_OP_N, cols, in.n, in.h, w_s, in.dtype,
+                                in.h, in.hidden.data(), in.dtype, in.h, 0.0f, logits.data(),
+                                in.dtype, cols));
+      FLCE_RETURN_IF_ERROR(Check(LaunchGradientRows(in.Params(0, in.n, c0, cols), logits.data(),
+                                                    in.dtype, lse, rows.row_scale.as<float>(),
+                                                    s),
+                                 "gradient rows"));
+      // dX[N, H] (+)= dZ_s · W_s. Column-major view: dXᵀ (H×N, ld H) = A·B
+      // with A = W_s (H×cols, ld H), op N; B = dZ_s (cols×N, ld cols), op N.
+      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_N, in.h, in.n, cols, w_s, in.dtype,
+                                in.h, logits.data(), in.dtype, cols, c0 == 0 ? 0.0f : 1.0f, dx,
+                                DType::kFloat32, in.h));
+      // dW_s[cols, H] = dZ_sᵀ · X. Column-major view: dW_sᵀ (H×cols, ld H)
+      // = A·op(B) with A = X (H×N, ld H), op N; B = dZ_s (cols×N, ld cols),
+      // op T → N×cols.
+      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_T, in.h, cols, in.n,
+                                in.hidden.data(), in.dtype, in.h, logits.data(), in.dtype, cols,
+                                0.0f, static_cast<char*>(dw) + c0 * in.h * welem, wdtype, in.h));
+      if (db) {
+        FLCE_RETURN_IF_ERROR(Check(
+            LaunchColumnSums(logits.data(), in.dtype, in.n, cols, cols, false, db + c0, s),
+            "bias gradient"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   // Elements converted per slice when narrowing fp32 results: bounds the
   // conversion buffer (64 MiB of bf16) whatever the size of dW.
   static constexpr int64_t kSliceElements = int64_t{32} << 20;
@@ -420,8 +512,6 @@ class EngineImpl {
     return absl::OkStatus();
   }
 
-  // An fp32 device buffer × scale as a new host tensor of `dtype`, rounded
-  // once on the device.
   // An fp32 device buffer × scale, rounded once on the device to `dtype`,
   // as a new host tensor or, with `to`, written there (device memory
   // directly, host memory through the conversion slice) and returned
@@ -459,6 +549,31 @@ class EngineImpl {
                                        cudaMemcpyDeviceToHost, s),
                        "download");
         }));
+    FLCE_RETURN_IF_ERROR(Check(cudaStreamSynchronize(s), "download"));
+    return out;
+  }
+
+  // A device tensor already in its final dtype, as a new host tensor or,
+  // with a host `to`, copied there; with a device `to` it is there already
+  // (`src` is that memory) and is returned without bytes.
+  absl::StatusOr<HostTensor> CopyDown(Lane& lane, const void* src, std::vector<int64_t> shape,
+                                      DType dtype, const std::optional<GradientDestination>& to) {
+    HostTensor out;
+    out.dtype = dtype;
+    out.shape = std::move(shape);
+    cudaStream_t s = lane.stream.get();
+    if (!(to && to->space == MemorySpace::kCuda)) {
+      void* dst = to ? to->data : nullptr;
+      if (dst == nullptr) {
+        out = HostTensor(dtype, out.shape);
+        dst = out.data.data();
+      }
+      const int64_t bytes = out.num_elements() * DTypeSize(dtype);
+      if (bytes > 0) {
+        FLCE_RETURN_IF_ERROR(
+            Check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s), "download"));
+      }
+    }
     FLCE_RETURN_IF_ERROR(Check(cudaStreamSynchronize(s), "download"));
     return out;
   }
@@ -580,22 +695,30 @@ class EngineImpl {
     }
     FLCE_RETURN_IF_ERROR(RowScales(*lane, in, g.empty() ? nullptr : g_device.as<float>(),
                                    static_cast<int64_t>(g.size()), rows));
+    const DType dtype = spec.hidden_dtype(in.dtype);
+    const DType wdtype = spec.weight_dtype(in.dtype);
     FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(in.n * in.h * 4, s));
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(in.v * in.h * 4, s));
+    // dW is made in its final dtype: straight into the caller's device
+    // memory, or into a buffer that is copied down.
+    const bool dw_in_place = spec.grad_weight_to && spec.grad_weight_to->space == MemorySpace::kCuda;
+    DeviceBuffer dw;
+    if (!dw_in_place) {
+      FLCE_ASSIGN_OR_RETURN(dw, DeviceBuffer::Allocate(in.v * in.h * DTypeSize(wdtype), s));
+    }
+    void* dw_out = dw_in_place ? spec.grad_weight_to->data : dw.data();
     DeviceBuffer db;
     if (in.bias.bytes() > 0) {
       FLCE_ASSIGN_OR_RETURN(db, DeviceBuffer::Allocate(in.v * 4, s));
     }
-    FLCE_RETURN_IF_ERROR(RunChunks(*lane, in, Pass::kGradFromLse, rows, saved->lse.as<float>(),
-                                   dx.as<float>(), dw.as<float>(),
-                                   db.bytes() > 0 ? db.as<float>() : nullptr, cancelled));
+    FLCE_RETURN_IF_ERROR(RecomputeGradients(*lane, in, rows, saved->lse.as<float>(),
+                                            dx.as<float>(), dw_out, wdtype,
+                                            db.bytes() > 0 ? db.as<float>() : nullptr,
+                                            cancelled));
     // g (host) must outlive its upload: Download synchronises the stream.
-    const DType dtype = spec.hidden_dtype(in.dtype);
-    const DType wdtype = spec.weight_dtype(in.dtype);
     FLCE_ASSIGN_OR_RETURN(out.grad_hidden, Download(*lane, dx, {in.n, in.h}, dtype, 1.0f,
                                                     spec.grad_hidden_to));
-    FLCE_ASSIGN_OR_RETURN(out.grad_weight, Download(*lane, dw, {in.v, in.h}, wdtype, 1.0f,
-                                                    spec.grad_weight_to));
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight,
+                          CopyDown(*lane, dw_out, {in.v, in.h}, wdtype, spec.grad_weight_to));
     if (db.bytes() > 0) {
       FLCE_ASSIGN_OR_RETURN(out.grad_bias,
                             Download(*lane, db, {in.v}, wdtype, 1.0f, spec.grad_bias_to));
@@ -645,13 +768,10 @@ class EngineImpl {
       FLCE_ASSIGN_OR_RETURN(in_, impl_->UploadProblem(*lane, problem));
       FLCE_ASSIGN_OR_RETURN(rows_, impl_->AllocateRows(*lane, in_.n));
       FLCE_ASSIGN_OR_RETURN(dx_, DeviceBuffer::Allocate(in_.n * in_.h * 4, s));
-      FLCE_ASSIGN_OR_RETURN(dw_, DeviceBuffer::Allocate(in_.v * in_.h * 4, s));
-      // Beyond X, W and the dX, dW the session keeps (fp32): the logits
-      // chunk (or, after it is freed, the conversion slice), the per-row
-      // buffers and the targets.
-      const int64_t chunk = impl_->ChunkRows(in_.n, in_.v, in_.dtype);
-      extra_ = std::max(chunk * in_.v, kSliceElements) * DTypeSize(in_.dtype) +
-               5 * in_.n * 4 + in_.target.bytes();
+      // STORE_GRADS keeps dW as an fp32 accumulator; RECOMPUTE makes it in
+      // the input dtype (Backward's default).
+      const int64_t dw_elem = mode_ == BackwardMode::kStoreGrads ? 4 : DTypeSize(in_.dtype);
+      FLCE_ASSIGN_OR_RETURN(dw_, DeviceBuffer::Allocate(in_.v * in_.h * dw_elem, s));
       return impl_->Check(cudaStreamSynchronize(s), "prepare");
     }
 
@@ -667,9 +787,9 @@ class EngineImpl {
       } else {
         FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLoss, rows_, nullptr, nullptr,
                                               nullptr, nullptr, nullptr));
-        FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kGradFromLse, rows_,
-                                              rows_.lse.as<float>(), dx_.as<float>(),
-                                              dw_.as<float>(), nullptr, nullptr));
+        FLCE_RETURN_IF_ERROR(impl_->RecomputeGradients(*lane, in_, rows_, rows_.lse.as<float>(),
+                                                       dx_.as<float>(), dw_.data(), in_.dtype,
+                                                       nullptr, nullptr));
       }
       FLCE_RETURN_IF_ERROR(impl_->Check(
           LaunchReduceRows(rows_.outputs(), in_.n, rows_.denom.as<double>(), true,
@@ -682,12 +802,14 @@ class EngineImpl {
       auto no_download = [](const void*, int64_t, int64_t) { return absl::OkStatus(); };
       FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dx_.as<float>(), in_.n * in_.h,
                                                   in_.dtype, 1.0f, slice, no_download));
-      FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dw_.as<float>(), in_.v * in_.h,
-                                                  in_.dtype, 1.0f, slice, no_download));
+      if (mode_ == BackwardMode::kStoreGrads) {
+        FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dw_.as<float>(), in_.v * in_.h,
+                                                    in_.dtype, 1.0f, slice, no_download));
+      }
       return impl_->Check(cudaStreamSynchronize(s), "run");
     }
 
-    int64_t extra_bytes() const override { return extra_; }
+    int64_t gradient_bytes() const override { return dx_.bytes() + dw_.bytes(); }
 
    private:
     EngineImpl* impl_;
@@ -695,7 +817,6 @@ class EngineImpl {
     DeviceInputs in_;
     RowBuffers rows_;
     DeviceBuffer dx_, dw_;
-    int64_t extra_ = 0;
   };
 
  private:

@@ -21,6 +21,10 @@ struct CudaEngineOptions {
   // of the engine's memory beyond X, W, dX, dW (the default leaves 8 MiB of
   // a GiB for the per-row buffers).
   int64_t chunk_bytes = int64_t{1016} << 20;
+  // The RECOMPUTE backward takes all rows at once, slicing the vocabulary
+  // (rows × slice columns within chunk_bytes), when a slice of at least
+  // this many columns fits; else it runs over token chunks like Forward.
+  int64_t min_slice_columns = 2048;
 };
 
 namespace internal_cuda {
@@ -33,7 +37,10 @@ class EngineImpl;
 // (online max/sum-exp, loss, lse, z-loss, softcap, smoothing, class weights,
 // ignore_index, accuracy, all in fp32) that writes the gradient in place over
 // the logits; then dX = dZ·W and dW += dZᵀ·X (fp32 across chunks), db
-// likewise. No host synchronisation inside the chunk loop.
+// likewise. The RECOMPUTE backward instead slices the vocabulary, all rows
+// at once where the budget allows: per slice dX += dZ_s·W_s (fp32) and
+// dW_s = dZ_sᵀ·X in one GEMM, written in its final dtype. No host
+// synchronisation inside the chunk loop.
 // Device OOM is RESOURCE_EXHAUSTED and the engine keeps serving; after a
 // sticky CUDA error every call is UNAVAILABLE (see health()).
 class CudaEngine : public LossEngine {
@@ -64,9 +71,9 @@ class CudaEngine : public LossEngine {
    public:
     virtual ~DeviceRun() = default;
     virtual absl::Status Run() = 0;
-    // Device memory held beyond the inputs X, W (and the gradients dX, dW
-    // in their final dtype) at the peak of Run(), in bytes.
-    virtual int64_t extra_bytes() const = 0;
+    // Bytes of the dX and dW that Run() keeps (fp32 accumulators, or dW
+    // in its final dtype): with X and W, what a session holds anyway.
+    virtual int64_t gradient_bytes() const = 0;
   };
   absl::StatusOr<std::unique_ptr<DeviceRun>> PrepareDeviceRun(const LossProblem& problem,
                                                               BackwardMode mode);

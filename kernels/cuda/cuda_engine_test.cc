@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_engine.h"
@@ -21,14 +23,26 @@ bool RequireGpu() {
   return v != nullptr && std::string(v) == "1";
 }
 
-// One engine for the whole binary; a small chunk budget so that every case
-// runs several token chunks (at least kMinChunkRows rows each).
-CudaEngine* Engine(std::string* why) {
-  static absl::StatusOr<std::unique_ptr<CudaEngine>>* engine = [] {
+// How the RECOMPUTE backward walks the logits.
+enum class Layout {
+  kTokenChunks,     // token chunks, like Forward (slices of every row do not fit)
+  kVocabularySlices  // all rows at once, vocabulary slices of 16+ columns
+};
+
+// Two engines for the whole binary, both with a small chunk budget so that
+// every case runs several token chunks (at least kMinChunkRows rows each)
+// in Forward, and with it several vocabulary slices or token chunks in the
+// RECOMPUTE backward.
+CudaEngine* Engine(std::string* why, Layout layout = Layout::kTokenChunks) {
+  auto make = [](int64_t min_slice_columns) {
     CudaEngineOptions options;
     options.chunk_bytes = 64 << 10;
+    options.min_slice_columns = min_slice_columns;
     return new absl::StatusOr<std::unique_ptr<CudaEngine>>(CudaEngine::Create(options));
-  }();
+  };
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* chunks = make(int64_t{1} << 40);
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* slices = make(16);
+  auto* engine = layout == Layout::kTokenChunks ? chunks : slices;
   if (!engine->ok()) {
     *why = engine->status().ToString();
     return nullptr;
@@ -36,31 +50,38 @@ CudaEngine* Engine(std::string* why) {
   return engine->value().get();
 }
 
-#define FLCE_GET_ENGINE_OR_SKIP(engine)                                     \
+#define FLCE_GET_ENGINE_OR_SKIP(engine, ...)                                \
   std::string why_;                                                       \
-  CudaEngine* engine = Engine(&why_);                                     \
+  CudaEngine* engine = Engine(&why_, ##__VA_ARGS__);                      \
   if (engine == nullptr) {                                                \
     if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why_;             \
     GTEST_SKIP() << "no CUDA device: " << why_;                           \
   }
 
-class CudaEngineTest : public ::testing::TestWithParam<DType> {
+class CudaEngineTest : public ::testing::TestWithParam<std::tuple<DType, Layout>> {
  protected:
+  DType dtype() const { return std::get<0>(GetParam()); }
   void RunAll(const std::vector<ConformanceCase>& cases) {
-    FLCE_GET_ENGINE_OR_SKIP(engine);
+    FLCE_GET_ENGINE_OR_SKIP(engine, std::get<1>(GetParam()));
     for (const ConformanceCase& c : cases) RunConformanceCase(*engine, c);
   }
 };
 
-TEST_P(CudaEngineTest, OddSizesBothModesAllReductions) { RunAll(OddSizeCases(GetParam())); }
-TEST_P(CudaEngineTest, EveryOptionTogether) { RunAll(EveryOptionCases(GetParam())); }
-TEST_P(CudaEngineTest, EachOptionAlone) { RunAll(EachOptionCases(GetParam())); }
-TEST_P(CudaEngineTest, PeakedAndFlatSoftmaxes) { RunAll(SoftmaxShapeCases(GetParam())); }
-TEST_P(CudaEngineTest, LargeVocabulary) { RunAll(LargeVocabularyCases(GetParam())); }
+TEST_P(CudaEngineTest, OddSizesBothModesAllReductions) { RunAll(OddSizeCases(dtype())); }
+TEST_P(CudaEngineTest, EveryOptionTogether) { RunAll(EveryOptionCases(dtype())); }
+TEST_P(CudaEngineTest, EachOptionAlone) { RunAll(EachOptionCases(dtype())); }
+TEST_P(CudaEngineTest, PeakedAndFlatSoftmaxes) { RunAll(SoftmaxShapeCases(dtype())); }
+TEST_P(CudaEngineTest, LargeVocabulary) { RunAll(LargeVocabularyCases(dtype())); }
 
-INSTANTIATE_TEST_SUITE_P(AllDTypes, CudaEngineTest,
-                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
-                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+INSTANTIATE_TEST_SUITE_P(
+    AllDTypes, CudaEngineTest,
+    ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
+                       ::testing::Values(Layout::kTokenChunks, Layout::kVocabularySlices)),
+    [](const auto& info) {
+      return std::string(DTypeName(std::get<0>(info.param))) +
+             (std::get<1>(info.param) == Layout::kTokenChunks ? "_token_chunks"
+                                                              : "_vocabulary_slices");
+    });
 
 TEST(CudaEngineSemanticsTest, AgreesWithTheCpuEngine) {
   FLCE_GET_ENGINE_OR_SKIP(engine);
@@ -105,19 +126,24 @@ TEST(CudaEngineSemanticsTest, MeanOverAllIgnoredRowsIsNaNWithZeroGradients) {
 
 TEST(CudaEngineSemanticsTest, NoRowsGiveZeroWeightGradient) {
   FLCE_GET_ENGINE_OR_SKIP(engine);
+  std::string why;
+  CudaEngine* sliced = Engine(&why, Layout::kVocabularySlices);
+  ASSERT_NE(sliced, nullptr) << why;
   RandomProblemSpec spec;
   spec.rows = 0;
   spec.options.reduction = Reduction::kSum;
   spec.bias = true;
   const OwnedProblem p = MakeRandomProblem(spec);
-  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+  for (auto [mode, e] : {std::pair{BackwardMode::kStoreGrads, engine},
+                         std::pair{BackwardMode::kRecompute, engine},
+                         std::pair{BackwardMode::kRecompute, sliced}}) {
     ForwardSpec fs;
     fs.need_backward = true;
     fs.mode = mode;
-    auto fwd = engine->Forward(p.view(), fs, nullptr);
+    auto fwd = e->Forward(p.view(), fs, nullptr);
     ASSERT_TRUE(fwd.ok()) << fwd.status();
     EXPECT_EQ(fwd->loss.data_as<float>()[0], 0.0f);
-    auto grads = engine->Backward(*fwd->saved, {}, nullptr);
+    auto grads = e->Backward(*fwd->saved, {}, nullptr);
     ASSERT_TRUE(grads.ok()) << grads.status();
     for (float v : TensorToFloats(grads->grad_weight.view())) ASSERT_EQ(v, 0.0f);
     for (float v : TensorToFloats(grads->grad_bias->view())) ASSERT_EQ(v, 0.0f);

@@ -231,15 +231,22 @@ constexpr float kLog2e = 1.4426950408889634f;
 // exp(x) for x <= 0 as exp2: one multiply and the special-function unit.
 __device__ __forceinline__ float ExpNonPositive(float x) { return exp2f(x * kLog2e); }
 
-// Overwrites a row of logits with its scaled gradient (zeros for an ignored
-// row). Each element is read and written by the same thread. zt, the
-// target's logit as read before the call, is needed by thread 0 only.
+// The target's position among the row's given columns, or -1.
+__device__ __forceinline__ int64_t LocalColumn(const RowParams& p, int64_t t) {
+  return t >= p.col0 && t < p.col0 + p.cols ? t - p.col0 : -1;
+}
+
+// Overwrites a row of logits (its columns [col0, col0 + cols)) with its
+// scaled gradient (zeros for an ignored row). Each element is read and
+// written by the same thread. zt, the target's logit as read before the
+// call, is needed by thread 0 only, and only when the target is a given
+// column.
 template <typename T, bool kVec, bool kPlain>
 __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid, float wt,
                                  float lse, float scale, float zt) {
   using Packs = RowPacks<T, kVec>;
   if (!valid) {
-    Packs::UpdateBackwards(z, p.vocab, [](int64_t, float (&x)[Packs::P]) {
+    Packs::UpdateBackwards(z, p.cols, [](int64_t, float (&x)[Packs::P]) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) x[k] = 0.0f;
     });
@@ -251,20 +258,22 @@ __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid
     // as there, is written by thread 0 once the block is done.
     const float zc = 2.0f * p.z_loss_scale * lse;
     const float c = scale * (wt + zc);
-    Packs::UpdateBackwards(z, p.vocab, [&](int64_t, float (&x)[Packs::P]) {
+    Packs::UpdateBackwards(z, p.cols, [&](int64_t, float (&x)[Packs::P]) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) x[k] = c * ExpNonPositive(x[k] - lse);
     });
     __syncthreads();
-    if (threadIdx.x == 0) {
+    const int64_t local_t = LocalColumn(p, t);
+    if (threadIdx.x == 0 && local_t >= 0) {
       const float prob = ExpNonPositive(zt - lse);
-      z[t] = FromFloatDev<T>(scale * (wt * (prob - 1.0f) + zc * prob));
+      z[local_t] = FromFloatDev<T>(scale * (wt * (prob - 1.0f) + zc * prob));
     }
   } else {
-    Packs::UpdateBackwards(z, p.vocab, [&](int64_t j0, float (&x)[Packs::P]) {
+    Packs::UpdateBackwards(z, p.cols, [&](int64_t j0, float (&x)[Packs::P]) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) {
-        x[k] = scale * Gradient(p, Transform<false>(p, x[k], j0 + k), j0 + k, t, wt, lse);
+        const int64_t j = p.col0 + j0 + k;
+        x[k] = scale * Gradient(p, Transform<false>(p, x[k], j), j, t, wt, lse);
       }
     });
   }
@@ -279,7 +288,7 @@ __global__ void __launch_bounds__(kRowThreads)
   __shared__ float shared_sum[kWarps];
   const int64_t r = blockIdx.x;
   const int64_t row = p.row0 + r;
-  T* z = logits + r * p.vocab;
+  T* z = logits + r * p.vocab;  // whole rows: cols = V, col0 = 0
   const int64_t t = p.target[row];
   const bool valid = t != p.ignore_index;
 
@@ -353,9 +362,10 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t t = p.target[row];
   const bool valid = t != p.ignore_index;
   const float wt = valid ? (p.class_weight != nullptr ? p.class_weight[t] : 1.0f) : 0.0f;
-  T* z = logits + r * p.vocab;
-  float zt = 0.0f;  // the target's logit, on thread 0
-  if (kPlain && valid && threadIdx.x == 0) zt = ToFloatDev(z[t]);
+  T* z = logits + r * p.cols;
+  float zt = 0.0f;  // the target's logit, on thread 0 (when it is a given column)
+  const int64_t local_t = LocalColumn(p, t);
+  if (kPlain && valid && threadIdx.x == 0 && local_t >= 0) zt = ToFloatDev(z[local_t]);
   __syncthreads();  // read before the row is overwritten
   WriteGradientRow<T, kVec, kPlain>(p, z, t, valid, wt, lse[row], row_scale[row], zt);
 }
@@ -552,7 +562,7 @@ template <typename T>
 cudaError_t GradientRowsFor(const RowParams& p, void* logits, const float* lse,
                             const float* row_scale, cudaStream_t stream) {
   T* z = static_cast<T*>(logits);
-  const bool vec = p.vocab % kPack<T> == 0;
+  const bool vec = p.cols % kPack<T> == 0;
   auto kernel = vec ? (IsPlain(p) ? GradientRowsKernel<T, true, true>
                                   : GradientRowsKernel<T, true, false>)
                     : (IsPlain(p) ? GradientRowsKernel<T, false, true>
@@ -565,6 +575,7 @@ cudaError_t GradientRowsFor(const RowParams& p, void* logits, const float* lse,
 cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, bool write_grad,
                               const float* row_scale, const RowOutputs& out,
                               cudaStream_t stream) {
+  if (p.col0 != 0 || p.cols != p.vocab) return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32:
@@ -580,7 +591,8 @@ cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, boo
 
 cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, const float* lse,
                                const float* row_scale, cudaStream_t stream) {
-  if (p.rows == 0) return cudaSuccess;
+  if (p.col0 < 0 || p.cols < 0 || p.col0 + p.cols > p.vocab) return cudaErrorInvalidValue;
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32:
       return GradientRowsFor<float>(p, logits, lse, row_scale, stream);

@@ -15,11 +15,15 @@
 namespace flce {
 namespace internal_cuda {
 
-// One token chunk of the loss. Pointers are device pointers.
+// One block of logits: `rows` rows from global row `row0`, vocabulary
+// columns [col0, col0 + cols) of each, stored with row stride `cols`.
+// Pointers are device pointers.
 struct RowParams {
   int64_t rows = 0;   // rows in this chunk
   int64_t row0 = 0;   // global index of the chunk's first row
-  int64_t vocab = 0;
+  int64_t vocab = 0;  // V, the whole vocabulary
+  int64_t col0 = 0;   // first vocabulary column given
+  int64_t cols = 0;   // columns given per row (V for whole rows)
   const float* bias = nullptr;          // [V] fp32, or null
   const float* class_weight = nullptr;  // [V] fp32, or null (all 1)
   float class_weight_sum = 0.0f;        // Σ class_weight (V without)
@@ -38,8 +42,9 @@ struct RowOutputs {
   int32_t* correct = nullptr; // [N], argmax == target on valid rows
 };
 
-// Forward over a chunk of logits z [rows, V] in `dtype` (the input dtype,
-// row stride V; fp32 accumulation happened in the GEMM):
+// Forward over a chunk of whole rows of logits z [rows, V] (col0 = 0,
+// cols = V; anything else is cudaErrorInvalidValue) in `dtype` (the input
+// dtype; fp32 accumulation happened in the GEMM):
 //   z' = softcap(z + b); lse = log Σ exp(z'); the row loss of loss_engine.h,
 // all in fp32. With write_grad, also overwrites each row with the gradient
 // of its loss times row_scale[row], in `dtype` (zeros for ignored rows; the
@@ -51,7 +56,8 @@ cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, boo
                               cudaStream_t stream);
 
 // The gradient pass alone, from saved per-row lse (RECOMPUTE backward):
-// same in-place output as LaunchForwardRows. Reads and writes each logit once.
+// same in-place output as LaunchForwardRows, for whole rows or a slice of
+// columns of each. Reads and writes each logit once.
 cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, const float* lse,
                                const float* row_scale, cudaStream_t stream);
 
