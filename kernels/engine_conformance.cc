@@ -207,8 +207,26 @@ std::vector<ConformanceCase> SoftmaxShapeCases(DType dtype) {
 }
 
 std::vector<ConformanceCase> LargeVocabularyCases(DType dtype) {
-  return {MakeCase("17x5x32003", 17, 5, 32003, dtype, Reduction::kMean,
-                   BackwardMode::kRecompute)};
+  std::vector<ConformanceCase> cases = {
+      MakeCase("17x5x32003", 17, 5, 32003, dtype, Reduction::kMean, BackwardMode::kRecompute),
+      // Rows of whole 16-byte packs over 68 KiB: several blocks per row
+      // where an engine holds rows on chip (3 in bf16/fp16, 5 in fp32).
+      MakeCase("19x7x80000", 19, 7, 80000, dtype, Reduction::kSum, BackwardMode::kStoreGrads)};
+  ConformanceCase all = MakeCase("all options 13x9x80000", 13, 9, 80000, dtype,
+                                 Reduction::kMean, BackwardMode::kStoreGrads);
+  all.spec.bias = true;
+  all.spec.class_weight = true;
+  all.spec.ignore_fraction = 0.25;
+  all.spec.options.label_smoothing = 0.1f;
+  all.spec.options.logit_softcap = 15.0f;
+  all.spec.options.z_loss_scale = 1e-3f;
+  cases.push_back(all);
+  ConformanceCase ignored = MakeCase("half ignored 23x6x80000", 23, 6, 80000, dtype,
+                                     Reduction::kMean, BackwardMode::kStoreGrads);
+  ignored.spec.ignore_fraction = 0.5;
+  ignored.spec.options.z_loss_scale = 1e-2f;
+  cases.push_back(ignored);
+  return cases;
 }
 
 }  // namespace flce
