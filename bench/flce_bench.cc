@@ -49,9 +49,6 @@ ABSL_FLAG(std::string, check_shape, "257x128x4099",
 ABSL_FLAG(bool, json, false, "print JSON lines instead of a table");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
           "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
-ABSL_FLAG(bool, cuda_rows_on_chip, true,
-          "CUDA engine: hold each row in a thread-block cluster's shared memory in the "
-          "forward gradient pass (false: the kernel that reads it twice)");
 
 namespace flce {
 namespace {
@@ -233,7 +230,6 @@ int RunCuda() {
   if (absl::GetFlag(FLAGS_cuda_chunk_bytes) > 0) {
     options.chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
   }
-  options.rows_on_chip = absl::GetFlag(FLAGS_cuda_rows_on_chip);
   auto engine = CudaEngine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
@@ -244,10 +240,8 @@ int RunCuda() {
   cudaMemPool_t pool;
   cudaDeviceGetDefaultMemPool(&pool, 0);
   if (!json) {
-    std::printf("device: %s, chunk budget %lld MiB, rows on chip: %s\n",
-                (*engine)->devices()[0].name.c_str(),
-                static_cast<long long>(options.chunk_bytes >> 20),
-                options.rows_on_chip ? "yes" : "no");
+    std::printf("device: %s, chunk budget %lld MiB\n", (*engine)->devices()[0].name.c_str(),
+                static_cast<long long>(options.chunk_bytes >> 20));
   }
   PrintHeader(json, "extra GiB");
   int failures = 0;

@@ -391,7 +391,6 @@ class EngineImpl {
                                    "gradient rows"));
       } else {
         FLCE_RETURN_IF_ERROR(Check(LaunchForwardRows(params, logits.data(), in.dtype, grad,
-                                                     options_.rows_on_chip,
                                                      rows.row_scale.as<float>(), rows.outputs(),
                                                      s),
                                    "forward rows"));

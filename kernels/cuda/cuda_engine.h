@@ -25,10 +25,6 @@ struct CudaEngineOptions {
   // (rows × slice columns within chunk_bytes), when a slice of at least
   // this many columns fits; else it runs over token chunks like Forward.
   int64_t min_slice_columns = 2048;
-  // Forward's gradient pass holds each row in a thread-block cluster's
-  // shared memory (read from DRAM once) where the row fits; false: the
-  // one-block-per-row kernel that reads it twice (for comparison).
-  bool rows_on_chip = true;
 };
 
 namespace internal_cuda {

@@ -23,15 +23,10 @@ bool RequireGpu() {
   return v != nullptr && std::string(v) == "1";
 }
 
-// The two ways each of the engine's two passes can walk the logits.
+// How the RECOMPUTE backward walks the logits.
 enum class Layout {
-  // RECOMPUTE backward over token chunks like Forward (slices of every row
-  // do not fit); Forward's gradient pass reads each row twice.
-  kTokenChunks,
-  // RECOMPUTE backward over vocabulary slices (16+ columns) of all rows;
-  // Forward's gradient pass holds rows of whole 16-byte packs in a
-  // thread-block cluster's shared memory.
-  kVocabularySlices
+  kTokenChunks,      // token chunks, like Forward (slices of every row do not fit)
+  kVocabularySlices  // all rows at once, vocabulary slices of 16+ columns
 };
 
 // Two engines for the whole binary, both with a small chunk budget so that
@@ -39,15 +34,14 @@ enum class Layout {
 // in Forward, and with it several vocabulary slices or token chunks in the
 // RECOMPUTE backward.
 CudaEngine* Engine(std::string* why, Layout layout = Layout::kTokenChunks) {
-  auto make = [](int64_t min_slice_columns, bool rows_on_chip) {
+  auto make = [](int64_t min_slice_columns) {
     CudaEngineOptions options;
     options.chunk_bytes = 64 << 10;
     options.min_slice_columns = min_slice_columns;
-    options.rows_on_chip = rows_on_chip;
     return new absl::StatusOr<std::unique_ptr<CudaEngine>>(CudaEngine::Create(options));
   };
-  static absl::StatusOr<std::unique_ptr<CudaEngine>>* chunks = make(int64_t{1} << 40, false);
-  static absl::StatusOr<std::unique_ptr<CudaEngine>>* slices = make(16, true);
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* chunks = make(int64_t{1} << 40);
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* slices = make(16);
   auto* engine = layout == Layout::kTokenChunks ? chunks : slices;
   if (!engine->ok()) {
     *why = engine->status().ToString();

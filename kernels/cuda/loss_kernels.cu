@@ -2,13 +2,11 @@
 
 #include "kernels/cuda/loss_kernels.h"
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
 #include <cstdint>
-#include <utility>
 
 namespace flce {
 namespace internal_cuda {
@@ -36,7 +34,7 @@ __device__ __forceinline__ float ToFloatDev(__half x) { return __half2float(x); 
 __device__ __forceinline__ float ToFloatDev(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // ---------------------------------------------------------------------------
-// Block reductions over kThreads threads (a multiple of 32, at most 1024).
+// Block reductions over kRowThreads threads.
 
 // Online softmax state with the first index of the maximum.
 struct SoftmaxState {
@@ -68,14 +66,13 @@ __device__ __forceinline__ SoftmaxState WarpCombine(SoftmaxState s) {
   return s;
 }
 
-template <int kThreads>
 __device__ SoftmaxState BlockCombine(SoftmaxState s, SoftmaxState* shared) {
   s = WarpCombine(s);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) shared[warp] = s;
   __syncthreads();
   if (warp == 0) {
-    s = WarpCombine(lane < kThreads / 32 ? shared[lane]
+    s = WarpCombine(lane < kWarps ? shared[lane]
                                   : SoftmaxState{-CUDART_INF_F, 0.0f, INT64_MAX});
     if (lane == 0) shared[0] = s;
   }
@@ -85,14 +82,13 @@ __device__ SoftmaxState BlockCombine(SoftmaxState s, SoftmaxState* shared) {
   return result;
 }
 
-template <int kThreads>
 __device__ float BlockSum(float v, float* shared) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < kThreads / 32 ? shared[lane] : 0.0f;
+    v = lane < kWarps ? shared[lane] : 0.0f;
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     if (lane == 0) shared[0] = v;
   }
@@ -228,6 +224,8 @@ struct RowPacks {
   }
 };
 
+// Overwrites a row of logits with its scaled gradient (zeros for an ignored
+// row). Each element is read and written by the same thread.
 constexpr float kLog2e = 1.4426950408889634f;
 
 // exp(x) for x <= 0 as exp2: one multiply and the special-function unit.
@@ -238,116 +236,46 @@ __device__ __forceinline__ int64_t LocalColumn(const RowParams& p, int64_t t) {
   return t >= p.col0 && t < p.col0 + p.cols ? t - p.col0 : -1;
 }
 
-// A thread's running statistics over its share of a row.
-struct RowStats {
-  SoftmaxState s;
-  float weighted_z;  // Σ w_j z'_j, for label smoothing
-
-  __device__ RowStats() : s{-__builtin_huge_valf(), 0.0f, INT64_MAX}, weighted_z(0.0f) {}
-
-  // Adds a pack of P raw logits of columns j0.. (transformed in place).
-  template <bool kPlain, int P>
-  __device__ __forceinline__ void Add(const RowParams& p, int64_t j0, float (&x)[P]) {
-    // The pack's maximum first (one rescale per pack); its index only when
-    // it is a new running maximum (first index on ties), which is rare.
-    float m = -CUDART_INF_F;
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      x[k] = Transform<kPlain>(p, x[k], j0 + k);
-      m = fmaxf(m, x[k]);
-    }
-    if (m > s.max) {
-      int k = 0;
-      while (k + 1 < P && x[k] != m) ++k;
-      s.sum *= ExpNonPositive(s.max - m);
-      s.max = m;
-      s.argmax = j0 + k;
-    }
-    // A NaN or +inf logit turns the sum into NaN, which marks the row.
-#pragma unroll
-    for (int k = 0; k < P; ++k) s.sum += ExpNonPositive(x[k] - s.max);
-    if (!kPlain && p.label_smoothing > 0.0f) {
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        weighted_z += (p.class_weight != nullptr ? p.class_weight[j0 + k] : 1.0f) * x[k];
-      }
-    }
-  }
-};
-
-// A row's loss outputs from its statistics (lse NaN when any logit was)
-// and its target logit zt (transformed; read for valid rows only).
-__device__ void WriteRowOutputs(const RowParams& p, const RowOutputs& out, int64_t row,
-                                int64_t t, bool valid, float wt, float lse, float zt,
-                                float weighted_z, int64_t argmax) {
-  if (!valid) {
-    out.loss[row] = 0.0f;
-    out.z_loss[row] = 0.0f;
-    out.correct[row] = 0;
-    return;
-  }
-  const float z_row = p.z_loss_scale * lse * lse;
-  const float eps = p.label_smoothing;
-  out.loss[row] = (1.0f - eps) * wt * (lse - zt) +
-                  eps / static_cast<float>(p.vocab) * (p.class_weight_sum * lse - weighted_z) +
-                  z_row;
-  out.z_loss[row] = z_row;
-  out.correct[row] = argmax == t ? 1 : 0;
-}
-
-// The gradient of a row's loss times its scale, pack by pack (zeros for an
-// ignored row). kPlain: (w_t + 2·s·lse)·p everywhere, the target element
-// fixed up afterwards by Target(); else Gradient() per element.
-template <bool kPlain>
-struct RowGradient {
-  const RowParams& p;
-  int64_t t;
-  bool valid;
-  float wt, lse, scale;
-
-  // x: raw logits of columns j0.. in, gradient out.
-  template <int P>
-  __device__ __forceinline__ void operator()(int64_t j0, float (&x)[P]) const {
-    if (!valid) {
-#pragma unroll
-      for (int k = 0; k < P; ++k) x[k] = 0.0f;
-    } else if constexpr (kPlain) {
-      const float c = scale * (wt + 2.0f * p.z_loss_scale * lse);
-#pragma unroll
-      for (int k = 0; k < P; ++k) x[k] = c * ExpNonPositive(x[k] - lse);
-    } else {
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        const int64_t j = j0 + k;
-        x[k] = scale * Gradient(p, Transform<false>(p, x[k], j), j, t, wt, lse);
-      }
-    }
-  }
-
-  // kPlain: the target element, w_t·(p_t − 1) + 2·s·lse·p_t with p_t − 1
-  // formed first in fp32, from its logit zt.
-  __device__ float Target(float zt) const {
-    const float prob = ExpNonPositive(zt - lse);
-    return scale * (wt * (prob - 1.0f) + 2.0f * p.z_loss_scale * lse * prob);
-  }
-};
-
 // Overwrites a row of logits (its columns [col0, col0 + cols)) with its
-// scaled gradient. Each element is read and written by the same thread.
-// zt, the target's logit as read before the call, is needed by thread 0
-// only, and only when the target is a given column.
+// scaled gradient (zeros for an ignored row). Each element is read and
+// written by the same thread. zt, the target's logit as read before the
+// call, is needed by thread 0 only, and only when the target is a given
+// column.
 template <typename T, bool kVec, bool kPlain>
 __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid, float wt,
                                  float lse, float scale, float zt) {
   using Packs = RowPacks<T, kVec>;
-  const RowGradient<kPlain> gradient{p, t, valid, wt, lse, scale};
-  Packs::UpdateBackwards(z, p.cols, [&](int64_t j0, float (&x)[Packs::P]) {
-    gradient(p.col0 + j0, x);
-  });
-  if (kPlain && valid) {
-    __syncthreads();  // every thread has written its share
+  if (!valid) {
+    Packs::UpdateBackwards(z, p.cols, [](int64_t, float (&x)[Packs::P]) {
+#pragma unroll
+      for (int k = 0; k < Packs::P; ++k) x[k] = 0.0f;
+    });
+    return;
+  }
+  if constexpr (kPlain) {
+    // Gradient() without the options: (w_t + 2·s·lse)·p off the target;
+    // the target element, (w_t·(p_t − 1) + 2·s·lse·p_t) with p_t − 1 first
+    // as there, is written by thread 0 once the block is done.
+    const float zc = 2.0f * p.z_loss_scale * lse;
+    const float c = scale * (wt + zc);
+    Packs::UpdateBackwards(z, p.cols, [&](int64_t, float (&x)[Packs::P]) {
+#pragma unroll
+      for (int k = 0; k < Packs::P; ++k) x[k] = c * ExpNonPositive(x[k] - lse);
+    });
+    __syncthreads();
     const int64_t local_t = LocalColumn(p, t);
-    if (threadIdx.x == 0 && local_t >= 0) z[local_t] = FromFloatDev<T>(gradient.Target(zt));
+    if (threadIdx.x == 0 && local_t >= 0) {
+      const float prob = ExpNonPositive(zt - lse);
+      z[local_t] = FromFloatDev<T>(scale * (wt * (prob - 1.0f) + zc * prob));
+    }
+  } else {
+    Packs::UpdateBackwards(z, p.cols, [&](int64_t j0, float (&x)[Packs::P]) {
+#pragma unroll
+      for (int k = 0; k < Packs::P; ++k) {
+        const int64_t j = p.col0 + j0 + k;
+        x[k] = scale * Gradient(p, Transform<false>(p, x[k], j), j, t, wt, lse);
+      }
+    });
   }
 }
 
@@ -364,166 +292,66 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t t = p.target[row];
   const bool valid = t != p.ignore_index;
 
+  SoftmaxState s{-CUDART_INF_F, 0.0f, INT64_MAX};
+  float weighted_z = 0.0f;  // Σ w_j z'_j, for label smoothing
+  bool nan = false;
   using Packs = RowPacks<T, kVec>;
-  RowStats stats;
   Packs::ForEach(z, p.vocab, [&](int64_t j0, float (&x)[Packs::P]) {
-    stats.Add<kPlain>(p, j0, x);
+    // The pack's maximum first (one rescale per pack); its index only when
+    // it is a new running maximum (first index on ties), which is rare.
+    float m = -CUDART_INF_F;
+#pragma unroll
+    for (int k = 0; k < Packs::P; ++k) {
+      x[k] = Transform<kPlain>(p, x[k], j0 + k);
+      m = fmaxf(m, x[k]);
+    }
+    if (m > s.max) {
+      int k = 0;
+      while (k + 1 < Packs::P && x[k] != m) ++k;
+      s.sum *= ExpNonPositive(s.max - m);
+      s.max = m;
+      s.argmax = j0 + k;
+    }
+    // A NaN or +inf logit turns the sum into NaN (below), which marks the row.
+#pragma unroll
+    for (int k = 0; k < Packs::P; ++k) s.sum += ExpNonPositive(x[k] - s.max);
+    if (!kPlain && p.label_smoothing > 0.0f) {
+#pragma unroll
+      for (int k = 0; k < Packs::P; ++k) {
+        weighted_z += (p.class_weight != nullptr ? p.class_weight[j0 + k] : 1.0f) * x[k];
+      }
+    }
   });
-  const bool nan = BlockAny(isnan(stats.s.sum));
-  const SoftmaxState s = BlockCombine<kRowThreads>(stats.s, shared_state);
-  const float weighted_z = p.label_smoothing > 0.0f
-                               ? BlockSum<kRowThreads>(stats.weighted_z, shared_sum)
-                               : 0.0f;
+  nan = isnan(s.sum);
+  s = BlockCombine(s, shared_state);
+  if (p.label_smoothing > 0.0f) weighted_z = BlockSum(weighted_z, shared_sum);
+  nan = BlockAny(nan);
   const float lse = nan ? CUDART_NAN_F : s.max + logf(s.sum);
   const float wt = valid ? (p.class_weight != nullptr ? p.class_weight[t] : 1.0f) : 0.0f;
 
   float zt = 0.0f;  // the target's logit, on thread 0
   if (threadIdx.x == 0) {
     out.lse[row] = lse;
-    if (valid) zt = Transform<kPlain>(p, ToFloatDev(z[t]), t);
-    WriteRowOutputs(p, out, row, t, valid, wt, lse, zt, weighted_z, s.argmax);
+    if (valid) {
+      zt = Transform<kPlain>(p, ToFloatDev(z[t]), t);
+      const float z_row = p.z_loss_scale * lse * lse;
+      const float eps = p.label_smoothing;
+      out.loss[row] = (1.0f - eps) * wt * (lse - zt) +
+                      eps / static_cast<float>(p.vocab) *
+                          (p.class_weight_sum * lse - weighted_z) +
+                      z_row;
+      out.z_loss[row] = z_row;
+      out.correct[row] = s.argmax == t ? 1 : 0;
+    } else {
+      out.loss[row] = 0.0f;
+      out.z_loss[row] = 0.0f;
+      out.correct[row] = 0;
+    }
   }
   if constexpr (kWriteGrad) {
     __syncthreads();  // thread 0 has read z[t]; the row is overwritten next
     WriteGradientRow<T, kVec, kPlain>(p, z, t, valid, wt, lse, row_scale[row], zt);
   }
-}
-
-// ---------------------------------------------------------------------------
-// The forward pass with the gradient, each row held on chip: a cluster of
-// up to kMaxClusterBlocks blocks per row, each block copying its segment of
-// the row into shared memory with one bulk asynchronous copy (the tensor
-// memory accelerator), the blocks' statistics combined through distributed
-// shared memory, the gradient written from shared memory. Reads each logit
-// from DRAM once instead of twice.
-
-constexpr int kClusterThreads = 384;
-// A segment of at most about this many bytes per block: three blocks fit
-// on a multiprocessor, so one block's copy overlaps the others' work.
-constexpr int64_t kSegmentBytes = int64_t{68} << 10;
-constexpr int kMaxClusterBlocks = 8;  // the portable cluster size
-
-// A block's statistics, read by every block of its cluster.
-struct SegmentStats {
-  SoftmaxState s;
-  float weighted_z;
-  int nan;
-};
-
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-template <typename T, bool kPlain>
-__global__ void __launch_bounds__(kClusterThreads, 3)
-    ClusterForwardRowsKernel(RowParams p, T* logits, const float* row_scale, RowOutputs out,
-                             int64_t segment) {
-  extern __shared__ __align__(128) unsigned char segment_smem[];
-  __shared__ __align__(8) uint64_t loaded;  // mbarrier of the bulk copy
-  __shared__ SoftmaxState shared_state[kClusterThreads / 32];
-  __shared__ float shared_sum[kClusterThreads / 32];
-  __shared__ SegmentStats mine, row_stats;
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int blocks = static_cast<int>(cluster.num_blocks());
-  const int64_t r = blockIdx.x / blocks;
-  const int64_t row = p.row0 + r;
-  T* z = logits + r * p.vocab;
-  const int64_t t = p.target[row];
-  const bool valid = t != p.ignore_index;
-  const int64_t j_begin = rank * segment < p.vocab ? rank * segment : p.vocab;
-  // A multiple of kPack<T> (V is), possibly 0.
-  const int64_t count = p.vocab - j_begin < segment ? p.vocab - j_begin : segment;
-  T* seg = reinterpret_cast<T*>(segment_smem);
-  const uint32_t bytes = static_cast<uint32_t>(count * sizeof(T));
-
-  const uint32_t bar = SharedAddress(&loaded);
-  if (threadIdx.x == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (bytes > 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                   "r"(bytes)
-                   : "memory");
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-          "[%3];" ::"r"(SharedAddress(seg)),
-          "l"(z + j_begin), "r"(bytes), "r"(bar)
-          : "memory");
-    }
-  }
-  __syncthreads();  // the barrier is initialised before anyone waits on it
-  if (bytes > 0) {
-    uint32_t done = 0;
-    while (!done) {
-      asm volatile(
-          "{\n .reg .pred ready;\n"
-          " mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], 0;\n"
-          " selp.u32 %0, 1, 0, ready;\n}\n"
-          : "=r"(done)
-          : "r"(bar)
-          : "memory");
-    }
-  }
-
-  using Packs = RowPacks<T, true>;
-  constexpr int P = Packs::P;
-  constexpr int64_t kStride = int64_t{kClusterThreads} * P;
-  RowStats stats;
-  for (int64_t i = threadIdx.x * int64_t{P}; i < count; i += kStride) {
-    float x[P];
-    Packs::Load(seg, i, x);
-    stats.Add<kPlain>(p, j_begin + i, x);
-  }
-  const bool nan = BlockAny(isnan(stats.s.sum));
-  const SoftmaxState s = BlockCombine<kClusterThreads>(stats.s, shared_state);
-  const float weighted_z = p.label_smoothing > 0.0f
-                               ? BlockSum<kClusterThreads>(stats.weighted_z, shared_sum)
-                               : 0.0f;
-  if (threadIdx.x == 0) mine = SegmentStats{s, weighted_z, nan ? 1 : 0};
-  cluster.sync();  // every block's statistics are in place
-  if (threadIdx.x == 0) {
-    // The same blocks in the same order on every block of the cluster.
-    SegmentStats all = *cluster.map_shared_rank(&mine, 0);
-    for (int k = 1; k < blocks; ++k) {
-      const SegmentStats o = *cluster.map_shared_rank(&mine, k);
-      all.s = Combine(all.s, o.s);
-      all.weighted_z += o.weighted_z;
-      all.nan |= o.nan;
-    }
-    row_stats = all;
-  }
-  // Done reading the other blocks' shared memory; wait for them to be done
-  // with ours only before exiting.
-  auto arrived = cluster.barrier_arrive();
-  __syncthreads();
-  const SegmentStats all = row_stats;
-  const float lse = all.nan ? CUDART_NAN_F : all.s.max + logf(all.s.sum);
-  const float wt = valid ? (p.class_weight != nullptr ? p.class_weight[t] : 1.0f) : 0.0f;
-  const bool has_target = valid && t >= j_begin && t < j_begin + count;
-  float zt = 0.0f;  // the target's logit, on thread 0 of the block holding it
-  if (threadIdx.x == 0) {
-    if (rank == 0) out.lse[row] = lse;
-    if (has_target) zt = Transform<kPlain>(p, ToFloatDev(seg[t - j_begin]), t);
-    if (has_target || (!valid && rank == 0)) {
-      WriteRowOutputs(p, out, row, t, valid, wt, lse, zt, all.weighted_z, all.s.argmax);
-    }
-  }
-
-  const RowGradient<kPlain> gradient{p, t, valid, wt, lse, row_scale[row]};
-  for (int64_t i = threadIdx.x * int64_t{P}; i < count; i += kStride) {
-    float x[P];
-    Packs::Load(seg, i, x);
-    gradient(j_begin + i, x);
-    Packs::Store(z + j_begin, i, x);
-  }
-  if (kPlain && has_target) {
-    __syncthreads();  // every thread has written its share
-    if (threadIdx.x == 0) z[t] = FromFloatDev<T>(gradient.Target(zt));
-  }
-  cluster.barrier_wait(std::move(arrived));
 }
 
 template <typename T, bool kVec, bool kPlain>
@@ -718,45 +546,10 @@ cudaError_t ForwardRowsWith(const RowParams& p, T* z, bool write_grad, const flo
   return LaunchRows(kernel, p.rows, stream, p, z, row_scale, out);
 }
 
-// ClusterForwardRowsKernel over `blocks` blocks per row.
-template <typename T, bool kPlain>
-cudaError_t ClusterRowsWith(const RowParams& p, T* z, int blocks, const float* row_scale,
-                            const RowOutputs& out, cudaStream_t stream) {
-  const int64_t per_block = (p.vocab + blocks - 1) / blocks;
-  const int64_t segment = (per_block + kPack<T> - 1) / kPack<T> * kPack<T>;
-  const int smem = static_cast<int>(segment * sizeof(T));
-  auto kernel = ClusterForwardRowsKernel<T, kPlain>;
-  cudaError_t error =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (error != cudaSuccess) return error;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned int>(p.rows * blocks));
-  config.blockDim = dim3(kClusterThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = static_cast<unsigned int>(blocks);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  error = cudaLaunchKernelEx(&config, kernel, p, z, row_scale, out, segment);
-  return error != cudaSuccess ? error : cudaGetLastError();
-}
-
 template <typename T>
-cudaError_t ForwardRowsFor(const RowParams& p, void* logits, bool write_grad, bool on_chip,
+cudaError_t ForwardRowsFor(const RowParams& p, void* logits, bool write_grad,
                            const float* row_scale, const RowOutputs& out, cudaStream_t stream) {
   T* z = static_cast<T*>(logits);
-  // Rows of whole 16-byte packs that a cluster holds: each logit read once.
-  const int64_t row_bytes = p.vocab * static_cast<int64_t>(sizeof(T));
-  const int64_t blocks = (row_bytes + kSegmentBytes - 1) / kSegmentBytes;
-  if (write_grad && on_chip && p.vocab % kPack<T> == 0 && blocks <= kMaxClusterBlocks) {
-    const int b = static_cast<int>(blocks);
-    return IsPlain(p) ? ClusterRowsWith<T, true>(p, z, b, row_scale, out, stream)
-                      : ClusterRowsWith<T, false>(p, z, b, row_scale, out, stream);
-  }
   if (p.vocab % kPack<T> == 0) {
     return IsPlain(p) ? ForwardRowsWith<T, true, true>(p, z, write_grad, row_scale, out, stream)
                       : ForwardRowsWith<T, true, false>(p, z, write_grad, row_scale, out, stream);
@@ -780,18 +573,17 @@ cudaError_t GradientRowsFor(const RowParams& p, void* logits, const float* lse,
 }  // namespace
 
 cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, bool write_grad,
-                              bool on_chip, const float* row_scale, const RowOutputs& out,
+                              const float* row_scale, const RowOutputs& out,
                               cudaStream_t stream) {
   if (p.col0 != 0 || p.cols != p.vocab) return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32:
-      return ForwardRowsFor<float>(p, logits, write_grad, on_chip, row_scale, out, stream);
+      return ForwardRowsFor<float>(p, logits, write_grad, row_scale, out, stream);
     case DType::kFloat16:
-      return ForwardRowsFor<__half>(p, logits, write_grad, on_chip, row_scale, out, stream);
+      return ForwardRowsFor<__half>(p, logits, write_grad, row_scale, out, stream);
     case DType::kBFloat16:
-      return ForwardRowsFor<__nv_bfloat16>(p, logits, write_grad, on_chip, row_scale, out,
-                                           stream);
+      return ForwardRowsFor<__nv_bfloat16>(p, logits, write_grad, row_scale, out, stream);
     default:
       return cudaErrorInvalidValue;
   }

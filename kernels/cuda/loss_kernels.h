@@ -50,11 +50,9 @@ struct RowOutputs {
 // of its loss times row_scale[row], in `dtype` (zeros for ignored rows; the
 // target column's p − 1 formed in fp32). One block per row, 16-byte loads
 // when V allows. Traffic: reads the chunk twice, writes it once with
-// write_grad; reads it once without. With write_grad and on_chip, rows of
-// whole 16-byte packs up to 8 × 68 KiB are instead held in the shared
-// memory of a thread-block cluster (sm_90): read once, written once.
+// write_grad; reads it once without.
 cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, bool write_grad,
-                              bool on_chip, const float* row_scale, const RowOutputs& out,
+                              const float* row_scale, const RowOutputs& out,
                               cudaStream_t stream);
 
 // The gradient pass alone, from saved per-row lse (RECOMPUTE backward):
