@@ -97,17 +97,18 @@ class PythonClientTest(unittest.TestCase):
         w = (torch.randn(101, 24, device="cuda") / 3).to(torch.bfloat16)
         b = torch.randn(101, device="cuda", dtype=torch.bfloat16)
         t = torch.randint(0, 101, (37,), device="cuda")
-        results = []
-        for cuda_ipc in (False, True):
-            hv, wv, bv = (x.clone().requires_grad_() for x in (h, w, b))
-            loss_fn = flce.RemoteLinearCrossEntropy(self.client, z_loss_scale=1e-3,
-                                                    cuda_ipc=cuda_ipc)
-            loss = loss_fn(hv, wv, t, bv)
-            (3 * loss).backward()
-            results.append((loss.detach(), hv.grad, wv.grad, bv.grad))
-        for wire, ipc in zip(*results):
-            self.assertEqual(ipc.device.type, "cuda")
-            self.assertTrue(torch.equal(wire.cpu(), ipc.cpu()))
+        for mode in ("store_grads", "recompute"):
+            results = []
+            for cuda_ipc in (False, True):
+                hv, wv, bv = (x.clone().requires_grad_() for x in (h, w, b))
+                loss_fn = flce.RemoteLinearCrossEntropy(self.client, z_loss_scale=1e-3,
+                                                        cuda_ipc=cuda_ipc, backward_mode=mode)
+                loss = loss_fn(hv, wv, t, bv)
+                (3 * loss).backward()
+                results.append((loss.detach(), hv.grad, wv.grad, bv.grad))
+            for wire, ipc in zip(*results):
+                self.assertEqual(ipc.device.type, "cuda", mode)
+                self.assertTrue(torch.equal(wire.cpu(), ipc.cpu()), mode)
 
     def test_cuda_ipc_slices_are_checked_and_released(self):
         import grpc

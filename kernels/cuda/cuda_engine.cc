@@ -700,7 +700,8 @@ class EngineImpl {
     FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(in.n * in.h * 4, s));
     // dW is made in its final dtype: straight into the caller's device
     // memory, or into a buffer that is copied down.
-    const bool dw_in_place = spec.grad_weight_to && spec.grad_weight_to->space == MemorySpace::kCuda;
+    const bool dw_in_place =
+        spec.grad_weight_to && spec.grad_weight_to->space == MemorySpace::kCuda;
     DeviceBuffer dw;
     if (!dw_in_place) {
       FLCE_ASSIGN_OR_RETURN(dw, DeviceBuffer::Allocate(in.v * in.h * DTypeSize(wdtype), s));

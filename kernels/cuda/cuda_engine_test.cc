@@ -3,6 +3,8 @@
 
 #include "kernels/cuda/cuda_engine.h"
 
+#include <cuda_runtime_api.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -82,6 +84,61 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<1>(info.param) == Layout::kTokenChunks ? "_token_chunks"
                                                               : "_vocabulary_slices");
     });
+
+// Device memory a test owns.
+struct DeviceBytes {
+  explicit DeviceBytes(size_t n) : size(n) { EXPECT_EQ(cudaMalloc(&data, n), cudaSuccess); }
+  ~DeviceBytes() { cudaFree(data); }
+  std::string Read() const {
+    std::string out(size, '\0');
+    EXPECT_EQ(cudaMemcpy(out.data(), data, size, cudaMemcpyDeviceToHost), cudaSuccess);
+    return out;
+  }
+  void* data = nullptr;
+  size_t size;
+};
+
+// Gradients written straight into device memory (as CUDA IPC regions are
+// given) equal the ones copied to the host, bit for bit: both modes, both
+// RECOMPUTE layouts, dW in the input dtype and in fp32.
+TEST(CudaEngineSemanticsTest, DeviceDestinationsHoldTheHostResults) {
+  for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
+    FLCE_GET_ENGINE_OR_SKIP(engine, layout);
+    RandomProblemSpec spec;
+    spec.rows = 150;
+    spec.hidden = 40;
+    spec.vocab = 3001;
+    spec.dtype = DType::kBFloat16;
+    spec.bias = true;
+    const OwnedProblem p = MakeRandomProblem(spec);
+    for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+      ForwardSpec fs;
+      fs.need_backward = true;
+      fs.mode = mode;
+      auto fwd = engine->Forward(p.view(), fs, nullptr);
+      ASSERT_TRUE(fwd.ok()) << fwd.status();
+      for (DType wdtype : {DType::kBFloat16, DType::kFloat32}) {
+        SCOPED_TRACE(std::string(BackwardModeName(mode)) + " dW " + DTypeName(wdtype));
+        BackwardSpec host;
+        host.weight_grad_dtype = wdtype;
+        auto want = engine->Backward(*fwd->saved, host, nullptr);
+        ASSERT_TRUE(want.ok()) << want.status();
+        DeviceBytes dx(want->grad_hidden.data.size()), dw(want->grad_weight.data.size()),
+            db(want->grad_bias->data.size());
+        BackwardSpec device = host;
+        device.grad_hidden_to = GradientDestination{dx.data, MemorySpace::kCuda};
+        device.grad_weight_to = GradientDestination{dw.data, MemorySpace::kCuda};
+        device.grad_bias_to = GradientDestination{db.data, MemorySpace::kCuda};
+        auto got = engine->Backward(*fwd->saved, device, nullptr);
+        ASSERT_TRUE(got.ok()) << got.status();
+        EXPECT_TRUE(got->grad_weight.data.empty());
+        EXPECT_EQ(dx.Read(), want->grad_hidden.data);
+        EXPECT_EQ(dw.Read(), want->grad_weight.data);
+        EXPECT_EQ(db.Read(), want->grad_bias->data);
+      }
+    }
+  }
+}
 
 TEST(CudaEngineSemanticsTest, AgreesWithTheCpuEngine) {
   FLCE_GET_ENGINE_OR_SKIP(engine);
