@@ -454,8 +454,7 @@ class EngineImpl {
       return absl::OkStatus();
     }
     const int64_t elem = DTypeSize(in.dtype);
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer logits,
-                          DeviceBuffer::Allocate(in.n * std::min(width, in.v) * elem, s));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer logits, DeviceBuffer::Allocate(in.n * width * elem, s));
     for (int64_t c0 = 0; c0 < in.v; c0 += width) {
       if (cancelled && cancelled()) return absl::CancelledError("cancelled between slices");
       const int64_t cols = std::min(width, in.v - c0);
