@@ -8,11 +8,9 @@
 //
 // CPU: the engine's host API, floor = OpenBLAS sgemm. CUDA: the engine's
 // device work on resident inputs (CudaEngine::DeviceRun: no host transfers),
-// floor = cuBLAS GEMMs in the input dtype, the two alternating run by run
-// (medians of each) so that both see the same clocks; the extra device
-// memory is the stream-ordered pool's measured high-water mark minus X, W
-// and the dX, dW the run keeps (fp32 accumulators; RECOMPUTE's dW in the
-// input dtype).
+// floor = cuBLAS GEMMs in the input dtype; the extra device memory is the
+// stream-ordered pool's measured high-water mark minus X, W and the dX, dW
+// the run keeps (fp32 accumulators; RECOMPUTE's dW in the input dtype).
 //
 // Effective rate = 6·N·H·V / time (the useful FLOP of fwd+bwd), as in
 // DESIGN.md §7. Prints a table; --json prints one JSON object per row.
@@ -76,26 +74,17 @@ DType ParseDType(const std::string& s) {
   return DType::kFloat32;
 }
 
-double Median(std::vector<double> values) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
-// Milliseconds of one synchronous call, by the host clock.
-template <typename F>
-double TimeMs(F&& run) {
-  const absl::Time start = absl::Now();
-  run();
-  return absl::ToDoubleMilliseconds(absl::Now() - start);
-}
-
 template <typename F>
 double MedianMs(int warmup, int iters, F&& run) {
   for (int i = 0; i < warmup; ++i) run();
   std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) ms.push_back(TimeMs(run));
-  return Median(std::move(ms));
+  for (int i = 0; i < iters; ++i) {
+    const absl::Time start = absl::Now();
+    run();
+    ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 // The bare fp32 GEMMs of the loss at full size (no chunking, no row math).
@@ -259,48 +248,33 @@ int RunCuda() {
   ForEachConfig([&](const std::string& shape_text, const Shape& s, DType dtype,
                     const OwnedProblem& p, BackwardMode mode) {
     std::string error;
-    double ms = 0, floor_ms = 0, extra_gib = 0;
-    [&] {
+    double ms = 0, extra_gib = 0;
+    {
       auto run = (*engine)->PrepareDeviceRun(p.view(), mode);
       if (!run.ok()) {
         error = " " + run.status().ToString();
-        return;
+      } else {
+        uint64_t zero = 0;
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero);
+        absl::Status status;
+        ms = MedianMs(warmup, iters, [&] {
+          if (status.ok()) status = (*run)->Run();
+        });
+        if (!status.ok()) error = " " + status.ToString();
+        uint64_t high = 0;
+        cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
+        const int64_t resident = (s.n * s.h + s.v * s.h) * DTypeSize(dtype) +  // X, W
+                                 (*run)->gradient_bytes();                   // dX, dW
+        extra_gib = (static_cast<double>(high) - resident) / (1 << 30);
       }
-      // Warm-up runs of the engine alone, for its memory high-water mark
-      // (the floor's buffers come from the same pool).
-      uint64_t zero = 0;
-      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero);
-      absl::Status status;
-      for (int i = 0; i < std::max(1, warmup) && status.ok(); ++i) status = (*run)->Run();
-      uint64_t high = 0;
-      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
-      const int64_t resident = (s.n * s.h + s.v * s.h) * DTypeSize(dtype) +  // X, W
-                               (*run)->gradient_bytes();                   // dX, dW
-      extra_gib = (static_cast<double>(high) - resident) / (1 << 30);
-      auto floor = GemmFloor::Create(s.n, s.h, s.v, dtype,
-                                     mode == BackwardMode::kRecompute ? 2 : 1);
-      if (!floor.ok()) {
-        error = " floor: " + floor.status().ToString();
-        return;
-      }
-      for (int i = 0; i < warmup && status.ok(); ++i) status = (*floor)->RunMs().status();
-      // Engine and floor alternate, so both see the same clocks and heat.
-      std::vector<double> engine_ms, gemm_ms;
-      for (int i = 0; i < iters && status.ok(); ++i) {
-        engine_ms.push_back(TimeMs([&] { status = (*run)->Run(); }));
-        if (!status.ok()) break;
-        absl::StatusOr<double> f = (*floor)->RunMs();
-        status = f.status();
-        if (f.ok()) gemm_ms.push_back(*f);
-      }
-      if (!status.ok()) error = " " + status.ToString();
-      ms = Median(std::move(engine_ms));
-      floor_ms = Median(std::move(gemm_ms));
-    }();
+    }
+    auto floor = MeasureGemmFloor(s.n, s.h, s.v, dtype,
+                                  mode == BackwardMode::kRecompute ? 2 : 1, warmup, iters);
+    if (!floor.ok()) error += " floor: " + floor.status().ToString();
     const std::string accuracy = CheckAccuracyOf(**engine, dtype, mode);
     if (!error.empty() || accuracy.find("ok") == std::string::npos) ++failures;
-    PrintRow(json, "cuda", shape_text, s, dtype, mode, ms, floor_ms, extra_gib, accuracy,
-             error);
+    PrintRow(json, "cuda", shape_text, s, dtype, mode, ms, floor.ok() ? floor->ms : 0.0,
+             extra_gib, accuracy, error);
   });
   return failures == 0 ? 0 : 1;
 }
