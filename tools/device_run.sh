@@ -53,7 +53,7 @@ if [ -z "$ARGS" ] || want bench; then
   shapes="${BENCH_SHAPES:-8192x4096x128256,8192x2304x256000,4096x4096x32000,32768x4096x128256}"
   echo "== flce_bench --backend=cuda --shapes=$shapes"
   "$bin/flce_bench" --backend=cuda --shapes="$shapes" --dtypes="${BENCH_DTYPES:-bf16}" \
-    --modes="${BENCH_MODES:-store_grads,recompute}" --warmup=2 --iters=10 \
+    --modes="${BENCH_MODES:-store_grads,recompute}" --warmup="${BENCH_WARMUP:-20}" --iters=10 \
     --cuda_chunk_bytes="${BENCH_CHUNK_BYTES:-0}" 2>&1 | tee -a "$OUT/bench.txt" || status=1
 fi
 if want rpc && [ -n "$ARGS" ]; then
