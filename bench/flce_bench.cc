@@ -18,6 +18,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <map>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kernels/cpu/cpu_engine.h"
@@ -47,6 +49,9 @@ ABSL_FLAG(int, iters, 10, "timed runs (median reported)");
 ABSL_FLAG(std::string, check_shape, "257x128x4099",
           "NxHxV of the accuracy check against fp64 (0 to skip)");
 ABSL_FLAG(bool, json, false, "print JSON lines instead of a table");
+ABSL_FLAG(bool, cuda_stages, false,
+          "CUDA engine: after the timed runs, one more with CUDA events between its stages; "
+          "prints device ms per stage under the row");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
           "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
 
@@ -249,6 +254,7 @@ int RunCuda() {
                     const OwnedProblem& p, BackwardMode mode) {
     std::string error;
     double ms = 0, extra_gib = 0;
+    std::map<std::string, double> stages;
     {
       auto run = (*engine)->PrepareDeviceRun(p.view(), mode);
       if (!run.ok()) {
@@ -266,6 +272,14 @@ int RunCuda() {
         const int64_t resident = (s.n * s.h + s.v * s.h) * DTypeSize(dtype) +  // X, W
                                  (*run)->gradient_bytes();                   // dX, dW
         extra_gib = (static_cast<double>(high) - resident) / (1 << 30);
+        if (status.ok() && absl::GetFlag(FLAGS_cuda_stages)) {
+          absl::StatusOr<std::map<std::string, double>> timed = (*run)->RunStages();
+          if (timed.ok()) {
+            stages = *std::move(timed);
+          } else {
+            error += " stages: " + timed.status().ToString();
+          }
+        }
       }
     }
     auto floor = MeasureGemmFloor(s.n, s.h, s.v, dtype,
@@ -275,6 +289,13 @@ int RunCuda() {
     if (!error.empty() || accuracy.find("ok") == std::string::npos) ++failures;
     PrintRow(json, "cuda", shape_text, s, dtype, mode, ms, floor.ok() ? floor->ms : 0.0,
              extra_gib, accuracy, error);
+    if (!stages.empty() && !json) {
+      std::string line = "    stages (device ms):";
+      for (const auto& [stage, stage_ms] : stages) {
+        line += absl::StrFormat(" %s %.2f;", stage, stage_ms);
+      }
+      std::printf("%s\n", line.c_str());
+    }
   });
   return failures == 0 ? 0 : 1;
 }

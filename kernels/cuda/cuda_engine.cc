@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -147,6 +148,46 @@ absl::StatusOr<int64_t> AllocationBytes(void* base) {
         absl::StrCat("cuMemGetAddressRange failed on a mapped IPC handle (", result, ")"));
   }
   return static_cast<int64_t>(size);
+}
+
+// CUDA events between the stages of a run on one stream, for benchmarks:
+// device milliseconds per stage, summed over chunks. Mark(stage) says that
+// the work queued since the previous mark (or since Start) was `stage`.
+class StageClock {
+ public:
+  explicit StageClock(cudaStream_t stream) : stream_(stream) {}
+  StageClock(const StageClock&) = delete;
+  StageClock& operator=(const StageClock&) = delete;
+  ~StageClock() {
+    for (const auto& mark : marks_) cudaEventDestroy(mark.second);
+  }
+
+  void Mark(const char* stage) {
+    cudaEvent_t event = nullptr;
+    if (cudaEventCreate(&event) != cudaSuccess) return;
+    cudaEventRecord(event, stream_);
+    marks_.emplace_back(stage, event);
+  }
+
+  // Once the stream has run the marked work.
+  std::map<std::string, double> Totals() const {
+    std::map<std::string, double> totals;
+    for (size_t i = 1; i < marks_.size(); ++i) {
+      float ms = 0;
+      cudaEventElapsedTime(&ms, marks_[i - 1].second, marks_[i].second);
+      totals[marks_[i].first] += ms;
+    }
+    return totals;
+  }
+
+ private:
+  cudaStream_t stream_;
+  std::vector<std::pair<std::string, cudaEvent_t>> marks_;
+};
+
+// Marks a stage on `clock` when there is one.
+void Mark(StageClock* clock, const char* stage) {
+  if (clock != nullptr) clock->Mark(stage);
 }
 
 }  // namespace
@@ -363,7 +404,7 @@ class EngineImpl {
   // buffer; bench/RESULTS.md).
   absl::Status RunChunks(Lane& lane, const DeviceInputs& in, Pass pass, const RowBuffers& rows,
                          const float* lse_in, float* dx, float* dw, float* db,
-                         const CancelFn& cancelled) {
+                         const CancelFn& cancelled, StageClock* clock = nullptr) {
     cudaStream_t s = lane.stream.get();
     const bool grad = pass != Pass::kLoss;
     const int64_t chunk = ChunkRows(in.n, in.v, in.dtype);
@@ -384,6 +425,7 @@ class EngineImpl {
       FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_T, CUBLAS_OP_N, in.v, count, in.h,
                                 in.weight.data(), in.dtype, in.h, in.x_row(r0), in.dtype, in.h,
                                 0.0f, logits.data(), in.dtype, in.v));
+      Mark(clock, "logits GEMM");
       const RowParams params = in.Params(r0, count);
       if (pass == Pass::kGradFromLse) {
         FLCE_RETURN_IF_ERROR(Check(LaunchGradientRows(params, logits.data(), in.dtype, lse_in,
@@ -395,6 +437,7 @@ class EngineImpl {
                                                      s),
                                    "forward rows"));
       }
+      Mark(clock, "row kernel");
       if (!grad) continue;
       // dX_c[count, H] (row-major, fp32) = dZ · W. Column-major view:
       // dX_cᵀ (H×count, ld H) = A·B with
@@ -403,6 +446,7 @@ class EngineImpl {
       FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_N, in.h, count, in.v,
                                 in.weight.data(), in.dtype, in.h, logits.data(), in.dtype, in.v,
                                 0.0f, dx + r0 * in.h, DType::kFloat32, in.h));
+      Mark(clock, "dX GEMM");
       // dW[V, H] (row-major, fp32) (+)= dZᵀ · X_c. Column-major view:
       // dWᵀ (H×V, ld H) = A·op(B) with
       //   A = X_c as column-major H×count (ld H), op N;
@@ -411,10 +455,12 @@ class EngineImpl {
       FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count,
                                 in.x_row(r0), in.dtype, in.h, logits.data(), in.dtype, in.v,
                                 r0 == 0 ? 0.0f : 1.0f, dw, DType::kFloat32, in.h));
+      Mark(clock, r0 == 0 ? "dW GEMM, fp32, beta 0" : "dW GEMM, fp32, beta 1");
       if (db) {
         FLCE_RETURN_IF_ERROR(Check(
             LaunchColumnSums(logits.data(), in.dtype, count, in.v, in.v, r0 > 0, db, s),
             "bias gradient"));
+        Mark(clock, "bias gradient");
       }
     }
     return absl::OkStatus();
@@ -433,19 +479,23 @@ class EngineImpl {
   // into dw at the end.
   absl::Status RecomputeGradients(Lane& lane, const DeviceInputs& in, const RowBuffers& rows,
                                   const float* lse, float* dx, void* dw, DType wdtype,
-                                  float* db, const CancelFn& cancelled) {
+                                  float* db, const CancelFn& cancelled,
+                                  StageClock* clock = nullptr) {
     cudaStream_t s = lane.stream.get();
     const int64_t width = SliceColumns(in.n, in.v, in.dtype);
     if (width == 0) {
       if (wdtype == DType::kFloat32) {
         return RunChunks(lane, in, Pass::kGradFromLse, rows, lse, dx, static_cast<float*>(dw),
-                         db, cancelled);
+                         db, cancelled, clock);
       }
       FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw32, DeviceBuffer::Allocate(in.v * in.h * 4, s));
       FLCE_RETURN_IF_ERROR(RunChunks(lane, in, Pass::kGradFromLse, rows, lse, dx,
-                                     dw32.as<float>(), db, cancelled));
-      return Check(LaunchConvert(dw32.data(), DType::kFloat32, dw, wdtype, in.v * in.h, 1.0f, s),
-                   "convert");
+                                     dw32.as<float>(), db, cancelled, clock));
+      FLCE_RETURN_IF_ERROR(Check(
+          LaunchConvert(dw32.data(), DType::kFloat32, dw, wdtype, in.v * in.h, 1.0f, s),
+          "convert"));
+      Mark(clock, "narrowing dW");
+      return absl::OkStatus();
     }
     const int64_t welem = DTypeSize(wdtype);
     if (in.n == 0) {
@@ -466,25 +516,30 @@ class EngineImpl {
       FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_T, CUBLAS_OP_N, cols, in.n, in.h, w_s, in.dtype,
                                 in.h, in.hidden.data(), in.dtype, in.h, 0.0f, logits.data(),
                                 in.dtype, cols));
+      Mark(clock, "logits GEMM");
       FLCE_RETURN_IF_ERROR(Check(LaunchGradientRows(in.Params(0, in.n, c0, cols), logits.data(),
                                                     in.dtype, lse, rows.row_scale.as<float>(),
                                                     s),
                                  "gradient rows"));
+      Mark(clock, "row kernel");
       // dX[N, H] (+)= dZ_s · W_s. Column-major view: dXᵀ (H×N, ld H) = A·B
       // with A = W_s (H×cols, ld H), op N; B = dZ_s (cols×N, ld cols), op N.
       FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_N, in.h, in.n, cols, w_s, in.dtype,
                                 in.h, logits.data(), in.dtype, cols, c0 == 0 ? 0.0f : 1.0f, dx,
                                 DType::kFloat32, in.h));
+      Mark(clock, "dX GEMM");
       // dW_s[cols, H] = dZ_sᵀ · X. Column-major view: dW_sᵀ (H×cols, ld H)
       // = A·op(B) with A = X (H×N, ld H), op N; B = dZ_s (cols×N, ld cols),
       // op T → N×cols.
       FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_T, in.h, cols, in.n,
                                 in.hidden.data(), in.dtype, in.h, logits.data(), in.dtype, cols,
                                 0.0f, static_cast<char*>(dw) + c0 * in.h * welem, wdtype, in.h));
+      Mark(clock, "dW GEMM, final dtype");
       if (db) {
         FLCE_RETURN_IF_ERROR(Check(
             LaunchColumnSums(logits.data(), in.dtype, in.n, cols, cols, false, db + c0, s),
             "bias gradient"));
+        Mark(clock, "bias gradient");
       }
     }
     return absl::OkStatus();
@@ -775,26 +830,44 @@ class EngineImpl {
       return impl_->Check(cudaStreamSynchronize(s), "prepare");
     }
 
-    absl::Status Run() override {
+    absl::Status Run() override { return RunWith(nullptr); }
+
+    absl::StatusOr<std::map<std::string, double>> RunStages() override {
+      std::map<std::string, double> stages;
+      FLCE_RETURN_IF_ERROR(RunWith(&stages));
+      return stages;
+    }
+
+    int64_t gradient_bytes() const override { return dx_.bytes() + dw_.bytes(); }
+
+   private:
+    // One run; with `stages`, timed stage by stage into it.
+    absl::Status RunWith(std::map<std::string, double>* stages) {
       FLCE_RETURN_IF_ERROR(impl_->SetDevice());
       LaneLease lane(impl_);
       cudaStream_t s = lane->stream.get();
+      std::optional<StageClock> timer;
+      if (stages != nullptr) timer.emplace(s);
+      StageClock* clock = timer ? &*timer : nullptr;
+      Mark(clock, "start");
       FLCE_RETURN_IF_ERROR(impl_->RowScales(*lane, in_, nullptr, 0, rows_));
+      Mark(clock, "row scales and reductions");
       if (mode_ == BackwardMode::kStoreGrads) {
         FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLossAndGrad, rows_, nullptr,
                                               dx_.as<float>(), dw_.as<float>(), nullptr,
-                                              nullptr));
+                                              nullptr, clock));
       } else {
         FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLoss, rows_, nullptr, nullptr,
-                                              nullptr, nullptr, nullptr));
+                                              nullptr, nullptr, nullptr, clock));
         FLCE_RETURN_IF_ERROR(impl_->RecomputeGradients(*lane, in_, rows_, rows_.lse.as<float>(),
                                                        dx_.as<float>(), dw_.data(), in_.dtype,
-                                                       nullptr, nullptr));
+                                                       nullptr, nullptr, clock));
       }
       FLCE_RETURN_IF_ERROR(impl_->Check(
           LaunchReduceRows(rows_.outputs(), in_.n, rows_.denom.as<double>(), true,
                            rows_.totals.as<double>(), s),
           "reduce rows"));
+      Mark(clock, "row scales and reductions");
       // The gradients narrowed to their final dtype, as Backward does
       // before its download (the chunk buffer is free again by now).
       FLCE_ASSIGN_OR_RETURN(DeviceBuffer slice,
@@ -802,16 +875,17 @@ class EngineImpl {
       auto no_download = [](const void*, int64_t, int64_t) { return absl::OkStatus(); };
       FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dx_.as<float>(), in_.n * in_.h,
                                                   in_.dtype, 1.0f, slice, no_download));
+      Mark(clock, "narrowing dX");
       if (mode_ == BackwardMode::kStoreGrads) {
         FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dw_.as<float>(), in_.v * in_.h,
                                                     in_.dtype, 1.0f, slice, no_download));
+        Mark(clock, "narrowing dW");
       }
-      return impl_->Check(cudaStreamSynchronize(s), "run");
+      FLCE_RETURN_IF_ERROR(impl_->Check(cudaStreamSynchronize(s), "run"));
+      if (clock != nullptr) *stages = clock->Totals();
+      return absl::OkStatus();
     }
 
-    int64_t gradient_bytes() const override { return dx_.bytes() + dw_.bytes(); }
-
-   private:
     EngineImpl* impl_;
     BackwardMode mode_;
     DeviceInputs in_;

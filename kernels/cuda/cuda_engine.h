@@ -2,6 +2,7 @@
 #define FLCE_KERNELS_CUDA_CUDA_ENGINE_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,6 +72,10 @@ class CudaEngine : public LossEngine {
    public:
     virtual ~DeviceRun() = default;
     virtual absl::Status Run() = 0;
+    // Run() with CUDA events between its stages: device milliseconds per
+    // stage (logits GEMM, row kernel, dX GEMM, dW GEMM, narrowing, ...),
+    // summed over chunks.
+    virtual absl::StatusOr<std::map<std::string, double>> RunStages() = 0;
     // Bytes of the dX and dW that Run() keeps (fp32 accumulators, or dW
     // in its final dtype): with X and W, what a session holds anyway.
     virtual int64_t gradient_bytes() const = 0;

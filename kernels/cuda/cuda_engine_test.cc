@@ -140,6 +140,35 @@ TEST(CudaEngineSemanticsTest, DeviceDestinationsHoldTheHostResults) {
   }
 }
 
+// The benchmark's stage timing names every stage of a run and times each.
+TEST(CudaEngineSemanticsTest, DeviceRunTimesItsStages) {
+  for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
+    FLCE_GET_ENGINE_OR_SKIP(engine, layout);
+    RandomProblemSpec spec;
+    spec.rows = 300;
+    spec.hidden = 32;
+    spec.vocab = 2000;
+    spec.dtype = DType::kBFloat16;
+    const OwnedProblem p = MakeRandomProblem(spec);
+    for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+      SCOPED_TRACE(BackwardModeName(mode));
+      auto run = engine->PrepareDeviceRun(p.view(), mode);
+      ASSERT_TRUE(run.ok()) << run.status();
+      auto stages = (*run)->RunStages();
+      ASSERT_TRUE(stages.ok()) << stages.status();
+      for (const char* stage : {"logits GEMM", "row kernel", "dX GEMM", "narrowing dX"}) {
+        ASSERT_EQ(stages->count(stage), 1u) << stage;
+        EXPECT_GT(stages->at(stage), 0.0) << stage;
+      }
+      const char* dw = mode == BackwardMode::kStoreGrads ? "dW GEMM, fp32, beta 1"
+                       : layout == Layout::kVocabularySlices ? "dW GEMM, final dtype"
+                                                              : "dW GEMM, fp32, beta 1";
+      EXPECT_EQ(stages->count(dw), 1u) << dw;
+      EXPECT_TRUE((*run)->Run().ok());
+    }
+  }
+}
+
 TEST(CudaEngineSemanticsTest, AgreesWithTheCpuEngine) {
   FLCE_GET_ENGINE_OR_SKIP(engine);
   CpuEngine cpu;
