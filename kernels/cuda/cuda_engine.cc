@@ -150,9 +150,24 @@ absl::StatusOr<int64_t> AllocationBytes(void* base) {
   return static_cast<int64_t>(size);
 }
 
+// The size of each of the fewest equal pieces of at most `limit` that cover
+// `total` (at least 1): rounded up to whole GEMM tiles of 128 where that
+// still fits, else up to a multiple of `align` where that fits, else
+// `limit` rounded down to one.
+int64_t EvenPiece(int64_t total, int64_t limit, int64_t align) {
+  if (total <= limit) return std::max<int64_t>(1, total);
+  const int64_t pieces = (total + limit - 1) / limit;
+  const int64_t even = (total + pieces - 1) / pieces;
+  const int64_t tiled = (even + 127) / 128 * 128;
+  if (tiled <= limit) return tiled;
+  const int64_t aligned = (even + align - 1) / align * align;
+  return aligned <= limit ? aligned : limit / align * align;
+}
+
 // CUDA events between the stages of a run on one stream, for benchmarks:
 // device milliseconds per stage, summed over chunks. Mark(stage) says that
-// the work queued since the previous mark (or since Start) was `stage`.
+// the work queued since the previous mark was `stage` (the first mark only
+// starts the clock).
 class StageClock {
  public:
   explicit StageClock(cudaStream_t stream) : stream_(stream) {}
@@ -229,11 +244,7 @@ class EngineImpl {
   int64_t ChunkRows(int64_t rows, int64_t vocab, DType dtype) const {
     const int64_t by_budget = std::max(CudaEngine::kMinChunkRows,
                                        options_.chunk_bytes / (vocab * DTypeSize(dtype)));
-    if (rows <= by_budget) return std::max<int64_t>(1, rows);
-    const int64_t chunks = (rows + by_budget - 1) / by_budget;
-    const int64_t even = (rows + chunks - 1) / chunks;
-    const int64_t tiled = (even + 127) / 128 * 128;
-    return tiled <= by_budget ? tiled : even;
+    return EvenPiece(rows, by_budget, 1);
   }
 
   // Columns per vocabulary slice when the RECOMPUTE backward takes all
@@ -244,12 +255,10 @@ class EngineImpl {
   int64_t SliceColumns(int64_t rows, int64_t vocab, DType dtype) const {
     const int64_t by_budget =
         options_.chunk_bytes / (std::max<int64_t>(1, rows) * DTypeSize(dtype));
-    if (by_budget >= vocab) return std::max<int64_t>(1, vocab);
-    if (by_budget < std::max<int64_t>(16, options_.min_slice_columns)) return 0;
-    const int64_t slices = (vocab + by_budget - 1) / by_budget;
-    const int64_t even = (vocab + slices - 1) / slices;
-    const int64_t tiled = (even + 127) / 128 * 128;
-    return tiled <= by_budget ? tiled : by_budget / 16 * 16;
+    if (by_budget < vocab && by_budget < std::max<int64_t>(16, options_.min_slice_columns)) {
+      return 0;
+    }
+    return EvenPiece(vocab, by_budget, 16);
   }
 
   // Holds one lane for a call.
