@@ -4,9 +4,11 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "kernels/cuda/cuda_resources.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/loss_kernels.h"
 #include "kernels/status_macros.h"
 
@@ -17,9 +19,12 @@ using internal_cuda::CublasStatus;
 using internal_cuda::CudaStatus;
 using internal_cuda::CudaStream;
 using internal_cuda::DeviceBuffer;
+using internal_cuda::GemmRunner;
+using internal_cuda::GemmShape;
 
 absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DType dtype,
-                                           int logits_gemms, int warmup, int iters) {
+                                           int logits_gemms, bool tuned, int warmup,
+                                           int iters) {
   FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
   cudaStream_t s = stream.get();
   FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s));
@@ -51,30 +56,22 @@ absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DTyp
     }
     FLCE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(s), "fill"));
   }
-  const cudaDataType_t t = dtype == DType::kBFloat16  ? CUDA_R_16BF
-                           : dtype == DType::kFloat16 ? CUDA_R_16F
-                                                      : CUDA_R_32F;
-  const cublasComputeType_t compute =
-      dtype == DType::kFloat32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
-  const float one = 1.0f, zero = 0.0f;
+  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms, GemmRunner::Create(tuned));
+  auto gemm = [&](cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t gn,
+                  int64_t k, const DeviceBuffer& a, int64_t lda, const DeviceBuffer& b,
+                  int64_t ldb, DeviceBuffer& c, int64_t ldc) {
+    const GemmShape shape{op_a, op_b, m, gn, k, dtype, lda, dtype, ldb, dtype, ldc};
+    return gemms->Run(blas.get(), s, shape, a.data(), b.data(), 0.0f, c.data());
+  };
   auto sequence = [&]() -> absl::Status {
     for (int i = 0; i < logits_gemms; ++i) {
       // logits [N, V] = X · Wᵀ (the engine's column-major mapping).
-      FLCE_RETURN_IF_ERROR(CublasStatus(
-          cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, v, n, h, &one, w.data(), t, h,
-                       x.data(), t, h, &zero, z.data(), t, v, compute, CUBLAS_GEMM_DEFAULT),
-          "logits"));
+      FLCE_RETURN_IF_ERROR(gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, n, h, w, h, x, h, z, v));
     }
     // dX [N, H] = dZ · W.
-    FLCE_RETURN_IF_ERROR(CublasStatus(
-        cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, h, n, v, &one, w.data(), t, h,
-                     z.data(), t, v, &zero, dx.data(), t, h, compute, CUBLAS_GEMM_DEFAULT),
-        "dX"));
+    FLCE_RETURN_IF_ERROR(gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, n, v, w, h, z, v, dx, h));
     // dW [V, H] = dZᵀ · X.
-    return CublasStatus(
-        cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, &one, x.data(), t, h,
-                     z.data(), t, v, &zero, dw.data(), t, h, compute, CUBLAS_GEMM_DEFAULT),
-        "dW");
+    return gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, x, h, z, v, dw, h);
   };
   cudaEvent_t start, stop;
   cudaEventCreate(&start);

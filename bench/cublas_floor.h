@@ -17,9 +17,12 @@ struct GemmFloor {
 // outputs (as torch.mm): logits = X·Wᵀ [N, V] (twice for RECOMPUTE), then
 // dX = dZ·W and dW = dZᵀ·X. Timed with CUDA events over `iters` runs after
 // `warmup`, median; on random data. This is the floor an engine is measured
-// against: 3 GEMMs for STORE_GRADS, 4 for RECOMPUTE.
+// against: 3 GEMMs for STORE_GRADS, 4 for RECOMPUTE. `tuned`: each GEMM
+// runs the algorithm the engine's GemmRunner tuning picks (the fastest with
+// the default's bits; the first run tunes), else cublasGemmEx's default.
 absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DType dtype,
-                                           int logits_gemms, int warmup, int iters);
+                                           int logits_gemms, bool tuned, int warmup,
+                                           int iters);
 
 }  // namespace flce
 

@@ -16,6 +16,7 @@ absl::StatusOr<std::unique_ptr<LossEngine>> CreateCudaEngine(const EngineOptions
   cuda.device = options.cuda_device;
   cuda.lanes = options.cuda_lanes;
   cuda.chunk_bytes = options.cuda_chunk_bytes;
+  cuda.tune_gemms = options.cuda_tune_gemms;
   absl::StatusOr<std::unique_ptr<CudaEngine>> engine = CudaEngine::Create(cuda);
   if (!engine.ok()) return engine.status();
   return std::unique_ptr<LossEngine>(std::move(*engine));

@@ -41,6 +41,9 @@ ABSL_FLAG(int, cuda_device, 0, "CUDA engine: device ordinal");
 ABSL_FLAG(int, cuda_lanes, 2, "CUDA engine: concurrent calls (streams)");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, flce::EngineOptions().cuda_chunk_bytes,
           "CUDA engine: most bytes of logits (input dtype) per token chunk");
+ABSL_FLAG(bool, cuda_tune_gemms, flce::EngineOptions().cuda_tune_gemms,
+          "CUDA engine: time each GEMM shape's cuBLASLt candidates on its first call and keep "
+          "the fastest that gives cuBLAS's default bits (that call waits for the trials)");
 ABSL_FLAG(std::string, tls_cert_file, "",
           "PEM certificate chain of the server: serve TLS (with --tls_key_file)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
@@ -110,6 +113,7 @@ int main(int argc, char** argv) {
   options.engine.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   options.engine.cuda_lanes = absl::GetFlag(FLAGS_cuda_lanes);
   options.engine.cuda_chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
+  options.engine.cuda_tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
 
   absl::StatusOr<std::unique_ptr<flce::LossServer>> server =
       flce::LossServer::Start(options);

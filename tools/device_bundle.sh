@@ -13,7 +13,9 @@ TARGETS=(
   //client:flce
   //bench:flce_bench
   //bench:rpc_bench
+  //bench:gemm_algos
   //kernels/cuda:cuda_engine_test
+  //kernels/cuda:gemm_test
   //tests:server_integration_gpu_test
 )
 bazel build -c opt "${TARGETS[@]}"

@@ -3,7 +3,7 @@
 # tools/device_bundle.sh packed .devbin/bundle.tar.xz here: the GPU test
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
-# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [ipc]
+# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [ipc] [gemms]
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
@@ -20,6 +20,10 @@ ARGS="$*"
 
 if [ -z "$ARGS" ] || want tests; then
   echo "== GPU tests"
+  REQUIRE_GPU=1 "$bin/gemm_test" --gtest_output="xml:$OUT/gemm_test.xml" \
+    > "$OUT/gemm_test.log" 2>&1 || status=1
+  grep -E '^tuned' "$OUT/gemm_test.log"
+  tail -3 "$OUT/gemm_test.log"
   REQUIRE_GPU=1 "$bin/cuda_engine_test" --gtest_output="xml:$OUT/cuda_engine_test.xml" \
     > "$OUT/cuda_engine_test.log" 2>&1 || status=1
   tail -5 "$OUT/cuda_engine_test.log"
@@ -55,6 +59,12 @@ if [ -z "$ARGS" ] || want bench; then
   "$bin/flce_bench" --backend=cuda --shapes="$shapes" --dtypes="${BENCH_DTYPES:-bf16}" \
     --modes="${BENCH_MODES:-store_grads,recompute}" --warmup="${BENCH_WARMUP:-20}" --iters=10 \
     --cuda_chunk_bytes="${BENCH_CHUNK_BYTES:-0}" 2>&1 | tee -a "$OUT/bench.txt" || status=1
+fi
+if want gemms && [ -n "$ARGS" ]; then
+  shapes="${BENCH_SHAPES:-8192x2304x256000}"
+  echo "== gemm_algos --shapes=$shapes"
+  "$bin/gemm_algos" --shapes="$shapes" --chunk_rows="${GEMM_CHUNK_ROWS:-2048}" \
+    --algos="${GEMM_ALGOS:-24}" 2>&1 | tee -a "$OUT/gemm_algos.txt" || status=1
 fi
 if want rpc && [ -n "$ARGS" ]; then
   echo "== rpc_bench --backend=cuda --shape=${RPC_SHAPE:-8192x4096x128256}"

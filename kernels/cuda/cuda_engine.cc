@@ -15,23 +15,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda/cuda_resources.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/loss_kernels.h"
 #include "kernels/status_macros.h"
 
 namespace flce {
 namespace internal_cuda {
 namespace {
-
-cudaDataType_t CudaType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat16:
-      return CUDA_R_16F;
-    case DType::kBFloat16:
-      return CUDA_R_16BF;
-    default:
-      return CUDA_R_32F;
-  }
-}
 
 // One concurrent call: a stream and a cuBLAS handle bound to it.
 struct Lane {
@@ -213,6 +203,7 @@ class EngineImpl {
       : options_(options), props_(props) {}
 
   absl::Status Init() {
+    FLCE_ASSIGN_OR_RETURN(gemms_, GemmRunner::Create(options_.tune_gemms));
     for (int i = 0; i < std::max(1, options_.lanes); ++i) {
       auto lane = std::make_unique<Lane>();
       FLCE_ASSIGN_OR_RETURN(lane->stream, CudaStream::Create());
@@ -301,22 +292,13 @@ class EngineImpl {
   absl::Status SetDevice() { return Check(cudaSetDevice(options_.device), "cudaSetDevice"); }
 
   // C[m×n] (column-major, ldc) = op(A)·op(B) + beta·C with input-dtype
-  // operands and fp32 accumulation (no TF32 for fp32 inputs).
+  // operands and fp32 accumulation (GemmRunner: no TF32 for fp32 inputs).
   absl::Status Gemm(Lane& lane, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m,
                     int64_t n, int64_t k, const void* a, DType a_type, int64_t lda,
                     const void* b, DType b_type, int64_t ldb, float beta, void* c,
                     DType c_type, int64_t ldc) {
-    if (m == 0 || n == 0) return absl::OkStatus();
-    const float alpha = 1.0f;
-    return CublasStatus(
-        cublasGemmEx(lane.blas.get(), op_a, op_b, static_cast<int>(m), static_cast<int>(n),
-                     static_cast<int>(k), &alpha, a, CudaType(a_type), static_cast<int>(lda), b,
-                     CudaType(b_type), static_cast<int>(ldb), &beta, c, CudaType(c_type),
-                     static_cast<int>(ldc),
-                     // fp32 operands: no TF32 or other reduced-precision path.
-                     a_type == DType::kFloat32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F,
-                     CUBLAS_GEMM_DEFAULT),
-        "cublasGemmEx");
+    const GemmShape shape{op_a, op_b, m, n, k, a_type, lda, b_type, ldb, c_type, ldc};
+    return gemms_->Run(lane.blas.get(), lane.stream.get(), shape, a, b, beta, c);
   }
 
   // A device copy of `bytes` at `data`, in host memory or (mapped through
@@ -905,6 +887,7 @@ class EngineImpl {
  private:
   const CudaEngineOptions options_;
   const cudaDeviceProp props_;
+  std::unique_ptr<GemmRunner> gemms_;
   std::vector<std::unique_ptr<Lane>> lanes_;
   mutable absl::Mutex mu_;
   std::vector<Lane*> free_lanes_ ABSL_GUARDED_BY(mu_);

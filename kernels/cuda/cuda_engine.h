@@ -26,6 +26,11 @@ struct CudaEngineOptions {
   // (rows × slice columns within chunk_bytes), when a slice of at least
   // this many columns fits; else it runs over token chunks like Forward.
   int64_t min_slice_columns = 2048;
+  // The first GEMM of each shape (beta 0) times cuBLAS's default algorithm
+  // against cuBLASLt's other candidates and keeps the fastest whose output
+  // is bit-identical to the default's (GemmRunner): results never change,
+  // the first call of a shape waits for the trials.
+  bool tune_gemms = true;
 };
 
 namespace internal_cuda {

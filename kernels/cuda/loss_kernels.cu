@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace flce {
@@ -485,6 +486,30 @@ __global__ void WidenTargetsKernel(const int32_t* src, int64_t count, int64_t* d
   if (i < count) dst[i] = src[i];
 }
 
+__device__ __forceinline__ uint64_t Mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Σ Mix64(bits ^ Mix64(index)) over the matrix, summed per warp, then
+// added to *hash.
+template <typename Bits>
+__global__ void HashMatrixKernel(const Bits* c, int64_t m, int64_t n, int64_t ld,
+                                 unsigned long long* hash) {
+  uint64_t h = 0;
+  const int64_t total = m * n;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = e / m, i = e - j * m;
+    h += Mix64(static_cast<uint64_t>(c[j * ld + i]) ^ Mix64(static_cast<uint64_t>(e)));
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) h += __shfl_xor_sync(0xffffffffu, h, offset);
+  if (threadIdx.x % 32 == 0) atomicAdd(hash, static_cast<unsigned long long>(h));
+}
+
 // Blocks of `threads` covering `count` elements (grid x allows 2³¹ − 1).
 unsigned int Blocks(int64_t count, int threads) {
   const int64_t blocks = (count + threads - 1) / threads;
@@ -666,6 +691,26 @@ cudaError_t LaunchWidenTargets(const int32_t* src, int64_t count, int64_t* dst,
                                cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   WidenTargetsKernel<<<Blocks(count, 256), 256, 0, stream>>>(src, count, dst);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchHashMatrix(const void* c, int elem_bytes, int64_t m, int64_t n, int64_t ld,
+                             unsigned long long* hash, cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  if (ld < m) return cudaErrorInvalidValue;
+  const unsigned int blocks = std::min(Blocks(m * n, 256), 8192u);
+  switch (elem_bytes) {
+    case 2:
+      HashMatrixKernel<<<blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(c), m, n, ld,
+                                                   hash);
+      break;
+    case 4:
+      HashMatrixKernel<<<blocks, 256, 0, stream>>>(static_cast<const uint32_t*>(c), m, n, ld,
+                                                   hash);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
   return cudaGetLastError();
 }
 

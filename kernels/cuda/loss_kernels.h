@@ -93,6 +93,13 @@ cudaError_t LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst
 cudaError_t LaunchWidenTargets(const int32_t* src, int64_t count, int64_t* dst,
                                cudaStream_t stream);
 
+// *hash += an order-independent 64-bit hash of the bits of the m×n
+// column-major matrix at c (leading dimension ld elements) of
+// `elem_bytes`-byte elements (2 or 4): equal matrices hash equal; any
+// differing element changes the hash with overwhelming probability.
+cudaError_t LaunchHashMatrix(const void* c, int elem_bytes, int64_t m, int64_t n, int64_t ld,
+                             unsigned long long* hash, cudaStream_t stream);
+
 }  // namespace internal_cuda
 }  // namespace flce
 

@@ -1,0 +1,90 @@
+#ifndef FLCE_KERNELS_CUDA_GEMM_H_
+#define FLCE_KERNELS_CUDA_GEMM_H_
+
+// The CUDA engine's GEMMs: cublasGemmEx's default algorithm, or, once a
+// shape has been tuned, the fastest cuBLASLt algorithm whose output is
+// bit-identical to that default's.
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <tuple>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/dtype.h"
+
+namespace flce {
+namespace internal_cuda {
+
+// C[m×n] (column-major, ldc) = op(A)·op(B) + beta·C with input-dtype
+// operands and fp32 accumulation (no TF32 for fp32 operands).
+struct GemmShape {
+  cublasOperation_t op_a, op_b;
+  int64_t m, n, k;
+  DType a_type;
+  int64_t lda;
+  DType b_type;
+  int64_t ldb;
+  DType c_type;
+  int64_t ldc;
+
+  auto tie() const { return std::tie(op_a, op_b, m, n, k, a_type, lda, b_type, ldb, c_type, ldc); }
+  bool operator==(const GemmShape& o) const { return tie() == o.tie(); }
+  template <typename H>
+  friend H AbslHashValue(H h, const GemmShape& g) {
+    return H::combine(std::move(h), g.op_a, g.op_b, g.m, g.n, g.k, g.a_type, g.lda, g.b_type,
+                      g.ldb, g.c_type, g.ldc);
+  }
+};
+
+// Runs GEMMs, choosing their algorithms. With tuning on, the first call of
+// a shape with beta 0 (which overwrites C, so the trials may too) times
+// cublasGemmEx's default and each of cuBLASLt's heuristic candidates that
+// needs no workspace and no split-K reduction, keeps only candidates whose
+// output hashes to the same bits as the default's, and remembers the
+// fastest; that call waits for the trials (host synchronisation, once per
+// shape), later calls of the shape (beta 0 or 1) run the choice without
+// any. C holds the chosen algorithm's result when the call returns. Calls
+// of an untuned shape with beta 1, and every call with tuning off, run the
+// default. Thread-safe.
+class GemmRunner {
+ public:
+  static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(bool tune);
+  ~GemmRunner();
+  GemmRunner(const GemmRunner&) = delete;
+  GemmRunner& operator=(const GemmRunner&) = delete;
+
+  // On `stream`, which `blas` is bound to. m == 0 or n == 0 is a no-op.
+  absl::Status Run(cublasHandle_t blas, cudaStream_t stream, const GemmShape& g, const void* a,
+                   const void* b, float beta, void* c);
+
+  struct Counts {
+    int tuned = 0;         // shapes timed
+    int non_default = 0;   // of those, shapes that run a cuBLASLt algorithm
+  };
+  Counts counts() const;
+
+ private:
+  struct Choice;
+  explicit GemmRunner(bool tune, cublasLtHandle_t lt);
+  absl::StatusOr<std::shared_ptr<const Choice>> Tune(cublasHandle_t blas, cudaStream_t stream,
+                                                     const GemmShape& g, const void* a,
+                                                     const void* b, void* c);
+
+  const bool tune_;
+  const cublasLtHandle_t lt_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<GemmShape, std::shared_ptr<const Choice>> choices_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace internal_cuda
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_CUDA_GEMM_H_

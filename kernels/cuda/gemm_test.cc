@@ -1,0 +1,145 @@
+// GemmRunner: tuned GEMMs give cuBLAS's default bits. Tagged `gpu`: skips
+// without a device, fails without one when REQUIRE_GPU=1.
+
+#include "kernels/cuda/gemm.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/cuda_resources.h"
+#include "kernels/cuda/loss_kernels.h"
+
+namespace flce {
+namespace internal_cuda {
+namespace {
+
+bool RequireGpu() {
+  const char* v = std::getenv("REQUIRE_GPU");
+  return v != nullptr && std::string(v) == "1";
+}
+
+#define FLCE_SKIP_WITHOUT_GPU()                                                 \
+  do {                                                                          \
+    int count_ = 0;                                                             \
+    if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0) {            \
+      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but no CUDA device";           \
+      GTEST_SKIP() << "no CUDA device";                                         \
+    }                                                                           \
+  } while (0)
+
+// `count` elements of `dtype` on the device, uniform in [-1, 1).
+DeviceBuffer RandomBuffer(int64_t count, DType dtype, uint32_t seed, cudaStream_t s) {
+  std::vector<float> host(count);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& x : host) x = u(rng);
+  auto f32 = DeviceBuffer::Allocate(count * 4, s);
+  auto out = DeviceBuffer::Allocate(count * DTypeSize(dtype), s);
+  EXPECT_TRUE(f32.ok() && out.ok());
+  EXPECT_EQ(cudaMemcpyAsync(f32->data(), host.data(), count * 4, cudaMemcpyHostToDevice, s),
+            cudaSuccess);
+  EXPECT_EQ(LaunchConvert(f32->data(), DType::kFloat32, out->data(), dtype, count, 1.0f, s),
+            cudaSuccess);
+  return *std::move(out);
+}
+
+std::vector<char> Download(const DeviceBuffer& b, cudaStream_t s) {
+  std::vector<char> host(b.bytes());
+  EXPECT_EQ(cudaMemcpyAsync(host.data(), b.data(), b.bytes(), cudaMemcpyDeviceToHost, s),
+            cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  return host;
+}
+
+struct Case {
+  cublasOperation_t op_a, op_b;
+  int64_t m, n, k;
+  DType in, out;
+};
+
+// The engine's three GEMM forms (logits T·N, dX N·N, dW N·T) at odd sizes
+// and one size large enough for cuBLASLt to offer several candidates.
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  for (DType in : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    cases.push_back({CUBLAS_OP_T, CUBLAS_OP_N, 4099, 257, 129, in, in});
+    cases.push_back({CUBLAS_OP_N, CUBLAS_OP_N, 129, 257, 4099, in, DType::kFloat32});
+    cases.push_back({CUBLAS_OP_N, CUBLAS_OP_T, 129, 4099, 257, in, DType::kFloat32});
+  }
+  cases.push_back({CUBLAS_OP_T, CUBLAS_OP_N, 32000, 2048, 1024, DType::kBFloat16,
+                   DType::kBFloat16});
+  cases.push_back({CUBLAS_OP_N, CUBLAS_OP_T, 1024, 32000, 2048, DType::kBFloat16,
+                   DType::kFloat32});
+  return cases;
+}
+
+TEST(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
+  FLCE_SKIP_WITHOUT_GPU();
+  auto stream = CudaStream::Create();
+  ASSERT_TRUE(stream.ok());
+  cudaStream_t s = stream->get();
+  auto blas = CublasHandle::Create(s);
+  ASSERT_TRUE(blas.ok());
+  auto plain = GemmRunner::Create(false);
+  auto tuned = GemmRunner::Create(true);
+  ASSERT_TRUE(plain.ok() && tuned.ok());
+  int shapes = 0;
+  for (const Case& c : Cases()) {
+    SCOPED_TRACE(::testing::Message() << "m=" << c.m << " n=" << c.n << " k=" << c.k
+                                      << " in=" << DTypeName(c.in));
+    const bool ta = c.op_a != CUBLAS_OP_N, tb = c.op_b != CUBLAS_OP_N;
+    const int64_t lda = ta ? c.k : c.m, ldb = tb ? c.n : c.k;
+    DeviceBuffer a = RandomBuffer(c.m * c.k, c.in, 1, s);
+    DeviceBuffer b = RandomBuffer(c.k * c.n, c.in, 2, s);
+    DeviceBuffer c0 = RandomBuffer(c.m * c.n, c.out, 3, s);  // beta 1's addend
+    const GemmShape shape{c.op_a, c.op_b, c.m, c.n, c.k, c.in, lda, c.in, ldb, c.out, c.m};
+    auto expected = DeviceBuffer::Allocate(c0.bytes(), s);
+    auto got = DeviceBuffer::Allocate(c0.bytes(), s);
+    ASSERT_TRUE(expected.ok() && got.ok());
+    for (float beta : {0.0f, 1.0f}) {
+      SCOPED_TRACE(::testing::Message() << "beta " << beta);
+      for (DeviceBuffer* out : {&*expected, &*got}) {
+        ASSERT_EQ(cudaMemcpyAsync(out->data(), c0.data(), c0.bytes(), cudaMemcpyDeviceToDevice,
+                                  s),
+                  cudaSuccess);
+      }
+      ASSERT_TRUE((*plain)->Run(blas->get(), s, shape, a.data(), b.data(), beta,
+                                expected->data()).ok());
+      // beta 0 tunes the shape on this first call; beta 1 runs the choice.
+      ASSERT_TRUE((*tuned)->Run(blas->get(), s, shape, a.data(), b.data(), beta,
+                                got->data()).ok());
+      const std::vector<char> want = Download(*expected, s), have = Download(*got, s);
+      EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
+    }
+    ++shapes;
+  }
+  const GemmRunner::Counts counts = (*tuned)->counts();
+  EXPECT_EQ(counts.tuned, shapes);
+  EXPECT_EQ((*plain)->counts().tuned, 0);
+  std::printf("tuned %d shapes, %d run a cuBLASLt algorithm other than the default\n",
+              counts.tuned, counts.non_default);
+}
+
+TEST(GemmRunnerTest, EmptyShapesAreNoOps) {
+  FLCE_SKIP_WITHOUT_GPU();
+  auto stream = CudaStream::Create();
+  ASSERT_TRUE(stream.ok());
+  auto blas = CublasHandle::Create(stream->get());
+  auto tuned = GemmRunner::Create(true);
+  ASSERT_TRUE(blas.ok() && tuned.ok());
+  const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, 0, 5, 3, DType::kBFloat16, 1,
+                        DType::kBFloat16, 3, DType::kFloat32, 1};
+  EXPECT_TRUE((*tuned)->Run(blas->get(), stream->get(), shape, nullptr, nullptr, 0.0f, nullptr)
+                  .ok());
+  EXPECT_EQ((*tuned)->counts().tuned, 0);
+}
+
+}  // namespace
+}  // namespace internal_cuda
+}  // namespace flce
