@@ -67,9 +67,12 @@ class EventPair {
 };
 
 constexpr int kCandidates = 8;  // heuristic results considered per shape
-constexpr int kTimedRuns = 3;   // per algorithm, after one untimed run
+// Rounds of one timed run of every eligible algorithm, each round in a
+// rotated order, so that the card's clock drifting during the trials
+// favours none of them; an algorithm's time is its median.
+constexpr int kRounds = 5;
 // A candidate replaces the default only when this much faster.
-constexpr float kMinGain = 0.01f;
+constexpr float kMinGain = 0.02f;
 
 }  // namespace
 
@@ -187,17 +190,16 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
     FLCE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "tuning hash"));
     return h;
   };
-  EventPair events;
   FLCE_RETURN_IF_ERROR(run_default());
   FLCE_ASSIGN_OR_RETURN(const unsigned long long expected, hash_c());
-  FLCE_ASSIGN_OR_RETURN(float best_ms, events.Time(stream, kTimedRuns, run_default));
-  best_ms *= 1.0f - kMinGain;
 
-  absl::Status described = choice->Describe(g);
+  // The candidates with the default's bits (nullptr: the default itself).
+  std::vector<const cublasLtMatmulAlgo_t*> eligible = {nullptr};
   std::vector<cublasLtMatmulHeuristicResult_t> results(kCandidates);
   int found = 0;
   cublasLtMatmulPreference_t pref = nullptr;
-  if (described.ok() && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
+  if (choice->Describe(g).ok() &&
+      cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
     const size_t no_workspace = 0;
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                          &no_workspace, sizeof(no_workspace));
@@ -208,7 +210,10 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
     }
     cublasLtMatmulPreferenceDestroy(pref);
   }
-  bool last_is_best = true;  // C holds the default's result
+  auto run = [&](const cublasLtMatmulAlgo_t* algo) {
+    return algo == nullptr ? run_default()
+                           : choice->Run(lt_, stream, *algo, a, b, 0.0f, c);
+  };
   for (int i = 0; i < found; ++i) {
     const cublasLtMatmulAlgo_t& algo = results[i].algo;
     uint32_t split_k = 1;
@@ -219,23 +224,44 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
         split_k > 1) {
       continue;
     }
-    auto run = [&] { return choice->Run(lt_, stream, algo, a, b, 0.0f, c); };
-    last_is_best = false;
-    if (!run().ok()) continue;  // a candidate cuBLAS refuses is skipped
+    if (!run(&algo).ok()) continue;  // a candidate cuBLAS refuses is skipped
     FLCE_ASSIGN_OR_RETURN(const unsigned long long h, hash_c());
-    if (h != expected) continue;  // other bits than the default's: never chosen
-    FLCE_ASSIGN_OR_RETURN(const float ms, events.Time(stream, kTimedRuns, run));
-    if (ms < best_ms) {
-      best_ms = ms;
-      choice->lt = true;
-      choice->algo = algo;
-      last_is_best = true;
+    if (h == expected) eligible.push_back(&algo);  // other bits: never chosen
+  }
+
+  const cublasLtMatmulAlgo_t* best = nullptr;
+  if (eligible.size() > 1) {
+    EventPair events;
+    const size_t count = eligible.size();
+    std::vector<std::vector<float>> ms(count);
+    for (int round = 0; round < kRounds; ++round) {
+      for (size_t j = 0; j < count; ++j) {
+        const size_t e = (j + round) % count;
+        FLCE_ASSIGN_OR_RETURN(const float t,
+                              events.Time(stream, 1, [&] { return run(eligible[e]); }));
+        ms[e].push_back(t);
+      }
+    }
+    std::vector<float> median(count);
+    for (size_t e = 0; e < count; ++e) {
+      std::sort(ms[e].begin(), ms[e].end());
+      median[e] = ms[e][ms[e].size() / 2];
+    }
+    float best_ms = median[0] * (1.0f - kMinGain);
+    for (size_t e = 1; e < count; ++e) {
+      if (median[e] < best_ms) {
+        best_ms = median[e];
+        best = eligible[e];
+      }
     }
   }
-  if (!last_is_best) {
-    FLCE_RETURN_IF_ERROR(choice->lt ? choice->Run(lt_, stream, choice->algo, a, b, 0.0f, c)
-                                    : run_default());
+  if (best != nullptr) {
+    choice->lt = true;
+    choice->algo = *best;
   }
+  // The trials leave C as whichever ran last wrote it: the choice writes
+  // the result once more.
+  FLCE_RETURN_IF_ERROR(run(best));
   return std::shared_ptr<const Choice>(std::move(choice));
 }
 

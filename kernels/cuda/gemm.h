@@ -45,14 +45,16 @@ struct GemmShape {
 };
 
 // Runs GEMMs, choosing their algorithms. With tuning on, the first call of
-// a shape with beta 0 (which overwrites C, so the trials may too) times
+// a shape with beta 0 (which overwrites C, so the trials may too) runs
 // cublasGemmEx's default and each of cuBLASLt's heuristic candidates that
-// needs no workspace and no split-K reduction, keeps only candidates whose
-// output hashes to the same bits as the default's, and remembers the
-// fastest; that call waits for the trials (host synchronisation, once per
-// shape), later calls of the shape (beta 0 or 1) run the choice without
-// any. C holds the chosen algorithm's result when the call returns. Calls
-// of an untuned shape with beta 1, and every call with tuning off, run the
+// needs no workspace and no split-K reduction, keeps the candidates whose
+// output hashes to the same bits as the default's, times them and the
+// default in interleaved rounds (median, so the card's clock drifting
+// during the trials favours none), and remembers the fastest if it beats
+// the default by 2%. That call waits for the trials (host synchronisation,
+// once per shape); later calls of the shape (beta 0 or 1) run the choice
+// without any. C holds the result when the call returns. Calls of an
+// untuned shape with beta 1, and every call with tuning off, run the
 // default. Thread-safe.
 class GemmRunner {
  public:
