@@ -45,7 +45,9 @@ using internal_cuda::CudaStatus;
 using internal_cuda::CudaStream;
 using internal_cuda::DeviceBuffer;
 
-absl::Status LtStatus(cublasStatus_t status, const char* what) { return CublasStatus(status, what); }
+absl::Status LtStatus(cublasStatus_t status, const char* what) {
+  return CublasStatus(status, what);
+}
 
 // One column-major GEMM C[m×n] = op(A)·op(B) + beta·C, bf16 operands.
 struct GemmSpec {
@@ -131,7 +133,8 @@ absl::Status Probe(const GemmSpec& g, cublasHandle_t blas, cublasLtHandle_t lt, 
   };
   FLCE_RETURN_IF_ERROR(output_of(run_default, expected));
   FLCE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(s), "default"));
-  FLCE_ASSIGN_OR_RETURN(double default_ms, timer.Median(s, absl::GetFlag(FLAGS_iters), run_default));
+  FLCE_ASSIGN_OR_RETURN(double default_ms,
+                        timer.Median(s, absl::GetFlag(FLAGS_iters), run_default));
   std::printf("%s  m=%ld n=%ld k=%ld C %s beta %g\n", g.name.c_str(), static_cast<long>(g.m),
               static_cast<long>(g.n), static_cast<long>(g.k),
               g.c_type == CUDA_R_32F ? "fp32" : "bf16", g.beta);

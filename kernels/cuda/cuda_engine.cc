@@ -293,12 +293,17 @@ class EngineImpl {
 
   // C[m×n] (column-major, ldc) = op(A)·op(B) + beta·C with input-dtype
   // operands and fp32 accumulation (GemmRunner: no TF32 for fp32 inputs).
-  absl::Status Gemm(Lane& lane, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m,
-                    int64_t n, int64_t k, const void* a, DType a_type, int64_t lda,
+  // `tune`: the GEMM may run a tuned algorithm (CudaEngineOptions::
+  // tune_gemms). Only the token-chunk logits and dW GEMMs do: tuned in
+  // isolation, the long-K dX GEMMs and the vocabulary-slice GEMMs picked
+  // algorithms that ran slower inside the engine than cuBLAS's defaults
+  // (bench/RESULTS.md, per-GEMM experiment).
+  absl::Status Gemm(Lane& lane, bool tune, cublasOperation_t op_a, cublasOperation_t op_b,
+                    int64_t m, int64_t n, int64_t k, const void* a, DType a_type, int64_t lda,
                     const void* b, DType b_type, int64_t ldb, float beta, void* c,
                     DType c_type, int64_t ldc) {
     const GemmShape shape{op_a, op_b, m, n, k, a_type, lda, b_type, ldb, c_type, ldc};
-    return gemms_->Run(lane.blas.get(), lane.stream.get(), shape, a, b, beta, c);
+    return gemms_->Run(lane.blas.get(), lane.stream.get(), shape, a, b, beta, c, tune);
   }
 
   // A device copy of `bytes` at `data`, in host memory or (mapped through
@@ -413,7 +418,7 @@ class EngineImpl {
       // view: logitsᵀ (V×count, ld V) = op(A)·op(B) with
       //   A = W, stored row-major [V, H] = column-major H×V (ld H), op T → V×H;
       //   B = X_c, stored row-major [count, H] = column-major H×count (ld H), op N.
-      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_T, CUBLAS_OP_N, in.v, count, in.h,
+      FLCE_RETURN_IF_ERROR(Gemm(lane, true, CUBLAS_OP_T, CUBLAS_OP_N, in.v, count, in.h,
                                 in.weight.data(), in.dtype, in.h, in.x_row(r0), in.dtype, in.h,
                                 0.0f, logits.data(), in.dtype, in.v));
       Mark(clock, "logits GEMM");
@@ -434,7 +439,7 @@ class EngineImpl {
       // dX_cᵀ (H×count, ld H) = A·B with
       //   A = W as column-major H×V (ld H), op N;
       //   B = dZ, stored row-major [count, V] = column-major V×count (ld V), op N.
-      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_N, in.h, count, in.v,
+      FLCE_RETURN_IF_ERROR(Gemm(lane, false, CUBLAS_OP_N, CUBLAS_OP_N, in.h, count, in.v,
                                 in.weight.data(), in.dtype, in.h, logits.data(), in.dtype, in.v,
                                 0.0f, dx + r0 * in.h, DType::kFloat32, in.h));
       Mark(clock, "dX GEMM");
@@ -443,7 +448,7 @@ class EngineImpl {
       //   A = X_c as column-major H×count (ld H), op N;
       //   B = dZ as column-major V×count (ld V), op T → count×V.
       // The first chunk overwrites (beta 0): dW needs no zeroing pass.
-      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count,
+      FLCE_RETURN_IF_ERROR(Gemm(lane, true, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count,
                                 in.x_row(r0), in.dtype, in.h, logits.data(), in.dtype, in.v,
                                 r0 == 0 ? 0.0f : 1.0f, dw, DType::kFloat32, in.h));
       Mark(clock, r0 == 0 ? "dW GEMM, fp32, beta 0" : "dW GEMM, fp32, beta 1");
@@ -504,9 +509,9 @@ class EngineImpl {
       // logits_sᵀ (cols×N, ld cols) = op(A)·op(B) with
       //   A = W_s, rows c0.. of W: column-major H×cols (ld H), op T;
       //   B = X, column-major H×N (ld H), op N.
-      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_T, CUBLAS_OP_N, cols, in.n, in.h, w_s, in.dtype,
-                                in.h, in.hidden.data(), in.dtype, in.h, 0.0f, logits.data(),
-                                in.dtype, cols));
+      FLCE_RETURN_IF_ERROR(Gemm(lane, false, CUBLAS_OP_T, CUBLAS_OP_N, cols, in.n, in.h, w_s,
+                                in.dtype, in.h, in.hidden.data(), in.dtype, in.h, 0.0f,
+                                logits.data(), in.dtype, cols));
       Mark(clock, "logits GEMM");
       FLCE_RETURN_IF_ERROR(Check(LaunchGradientRows(in.Params(0, in.n, c0, cols), logits.data(),
                                                     in.dtype, lse, rows.row_scale.as<float>(),
@@ -515,14 +520,14 @@ class EngineImpl {
       Mark(clock, "row kernel");
       // dX[N, H] (+)= dZ_s · W_s. Column-major view: dXᵀ (H×N, ld H) = A·B
       // with A = W_s (H×cols, ld H), op N; B = dZ_s (cols×N, ld cols), op N.
-      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_N, in.h, in.n, cols, w_s, in.dtype,
-                                in.h, logits.data(), in.dtype, cols, c0 == 0 ? 0.0f : 1.0f, dx,
-                                DType::kFloat32, in.h));
+      FLCE_RETURN_IF_ERROR(Gemm(lane, false, CUBLAS_OP_N, CUBLAS_OP_N, in.h, in.n, cols, w_s,
+                                in.dtype, in.h, logits.data(), in.dtype, cols,
+                                c0 == 0 ? 0.0f : 1.0f, dx, DType::kFloat32, in.h));
       Mark(clock, "dX GEMM");
       // dW_s[cols, H] = dZ_sᵀ · X. Column-major view: dW_sᵀ (H×cols, ld H)
       // = A·op(B) with A = X (H×N, ld H), op N; B = dZ_s (cols×N, ld cols),
       // op T → N×cols.
-      FLCE_RETURN_IF_ERROR(Gemm(lane, CUBLAS_OP_N, CUBLAS_OP_T, in.h, cols, in.n,
+      FLCE_RETURN_IF_ERROR(Gemm(lane, false, CUBLAS_OP_N, CUBLAS_OP_T, in.h, cols, in.n,
                                 in.hidden.data(), in.dtype, in.h, logits.data(), in.dtype, cols,
                                 0.0f, static_cast<char*>(dw) + c0 * in.h * welem, wdtype, in.h));
       Mark(clock, "dW GEMM, final dtype");

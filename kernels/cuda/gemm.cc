@@ -151,9 +151,9 @@ GemmRunner::Counts GemmRunner::counts() const {
 }
 
 absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const GemmShape& g,
-                             const void* a, const void* b, float beta, void* c) {
+                             const void* a, const void* b, float beta, void* c, bool tune) {
   if (g.m == 0 || g.n == 0) return absl::OkStatus();
-  if (!tune_) return RunDefault(blas, g, a, b, beta, c);
+  if (!tune_ || !tune) return RunDefault(blas, g, a, b, beta, c);
   std::shared_ptr<const Choice> choice;
   {
     absl::MutexLock lock(&mu_);

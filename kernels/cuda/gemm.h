@@ -56,6 +56,9 @@ struct GemmShape {
 // without any. C holds the result when the call returns. Calls of an
 // untuned shape with beta 1, and every call with tuning off, run the
 // default. Thread-safe.
+//
+// Trials time a GEMM alone, back to back; inside a pipeline an algorithm
+// can rank differently (the engine says which of its GEMMs may be tuned).
 class GemmRunner {
  public:
   static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(bool tune);
@@ -64,8 +67,9 @@ class GemmRunner {
   GemmRunner& operator=(const GemmRunner&) = delete;
 
   // On `stream`, which `blas` is bound to. m == 0 or n == 0 is a no-op.
+  // tune = false: this call runs the default whatever the shape's choice.
   absl::Status Run(cublasHandle_t blas, cudaStream_t stream, const GemmShape& g, const void* a,
-                   const void* b, float beta, void* c);
+                   const void* b, float beta, void* c, bool tune = true);
 
   struct Counts {
     int tuned = 0;         // shapes timed
