@@ -56,7 +56,9 @@ absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DTyp
     }
     FLCE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(s), "fill"));
   }
-  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms, GemmRunner::Create(tuned));
+  internal_cuda::GemmTuning tuning;
+  tuning.enabled = tuned;
+  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms, GemmRunner::Create(tuning));
   auto gemm = [&](cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t gn,
                   int64_t k, const DeviceBuffer& a, int64_t lda, const DeviceBuffer& b,
                   int64_t ldb, DeviceBuffer& c, int64_t ldc) {

@@ -203,7 +203,9 @@ class EngineImpl {
       : options_(options), props_(props) {}
 
   absl::Status Init() {
-    FLCE_ASSIGN_OR_RETURN(gemms_, GemmRunner::Create(options_.tune_gemms));
+    GemmTuning tuning;
+    tuning.enabled = options_.tune_gemms;
+    FLCE_ASSIGN_OR_RETURN(gemms_, GemmRunner::Create(tuning));
     for (int i = 0; i < std::max(1, options_.lanes); ++i) {
       auto lane = std::make_unique<Lane>();
       FLCE_ASSIGN_OR_RETURN(lane->stream, CudaStream::Create());
@@ -219,6 +221,7 @@ class EngineImpl {
   }
 
   const cudaDeviceProp& props() const { return props_; }
+  const GemmRunner& gemms() const { return *gemms_; }
   int device() const { return options_.device; }
 
   absl::Status health() const {
@@ -944,6 +947,8 @@ std::vector<DeviceInfo> CudaEngine::devices() const {
 }
 
 absl::Status CudaEngine::health() const { return impl_->health(); }
+
+int CudaEngine::tuned_gemm_shapes() const { return impl_->gemms().counts().tuned; }
 
 int64_t CudaEngine::device_memory_bytes() const {
   // The stream-ordered pool's reservation: freed workspace stays in it.

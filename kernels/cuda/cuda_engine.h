@@ -70,6 +70,9 @@ class CudaEngine : public LossEngine {
   absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
       const std::string& handle) override;
 
+  // GEMM shapes whose algorithm has been tuned so far (tune_gemms).
+  int tuned_gemm_shapes() const;
+
   // For benchmarks: `problem` uploaded once, then each Run() does the
   // device work of Forward(need_backward, mode) + Backward(grad_output 1)
   // on the resident inputs, with no host transfers, and waits for it.

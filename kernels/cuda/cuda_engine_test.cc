@@ -176,15 +176,15 @@ TEST(CudaEngineSemanticsTest, TunedGemmsChangeNoBit) {
   FLCE_GET_ENGINE_OR_SKIP(any_engine);
   auto make = [](bool tune) {
     CudaEngineOptions options;
-    options.chunk_bytes = 16 << 20;  // 419 rows of 20011 bf16 logits: 4 chunks
+    options.chunk_bytes = 32 << 20;  // 838 rows of 20011 bf16 logits: 3 chunks
     options.tune_gemms = tune;
     return CudaEngine::Create(options);
   };
   auto tuned = make(true), plain = make(false);
   ASSERT_TRUE(tuned.ok() && plain.ok());
   RandomProblemSpec spec;
-  spec.rows = 1500;
-  spec.hidden = 512;
+  spec.rows = 2000;  // chunk GEMMs of 2.7e10 FLOP: above GemmTuning::min_flop
+  spec.hidden = 1024;
   spec.vocab = 20011;
   spec.dtype = DType::kBFloat16;
   spec.options.z_loss_scale = 1e-4f;
@@ -210,6 +210,8 @@ TEST(CudaEngineSemanticsTest, TunedGemmsChangeNoBit) {
       return out;
     };
     const std::vector<std::string> want = results(**plain), got = results(**tuned);
+    EXPECT_GT((*tuned)->tuned_gemm_shapes(), 0);
+    EXPECT_EQ((*plain)->tuned_gemm_shapes(), 0);
     ASSERT_EQ(want.size(), 6u);
     ASSERT_EQ(got.size(), 6u);
     for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(want[i] == got[i]) << "result " << i;

@@ -124,13 +124,14 @@ struct GemmRunner::Choice {
   }
 };
 
-absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(bool tune) {
+absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(const GemmTuning& tuning) {
   cublasLtHandle_t lt = nullptr;
-  if (tune) FLCE_RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&lt), "cublasLtCreate"));
-  return std::unique_ptr<GemmRunner>(new GemmRunner(tune, lt));
+  if (tuning.enabled) FLCE_RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&lt), "cublasLtCreate"));
+  return std::unique_ptr<GemmRunner>(new GemmRunner(tuning, lt));
 }
 
-GemmRunner::GemmRunner(bool tune, cublasLtHandle_t lt) : tune_(tune), lt_(lt) {}
+GemmRunner::GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt)
+    : tuning_(tuning), lt_(lt) {}
 
 GemmRunner::~GemmRunner() {
   {
@@ -153,16 +154,20 @@ GemmRunner::Counts GemmRunner::counts() const {
 absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const GemmShape& g,
                              const void* a, const void* b, float beta, void* c, bool tune) {
   if (g.m == 0 || g.n == 0) return absl::OkStatus();
-  if (!tune_ || !tune) return RunDefault(blas, g, a, b, beta, c);
+  if (!tuning_.enabled || !tune || 2.0 * g.m * g.n * g.k < tuning_.min_flop) {
+    return RunDefault(blas, g, a, b, beta, c);
+  }
   std::shared_ptr<const Choice> choice;
+  bool full = false;
   {
     absl::MutexLock lock(&mu_);
     auto it = choices_.find(g);
     if (it != choices_.end()) choice = it->second;
+    full = static_cast<int>(choices_.size()) >= tuning_.max_shapes;
   }
   if (choice == nullptr) {
     // Only beta 0 may overwrite C with trials.
-    if (beta != 0.0f) return RunDefault(blas, g, a, b, beta, c);
+    if (beta != 0.0f || full) return RunDefault(blas, g, a, b, beta, c);
     FLCE_ASSIGN_OR_RETURN(choice, Tune(blas, stream, g, a, b, c));
     absl::MutexLock lock(&mu_);
     choices_.emplace(g, choice);  // a concurrent tuning of g may have won: either is valid

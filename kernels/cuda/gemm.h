@@ -44,6 +44,17 @@ struct GemmShape {
   }
 };
 
+// Which GEMMs GemmRunner may tune.
+struct GemmTuning {
+  bool enabled = true;
+  // Smaller GEMMs (2·m·n·k FLOP) run the default: their trials would cost
+  // more than a few percent of them saves.
+  double min_flop = 1e10;
+  // A process tunes at most this many shapes (each distinct token count N
+  // brings new chunk shapes); later shapes run the default.
+  int max_shapes = 64;
+};
+
 // Runs GEMMs, choosing their algorithms. With tuning on, the first call of
 // a shape with beta 0 (which overwrites C, so the trials may too) runs
 // cublasGemmEx's default and each of cuBLASLt's heuristic candidates that
@@ -61,7 +72,7 @@ struct GemmShape {
 // can rank differently (the engine says which of its GEMMs may be tuned).
 class GemmRunner {
  public:
-  static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(bool tune);
+  static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(const GemmTuning& tuning);
   ~GemmRunner();
   GemmRunner(const GemmRunner&) = delete;
   GemmRunner& operator=(const GemmRunner&) = delete;
@@ -79,12 +90,12 @@ class GemmRunner {
 
  private:
   struct Choice;
-  explicit GemmRunner(bool tune, cublasLtHandle_t lt);
+  GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt);
   absl::StatusOr<std::shared_ptr<const Choice>> Tune(cublasHandle_t blas, cudaStream_t stream,
                                                      const GemmShape& g, const void* a,
                                                      const void* b, void* c);
 
-  const bool tune_;
+  const GemmTuning tuning_;
   const cublasLtHandle_t lt_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<GemmShape, std::shared_ptr<const Choice>> choices_ ABSL_GUARDED_BY(mu_);

@@ -86,8 +86,11 @@ TEST(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
   cudaStream_t s = stream->get();
   auto blas = CublasHandle::Create(s);
   ASSERT_TRUE(blas.ok());
-  auto plain = GemmRunner::Create(false);
-  auto tuned = GemmRunner::Create(true);
+  GemmTuning off, every;
+  off.enabled = false;
+  every.min_flop = 0;  // the odd sizes are small
+  auto plain = GemmRunner::Create(off);
+  auto tuned = GemmRunner::Create(every);
   ASSERT_TRUE(plain.ok() && tuned.ok());
   int shapes = 0;
   for (const Case& c : Cases()) {
@@ -131,13 +134,44 @@ TEST(GemmRunnerTest, EmptyShapesAreNoOps) {
   auto stream = CudaStream::Create();
   ASSERT_TRUE(stream.ok());
   auto blas = CublasHandle::Create(stream->get());
-  auto tuned = GemmRunner::Create(true);
+  auto tuned = GemmRunner::Create(GemmTuning{});
   ASSERT_TRUE(blas.ok() && tuned.ok());
   const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, 0, 5, 3, DType::kBFloat16, 1,
                         DType::kBFloat16, 3, DType::kFloat32, 1};
   EXPECT_TRUE((*tuned)->Run(blas->get(), stream->get(), shape, nullptr, nullptr, 0.0f, nullptr)
                   .ok());
   EXPECT_EQ((*tuned)->counts().tuned, 0);
+}
+
+// Shapes under min_flop, and shapes beyond max_shapes, run the default and
+// are not remembered.
+TEST(GemmRunnerTest, SmallShapesAndShapesBeyondTheCapAreNotTuned) {
+  FLCE_SKIP_WITHOUT_GPU();
+  auto stream = CudaStream::Create();
+  ASSERT_TRUE(stream.ok());
+  cudaStream_t s = stream->get();
+  auto blas = CublasHandle::Create(s);
+  ASSERT_TRUE(blas.ok());
+  GemmTuning tuning;
+  tuning.min_flop = 2.0 * 256 * 256 * 256;
+  tuning.max_shapes = 2;
+  auto runner = GemmRunner::Create(tuning);
+  ASSERT_TRUE(runner.ok());
+  DeviceBuffer a = RandomBuffer(512 * 512, DType::kBFloat16, 1, s);
+  DeviceBuffer b = RandomBuffer(512 * 512, DType::kBFloat16, 2, s);
+  auto c = DeviceBuffer::Allocate(512 * 512 * 4, s);
+  ASSERT_TRUE(c.ok());
+  auto run = [&](int64_t size) {
+    const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, size, size, size, DType::kBFloat16, size,
+                          DType::kBFloat16, size, DType::kFloat32, size};
+    return (*runner)->Run(blas->get(), s, shape, a.data(), b.data(), 0.0f, c->data());
+  };
+  ASSERT_TRUE(run(255).ok());  // under min_flop
+  EXPECT_EQ((*runner)->counts().tuned, 0);
+  for (int64_t size : {256, 300, 400, 512}) ASSERT_TRUE(run(size).ok());
+  EXPECT_EQ((*runner)->counts().tuned, 2);  // the cap
+  ASSERT_TRUE(run(300).ok());               // a remembered shape runs its choice
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
 }
 
 }  // namespace
