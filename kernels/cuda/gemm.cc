@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_resources.h"
 #include "kernels/cuda/loss_kernels.h"
 #include "kernels/status_macros.h"
@@ -50,11 +49,11 @@ class EventPair {
     cudaEventDestroy(start_);
     cudaEventDestroy(stop_);
   }
-  // Device ms of `runs` calls of f() on `stream`, waited for.
+  // Device ms of f()'s work on `stream`, waited for.
   template <typename F>
-  absl::StatusOr<float> Time(cudaStream_t stream, int runs, F&& f) {
+  absl::StatusOr<float> Time(cudaStream_t stream, F&& f) {
     FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(start_, stream), "tuning event"));
-    for (int i = 0; i < runs; ++i) FLCE_RETURN_IF_ERROR(f());
+    FLCE_RETURN_IF_ERROR(f());
     FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(stop_, stream), "tuning event"));
     FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(stop_), "tuning"));
     float ms = 0;
@@ -243,7 +242,7 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
       for (size_t j = 0; j < count; ++j) {
         const size_t e = (j + round) % count;
         FLCE_ASSIGN_OR_RETURN(const float t,
-                              events.Time(stream, 1, [&] { return run(eligible[e]); }));
+                              events.Time(stream, [&] { return run(eligible[e]); }));
         ms[e].push_back(t);
       }
     }
