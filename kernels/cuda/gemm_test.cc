@@ -24,14 +24,29 @@ bool RequireGpu() {
   return v != nullptr && std::string(v) == "1";
 }
 
-#define FLCE_SKIP_WITHOUT_GPU()                                                 \
-  do {                                                                          \
-    int count_ = 0;                                                             \
-    if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0) {            \
-      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but no CUDA device";           \
-      GTEST_SKIP() << "no CUDA device";                                         \
-    }                                                                           \
-  } while (0)
+// A stream and a cuBLAS handle bound to it; skips without a device.
+class GemmRunnerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but no CUDA device";
+      GTEST_SKIP() << "no CUDA device";
+    }
+    auto stream = CudaStream::Create();
+    ASSERT_TRUE(stream.ok());
+    stream_ = *std::move(stream);
+    auto blas = CublasHandle::Create(stream_.get());
+    ASSERT_TRUE(blas.ok());
+    blas_ = *std::move(blas);
+  }
+  cudaStream_t s() const { return stream_.get(); }
+  cublasHandle_t blas() const { return blas_.get(); }
+
+ private:
+  CudaStream stream_;
+  CublasHandle blas_;
+};
 
 // `count` elements of `dtype` on the device, uniform in [-1, 1).
 DeviceBuffer RandomBuffer(int64_t count, DType dtype, uint32_t seed, cudaStream_t s) {
@@ -79,13 +94,8 @@ std::vector<Case> Cases() {
   return cases;
 }
 
-TEST(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
-  FLCE_SKIP_WITHOUT_GPU();
-  auto stream = CudaStream::Create();
-  ASSERT_TRUE(stream.ok());
-  cudaStream_t s = stream->get();
-  auto blas = CublasHandle::Create(s);
-  ASSERT_TRUE(blas.ok());
+TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
+  cudaStream_t s = this->s();
   GemmTuning off, every;
   off.enabled = false;
   every.min_flop = 0;  // the odd sizes are small
@@ -112,10 +122,10 @@ TEST(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
                                   s),
                   cudaSuccess);
       }
-      ASSERT_TRUE((*plain)->Run(blas->get(), s, shape, a.data(), b.data(), beta,
+      ASSERT_TRUE((*plain)->Run(blas(), s, shape, a.data(), b.data(), beta,
                                 expected->data()).ok());
       // beta 0 tunes the shape on this first call; beta 1 runs the choice.
-      ASSERT_TRUE((*tuned)->Run(blas->get(), s, shape, a.data(), b.data(), beta,
+      ASSERT_TRUE((*tuned)->Run(blas(), s, shape, a.data(), b.data(), beta,
                                 got->data()).ok());
       const std::vector<char> want = Download(*expected, s), have = Download(*got, s);
       EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
@@ -129,29 +139,19 @@ TEST(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
               counts.tuned, counts.non_default);
 }
 
-TEST(GemmRunnerTest, EmptyShapesAreNoOps) {
-  FLCE_SKIP_WITHOUT_GPU();
-  auto stream = CudaStream::Create();
-  ASSERT_TRUE(stream.ok());
-  auto blas = CublasHandle::Create(stream->get());
+TEST_F(GemmRunnerTest, EmptyShapesAreNoOps) {
   auto tuned = GemmRunner::Create(GemmTuning{});
-  ASSERT_TRUE(blas.ok() && tuned.ok());
+  ASSERT_TRUE(tuned.ok());
   const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, 0, 5, 3, DType::kBFloat16, 1,
                         DType::kBFloat16, 3, DType::kFloat32, 1};
-  EXPECT_TRUE((*tuned)->Run(blas->get(), stream->get(), shape, nullptr, nullptr, 0.0f, nullptr)
-                  .ok());
+  EXPECT_TRUE((*tuned)->Run(blas(), s(), shape, nullptr, nullptr, 0.0f, nullptr).ok());
   EXPECT_EQ((*tuned)->counts().tuned, 0);
 }
 
 // Shapes under min_flop, and shapes beyond max_shapes, run the default and
 // are not remembered.
-TEST(GemmRunnerTest, SmallShapesAndShapesBeyondTheCapAreNotTuned) {
-  FLCE_SKIP_WITHOUT_GPU();
-  auto stream = CudaStream::Create();
-  ASSERT_TRUE(stream.ok());
-  cudaStream_t s = stream->get();
-  auto blas = CublasHandle::Create(s);
-  ASSERT_TRUE(blas.ok());
+TEST_F(GemmRunnerTest, SmallShapesAndShapesBeyondTheCapAreNotTuned) {
+  cudaStream_t s = this->s();
   GemmTuning tuning;
   tuning.min_flop = 2.0 * 256 * 256 * 256;
   tuning.max_shapes = 2;
@@ -164,7 +164,7 @@ TEST(GemmRunnerTest, SmallShapesAndShapesBeyondTheCapAreNotTuned) {
   auto run = [&](int64_t size) {
     const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, size, size, size, DType::kBFloat16, size,
                           DType::kBFloat16, size, DType::kFloat32, size};
-    return (*runner)->Run(blas->get(), s, shape, a.data(), b.data(), 0.0f, c->data());
+    return (*runner)->Run(blas(), s, shape, a.data(), b.data(), 0.0f, c->data());
   };
   ASSERT_TRUE(run(255).ok());  // under min_flop
   EXPECT_EQ((*runner)->counts().tuned, 0);
