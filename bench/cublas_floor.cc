@@ -22,6 +22,26 @@ using internal_cuda::DeviceBuffer;
 using internal_cuda::GemmRunner;
 using internal_cuda::GemmShape;
 
+absl::Status FillPattern(const DeviceBuffer& b, DType dtype, cudaStream_t s) {
+  std::vector<float> pattern(1 << 20);
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    pattern[i] = static_cast<float>((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
+  }
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer p, DeviceBuffer::Allocate(pattern.size() * 4, s));
+  FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(p.data(), pattern.data(), pattern.size() * 4,
+                                                  cudaMemcpyHostToDevice, s),
+                                  "upload"));
+  const int64_t elem = DTypeSize(dtype), count = b.bytes() / elem;
+  for (int64_t first = 0; first < count; first += static_cast<int64_t>(pattern.size())) {
+    const int64_t m = std::min<int64_t>(pattern.size(), count - first);
+    FLCE_RETURN_IF_ERROR(
+        CudaStatus(internal_cuda::LaunchConvert(p.data(), DType::kFloat32,
+                                                b.as<char>() + first * elem, dtype, m, 0.05f, s),
+                   "fill"));
+  }
+  return CudaStatus(cudaStreamSynchronize(s), "fill");
+}
+
 absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DType dtype,
                                            int logits_gemms, bool tuned, int warmup,
                                            int iters) {
@@ -34,28 +54,7 @@ absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DTyp
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer z, DeviceBuffer::Allocate(n * v * elem, s));
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * elem, s));
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * elem, s));
-  // Random-ish operands: small fp32 patterns converted to dtype (never zeros).
-  {
-    std::vector<float> pattern(1 << 20);
-    for (size_t i = 0; i < pattern.size(); ++i) {
-      pattern[i] = static_cast<float>((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
-    }
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer p, DeviceBuffer::Allocate(pattern.size() * 4, s));
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(p.data(), pattern.data(), pattern.size() * 4,
-                                                    cudaMemcpyHostToDevice, s),
-                                    "upload"));
-    for (DeviceBuffer* b : {&x, &w, &z}) {
-      const int64_t count = b->bytes() / elem;
-      for (int64_t first = 0; first < count; first += static_cast<int64_t>(pattern.size())) {
-        const int64_t m = std::min<int64_t>(pattern.size(), count - first);
-        FLCE_RETURN_IF_ERROR(CudaStatus(
-            internal_cuda::LaunchConvert(p.data(), DType::kFloat32,
-                                         b->as<char>() + first * elem, dtype, m, 0.05f, s),
-            "fill"));
-      }
-    }
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(s), "fill"));
-  }
+  for (const DeviceBuffer* b : {&x, &w, &z}) FLCE_RETURN_IF_ERROR(FillPattern(*b, dtype, s));
   internal_cuda::GemmTuning tuning;
   tuning.enabled = tuned;
   FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms, GemmRunner::Create(tuning));
@@ -75,26 +74,10 @@ absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DTyp
     // dW [V, H] = dZᵀ · X.
     return gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, x, h, z, v, dw, h);
   };
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> ms;
-  absl::Status status;
-  for (int i = 0; i < warmup + iters && status.ok(); ++i) {
-    cudaEventRecord(start, s);
-    status = sequence();
-    cudaEventRecord(stop, s);
-    if (status.ok()) status = CudaStatus(cudaEventSynchronize(stop), "floor");
-    float elapsed = 0;
-    cudaEventElapsedTime(&elapsed, start, stop);
-    if (i >= warmup) ms.push_back(elapsed);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  if (!status.ok()) return status;
-  std::sort(ms.begin(), ms.end());
+  internal_cuda::EventTimer timer;
+  FLCE_ASSIGN_OR_RETURN(const double median, timer.MedianMs(s, warmup, iters, sequence));
   GemmFloor floor;
-  floor.ms = ms[ms.size() / 2];
+  floor.ms = median;
   floor.tflops = 2.0 * n * h * v * (logits_gemms + 2) / (floor.ms * 1e9);
   return floor;
 }

@@ -4,9 +4,14 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "kernels/cuda/cuda_resources.h"
 #include "kernels/dtype.h"
 
 namespace flce {
+
+// Fills `b` (elements of `dtype`) with a fixed pattern of values in
+// [-0.05, 0.05], never zero, and waits for it.
+absl::Status FillPattern(const internal_cuda::DeviceBuffer& b, DType dtype, cudaStream_t s);
 
 struct GemmFloor {
   double ms = 0;        // median time of the GEMM sequence

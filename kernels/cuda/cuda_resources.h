@@ -7,12 +7,15 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/status_macros.h"
 
 namespace flce {
 namespace internal_cuda {
@@ -83,6 +86,50 @@ class DeviceBuffer {
   void* data_ = nullptr;
   int64_t bytes_ = 0;
   cudaStream_t stream_ = nullptr;
+};
+
+// Device time of the work a callable puts on a stream, from CUDA events
+// recorded around it.
+class EventTimer {
+ public:
+  EventTimer() {
+    cudaEventCreate(&start_);
+    cudaEventCreate(&stop_);
+  }
+  ~EventTimer() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
+
+  // Milliseconds of f()'s work on `stream`, waited for.
+  template <typename F>
+  absl::StatusOr<float> Time(cudaStream_t stream, F&& f) {
+    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(start_, stream), "timer event"));
+    FLCE_RETURN_IF_ERROR(f());
+    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(stop_, stream), "timer event"));
+    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(stop_), "timed work"));
+    float ms = 0;
+    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventElapsedTime(&ms, start_, stop_), "timer event"));
+    return ms;
+  }
+
+  // The median of `iters` timed runs of f after `untimed` runs.
+  template <typename F>
+  absl::StatusOr<double> MedianMs(cudaStream_t stream, int untimed, int iters, F&& f) {
+    std::vector<float> ms;
+    for (int i = 0; i < untimed + iters; ++i) {
+      FLCE_ASSIGN_OR_RETURN(const float t, Time(stream, f));
+      if (i >= untimed) ms.push_back(t);
+    }
+    if (ms.empty()) return 0.0;
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  }
+
+ private:
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
 };
 
 }  // namespace internal_cuda

@@ -38,33 +38,6 @@ absl::Status RunDefault(cublasHandle_t blas, const GemmShape& g, const void* a, 
       "cublasGemmEx");
 }
 
-// Elapsed device time between two events, destroyed with it.
-class EventPair {
- public:
-  EventPair() {
-    cudaEventCreate(&start_);
-    cudaEventCreate(&stop_);
-  }
-  ~EventPair() {
-    cudaEventDestroy(start_);
-    cudaEventDestroy(stop_);
-  }
-  // Device ms of f()'s work on `stream`, waited for.
-  template <typename F>
-  absl::StatusOr<float> Time(cudaStream_t stream, F&& f) {
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(start_, stream), "tuning event"));
-    FLCE_RETURN_IF_ERROR(f());
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(stop_, stream), "tuning event"));
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(stop_), "tuning"));
-    float ms = 0;
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventElapsedTime(&ms, start_, stop_), "tuning event"));
-    return ms;
-  }
-
- private:
-  cudaEvent_t start_ = nullptr, stop_ = nullptr;
-};
-
 constexpr int kCandidates = 8;  // heuristic results considered per shape
 // Rounds of one timed run of every eligible algorithm, each round in a
 // rotated order, so that the card's clock drifting during the trials
@@ -75,52 +48,71 @@ constexpr float kMinGain = 0.02f;
 
 }  // namespace
 
-// A shape's algorithm: the default (lt == false) or a cuBLASLt algorithm
-// with the descriptors it runs with (read-only once made).
+absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(const GemmShape& g) {
+  std::unique_ptr<LtGemm> d(new LtGemm());
+  FLCE_RETURN_IF_ERROR(
+      CublasStatus(cublasLtMatmulDescCreate(&d->desc_, ComputeType(g), CUDA_R_32F), "Lt desc"));
+  FLCE_RETURN_IF_ERROR(CublasStatus(
+      cublasLtMatmulDescSetAttribute(d->desc_, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a,
+                                     sizeof(g.op_a)),
+      "Lt transa"));
+  FLCE_RETURN_IF_ERROR(CublasStatus(
+      cublasLtMatmulDescSetAttribute(d->desc_, CUBLASLT_MATMUL_DESC_TRANSB, &g.op_b,
+                                     sizeof(g.op_b)),
+      "Lt transb"));
+  // op(A) is m×k, op(B) k×n, C m×n, all column-major.
+  const bool ta = g.op_a != CUBLAS_OP_N, tb = g.op_b != CUBLAS_OP_N;
+  FLCE_RETURN_IF_ERROR(CublasStatus(
+      cublasLtMatrixLayoutCreate(&d->la_, CudaType(g.a_type), ta ? g.k : g.m, ta ? g.m : g.k,
+                                 g.lda),
+      "Lt layout A"));
+  FLCE_RETURN_IF_ERROR(CublasStatus(
+      cublasLtMatrixLayoutCreate(&d->lb_, CudaType(g.b_type), tb ? g.n : g.k, tb ? g.k : g.n,
+                                 g.ldb),
+      "Lt layout B"));
+  FLCE_RETURN_IF_ERROR(
+      CublasStatus(cublasLtMatrixLayoutCreate(&d->lc_, CudaType(g.c_type), g.m, g.n, g.ldc),
+                   "Lt layout C"));
+  return d;
+}
+
+LtGemm::~LtGemm() {
+  if (lc_) cublasLtMatrixLayoutDestroy(lc_);
+  if (lb_) cublasLtMatrixLayoutDestroy(lb_);
+  if (la_) cublasLtMatrixLayoutDestroy(la_);
+  if (desc_) cublasLtMatmulDescDestroy(desc_);
+}
+
+std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Candidates(cublasLtHandle_t lt, int count,
+                                                                size_t workspace_bytes) const {
+  std::vector<cublasLtMatmulHeuristicResult_t> results(count);
+  int found = 0;
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return {};
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                       &workspace_bytes, sizeof(workspace_bytes));
+  if (cublasLtMatmulAlgoGetHeuristic(lt, desc_, la_, lb_, lc_, lc_, pref, count, results.data(),
+                                     &found) != CUBLAS_STATUS_SUCCESS) {
+    found = 0;
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  results.resize(found);
+  return results;
+}
+
+absl::Status LtGemm::Run(cublasLtHandle_t lt, cudaStream_t stream,
+                         const cublasLtMatmulAlgo_t& algo, const void* a, const void* b,
+                         float beta, void* c, void* workspace, size_t workspace_bytes) const {
+  const float alpha = 1.0f;
+  return CublasStatus(cublasLtMatmul(lt, desc_, &alpha, a, la_, b, lb_, &beta, c, lc_, c, lc_,
+                                     &algo, workspace, workspace_bytes, stream),
+                      "cublasLtMatmul");
+}
+
+// A shape's algorithm: the default (lt == nullptr) or a cuBLASLt algorithm.
 struct GemmRunner::Choice {
-  bool lt = false;
+  std::unique_ptr<LtGemm> lt;
   cublasLtMatmulAlgo_t algo{};
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-
-  Choice() = default;
-  Choice(const Choice&) = delete;
-  Choice& operator=(const Choice&) = delete;
-  ~Choice() {
-    if (lc) cublasLtMatrixLayoutDestroy(lc);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (desc) cublasLtMatmulDescDestroy(desc);
-  }
-
-  // The descriptors of g (op(A) is m×k, op(B) k×n, C m×n, column-major).
-  absl::Status Describe(const GemmShape& g) {
-    FLCE_RETURN_IF_ERROR(
-        CublasStatus(cublasLtMatmulDescCreate(&desc, ComputeType(g), CUDA_R_32F), "Lt desc"));
-    FLCE_RETURN_IF_ERROR(CublasStatus(
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a, sizeof(g.op_a)),
-        "Lt transa"));
-    FLCE_RETURN_IF_ERROR(CublasStatus(
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &g.op_b, sizeof(g.op_b)),
-        "Lt transb"));
-    const bool ta = g.op_a != CUBLAS_OP_N, tb = g.op_b != CUBLAS_OP_N;
-    FLCE_RETURN_IF_ERROR(CublasStatus(
-        cublasLtMatrixLayoutCreate(&la, CudaType(g.a_type), ta ? g.k : g.m, ta ? g.m : g.k, g.lda),
-        "Lt layout A"));
-    FLCE_RETURN_IF_ERROR(CublasStatus(
-        cublasLtMatrixLayoutCreate(&lb, CudaType(g.b_type), tb ? g.n : g.k, tb ? g.k : g.n, g.ldb),
-        "Lt layout B"));
-    return CublasStatus(cublasLtMatrixLayoutCreate(&lc, CudaType(g.c_type), g.m, g.n, g.ldc),
-                        "Lt layout C");
-  }
-
-  absl::Status Run(cublasLtHandle_t lt, cudaStream_t stream, const cublasLtMatmulAlgo_t& with,
-                   const void* a, const void* b, float beta, void* c) const {
-    const float alpha = 1.0f;
-    return CublasStatus(cublasLtMatmul(lt, desc, &alpha, a, la, b, lb, &beta, c, lc, c, lc,
-                                       &with, nullptr, 0, stream),
-                        "cublasLtMatmul");
-  }
 };
 
 absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(const GemmTuning& tuning) {
@@ -145,7 +137,7 @@ GemmRunner::Counts GemmRunner::counts() const {
   Counts counts;
   for (const auto& [shape, choice] : choices_) {
     ++counts.tuned;
-    if (choice->lt) ++counts.non_default;
+    if (choice->lt != nullptr) ++counts.non_default;
   }
   return counts;
 }
@@ -172,8 +164,8 @@ absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const Gem
     choices_.emplace(g, choice);  // a concurrent tuning of g may have won: either is valid
     return absl::OkStatus();      // Tune left the result in C
   }
-  if (!choice->lt) return RunDefault(blas, g, a, b, beta, c);
-  return choice->Run(lt_, stream, choice->algo, a, b, beta, c);
+  if (choice->lt == nullptr) return RunDefault(blas, g, a, b, beta, c);
+  return choice->lt->Run(lt_, stream, choice->algo, a, b, beta, c);
 }
 
 absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
@@ -199,33 +191,19 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
 
   // The candidates with the default's bits (nullptr: the default itself).
   std::vector<const cublasLtMatmulAlgo_t*> eligible = {nullptr};
-  std::vector<cublasLtMatmulHeuristicResult_t> results(kCandidates);
-  int found = 0;
-  cublasLtMatmulPreference_t pref = nullptr;
-  if (choice->Describe(g).ok() &&
-      cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
-    const size_t no_workspace = 0;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                         &no_workspace, sizeof(no_workspace));
-    if (cublasLtMatmulAlgoGetHeuristic(lt_, choice->desc, choice->la, choice->lb, choice->lc,
-                                       choice->lc, pref, kCandidates, results.data(),
-                                       &found) != CUBLAS_STATUS_SUCCESS) {
-      found = 0;
-    }
-    cublasLtMatmulPreferenceDestroy(pref);
-  }
+  absl::StatusOr<std::unique_ptr<LtGemm>> lt_gemm = LtGemm::Create(g);
+  std::vector<cublasLtMatmulHeuristicResult_t> results;
+  if (lt_gemm.ok()) results = (*lt_gemm)->Candidates(lt_, kCandidates, 0);
   auto run = [&](const cublasLtMatmulAlgo_t* algo) {
-    return algo == nullptr ? run_default()
-                           : choice->Run(lt_, stream, *algo, a, b, 0.0f, c);
+    return algo == nullptr ? run_default() : (*lt_gemm)->Run(lt_, stream, *algo, a, b, 0.0f, c);
   };
-  for (int i = 0; i < found; ++i) {
-    const cublasLtMatmulAlgo_t& algo = results[i].algo;
+  for (const cublasLtMatmulHeuristicResult_t& result : results) {
+    const cublasLtMatmulAlgo_t& algo = result.algo;
     uint32_t split_k = 1;
     size_t written = 0;
     cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k,
                                          sizeof(split_k), &written);
-    if (results[i].state != CUBLAS_STATUS_SUCCESS || results[i].workspaceSize != 0 ||
-        split_k > 1) {
+    if (result.state != CUBLAS_STATUS_SUCCESS || result.workspaceSize != 0 || split_k > 1) {
       continue;
     }
     if (!run(&algo).ok()) continue;  // a candidate cuBLAS refuses is skipped
@@ -235,14 +213,14 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
 
   const cublasLtMatmulAlgo_t* best = nullptr;
   if (eligible.size() > 1) {
-    EventPair events;
+    EventTimer timer;
     const size_t count = eligible.size();
     std::vector<std::vector<float>> ms(count);
     for (int round = 0; round < kRounds; ++round) {
       for (size_t j = 0; j < count; ++j) {
         const size_t e = (j + round) % count;
         FLCE_ASSIGN_OR_RETURN(const float t,
-                              events.Time(stream, [&] { return run(eligible[e]); }));
+                              timer.Time(stream, [&] { return run(eligible[e]); }));
         ms[e].push_back(t);
       }
     }
@@ -259,13 +237,13 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
       }
     }
   }
-  if (best != nullptr) {
-    choice->lt = true;
-    choice->algo = *best;
-  }
   // The trials leave C as whichever ran last wrote it: the choice writes
   // the result once more.
   FLCE_RETURN_IF_ERROR(run(best));
+  if (best != nullptr) {
+    choice->algo = *best;
+    choice->lt = *std::move(lt_gemm);
+  }
   return std::shared_ptr<const Choice>(std::move(choice));
 }
 

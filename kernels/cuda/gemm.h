@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <tuple>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -42,6 +43,29 @@ struct GemmShape {
     return H::combine(std::move(h), g.op_a, g.op_b, g.m, g.n, g.k, g.a_type, g.lda, g.b_type,
                       g.ldb, g.c_type, g.ldc);
   }
+};
+
+// A GEMM shape's cuBLASLt descriptors (read-only once made): its heuristic
+// candidates, and runs of it with one of them.
+class LtGemm {
+ public:
+  static absl::StatusOr<std::unique_ptr<LtGemm>> Create(const GemmShape& g);
+  ~LtGemm();
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+
+  // Up to `count` of cuBLASLt's candidates that need at most
+  // `workspace_bytes` (none when the heuristic has none).
+  std::vector<cublasLtMatmulHeuristicResult_t> Candidates(cublasLtHandle_t lt, int count,
+                                                          size_t workspace_bytes) const;
+  absl::Status Run(cublasLtHandle_t lt, cudaStream_t stream, const cublasLtMatmulAlgo_t& algo,
+                   const void* a, const void* b, float beta, void* c,
+                   void* workspace = nullptr, size_t workspace_bytes = 0) const;
+
+ private:
+  LtGemm() = default;
+  cublasLtMatmulDesc_t desc_ = nullptr;
+  cublasLtMatrixLayout_t la_ = nullptr, lb_ = nullptr, lc_ = nullptr;
 };
 
 // Which GEMMs GemmRunner may tune.
