@@ -55,8 +55,6 @@ ABSL_FLAG(bool, cuda_stages, false,
 ABSL_FLAG(bool, cuda_tune_gemms, true,
           "CUDA engine: tune each GEMM shape's algorithm (bit-identical to cuBLAS's default); "
           "the floor is then also timed with tuned algorithms, printed under the row");
-ABSL_FLAG(bool, cuda_overlap_gemms, true,
-          "CUDA engine: each token chunk's dW GEMM on a second stream beside its dX GEMM");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
           "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
 
@@ -246,7 +244,6 @@ int RunCuda() {
     options.chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
   }
   options.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
-  options.overlap_gradient_gemms = absl::GetFlag(FLAGS_cuda_overlap_gemms);
   auto engine = CudaEngine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());

@@ -27,19 +27,6 @@ namespace {
 struct Lane {
   CudaStream stream;
   CublasHandle blas;
-  // A second stream (and handle) for the chunk's dW GEMM beside its dX
-  // GEMM, and the events that order the two.
-  CudaStream side;
-  CublasHandle side_blas;
-  cudaEvent_t rows_done = nullptr, dw_done = nullptr;
-
-  Lane() = default;
-  Lane(const Lane&) = delete;
-  Lane& operator=(const Lane&) = delete;
-  ~Lane() {
-    if (rows_done) cudaEventDestroy(rows_done);
-    if (dw_done) cudaEventDestroy(dw_done);
-  }
 };
 
 // A problem's tensors on the device.
@@ -223,12 +210,6 @@ class EngineImpl {
       auto lane = std::make_unique<Lane>();
       FLCE_ASSIGN_OR_RETURN(lane->stream, CudaStream::Create());
       FLCE_ASSIGN_OR_RETURN(lane->blas, CublasHandle::Create(lane->stream.get()));
-      FLCE_ASSIGN_OR_RETURN(lane->side, CudaStream::Create());
-      FLCE_ASSIGN_OR_RETURN(lane->side_blas, CublasHandle::Create(lane->side.get()));
-      FLCE_RETURN_IF_ERROR(Check(
-          cudaEventCreateWithFlags(&lane->rows_done, cudaEventDisableTiming), "lane event"));
-      FLCE_RETURN_IF_ERROR(Check(
-          cudaEventCreateWithFlags(&lane->dw_done, cudaEventDisableTiming), "lane event"));
       free_lanes_.push_back(lane.get());
       lanes_.push_back(std::move(lane));
     }
@@ -319,16 +300,13 @@ class EngineImpl {
   // tune_gemms). Only the token-chunk logits and dW GEMMs do: tuned in
   // isolation, the long-K dX GEMMs and the vocabulary-slice GEMMs picked
   // algorithms that ran slower inside the engine than cuBLAS's defaults
-  // (bench/RESULTS.md, per-GEMM experiment). `on_side`: on the lane's
-  // side stream and handle.
+  // (bench/RESULTS.md, per-GEMM experiment).
   absl::Status Gemm(Lane& lane, bool tune, cublasOperation_t op_a, cublasOperation_t op_b,
                     int64_t m, int64_t n, int64_t k, const void* a, DType a_type, int64_t lda,
                     const void* b, DType b_type, int64_t ldb, float beta, void* c,
-                    DType c_type, int64_t ldc, bool on_side = false) {
+                    DType c_type, int64_t ldc) {
     const GemmShape shape{op_a, op_b, m, n, k, a_type, lda, b_type, ldb, c_type, ldc};
-    return on_side
-               ? gemms_->Run(lane.side_blas.get(), lane.side.get(), shape, a, b, beta, c, tune)
-               : gemms_->Run(lane.blas.get(), lane.stream.get(), shape, a, b, beta, c, tune);
+    return gemms_->Run(lane.blas.get(), lane.stream.get(), shape, a, b, beta, c, tune);
   }
 
   // A device copy of `bytes` at `data`, in host memory or (mapped through
@@ -460,39 +438,6 @@ class EngineImpl {
       }
       Mark(clock, "row kernel");
       if (!grad) continue;
-      // dW[V, H] (row-major, fp32) (+)= dZᵀ · X_c. Column-major view:
-      // dWᵀ (H×V, ld H) = A·op(B) with
-      //   A = X_c as column-major H×count (ld H), op N;
-      //   B = dZ as column-major V×count (ld V), op T → count×V.
-      // The first chunk overwrites (beta 0): dW needs no zeroing pass.
-      // With overlap it runs on the lane's side stream beside the dX GEMM;
-      // the main stream waits for it before anything after this chunk
-      // (the next logits GEMM overwrites dZ), on every way out.
-      const bool overlap = options_.overlap_gradient_gemms && clock == nullptr;
-      struct Join {  // the main stream waits for `done` (once set) on scope exit
-        cudaStream_t stream;
-        cudaEvent_t done = nullptr;
-        ~Join() {
-          if (done != nullptr) cudaStreamWaitEvent(stream, done);
-        }
-      } join{s};
-      if (overlap) {
-        FLCE_RETURN_IF_ERROR(Check(cudaEventRecord(lane.rows_done, s), "overlap event"));
-        FLCE_RETURN_IF_ERROR(
-            Check(cudaStreamWaitEvent(lane.side.get(), lane.rows_done), "overlap wait"));
-      }
-      const absl::Status dw_launched =
-          Gemm(lane, true, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count, in.x_row(r0), in.dtype,
-               in.h, logits.data(), in.dtype, in.v, r0 == 0 ? 0.0f : 1.0f, dw, DType::kFloat32,
-               in.h, /*on_side=*/overlap);
-      if (overlap) {
-        // Also after a failed launch: the join waits for what the side took.
-        FLCE_RETURN_IF_ERROR(
-            Check(cudaEventRecord(lane.dw_done, lane.side.get()), "overlap event"));
-        join.done = lane.dw_done;
-      }
-      FLCE_RETURN_IF_ERROR(dw_launched);
-      Mark(clock, r0 == 0 ? "dW GEMM, fp32, beta 0" : "dW GEMM, fp32, beta 1");
       // dX_c[count, H] (row-major, fp32) = dZ · W. Column-major view:
       // dX_cᵀ (H×count, ld H) = A·B with
       //   A = W as column-major H×V (ld H), op N;
@@ -501,6 +446,15 @@ class EngineImpl {
                                 in.weight.data(), in.dtype, in.h, logits.data(), in.dtype, in.v,
                                 0.0f, dx + r0 * in.h, DType::kFloat32, in.h));
       Mark(clock, "dX GEMM");
+      // dW[V, H] (row-major, fp32) (+)= dZᵀ · X_c. Column-major view:
+      // dWᵀ (H×V, ld H) = A·op(B) with
+      //   A = X_c as column-major H×count (ld H), op N;
+      //   B = dZ as column-major V×count (ld V), op T → count×V.
+      // The first chunk overwrites (beta 0): dW needs no zeroing pass.
+      FLCE_RETURN_IF_ERROR(Gemm(lane, true, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count,
+                                in.x_row(r0), in.dtype, in.h, logits.data(), in.dtype, in.v,
+                                r0 == 0 ? 0.0f : 1.0f, dw, DType::kFloat32, in.h));
+      Mark(clock, r0 == 0 ? "dW GEMM, fp32, beta 0" : "dW GEMM, fp32, beta 1");
       if (db) {
         FLCE_RETURN_IF_ERROR(Check(
             LaunchColumnSums(logits.data(), in.dtype, count, in.v, in.v, r0 > 0, db, s),

@@ -31,9 +31,6 @@ struct CudaEngineOptions {
   // is bit-identical to the default's (GemmRunner): results never change,
   // the first call of a shape waits for the trials.
   bool tune_gemms = true;
-  // STORE_GRADS and token-chunk passes: each chunk's dW GEMM runs on a
-  // second stream beside its dX GEMM (both read the chunk's gradient).
-  bool overlap_gradient_gemms = true;
 };
 
 namespace internal_cuda {
