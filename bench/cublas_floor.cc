@@ -15,7 +15,6 @@
 namespace flce {
 
 using internal_cuda::CublasHandle;
-using internal_cuda::CublasStatus;
 using internal_cuda::CudaStatus;
 using internal_cuda::CudaStream;
 using internal_cuda::DeviceBuffer;
