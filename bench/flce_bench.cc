@@ -6,9 +6,10 @@
 //   flce_bench --backend=cpu --shapes=512x1024x32000 --dtypes=bf16,fp32
 //   flce_bench --backend=cuda --shapes=8192x4096x128256 --dtypes=bf16
 //
-// CPU: the engine's host API, floor = OpenBLAS sgemm. CUDA: the engine's
-// device work on resident inputs (CudaEngine::DeviceRun: no host transfers),
-// floor = cuBLAS GEMMs in the input dtype; the extra device memory is the
+// CPU: the engine's host API, floor = OpenBLAS sgemm, both on the host
+// clock. CUDA: the engine's device work on resident inputs
+// (CudaEngine::DeviceRun: no host transfers), floor = cuBLAS GEMMs in the
+// input dtype, both timed with CUDA events (median); the extra device memory is the
 // stream-ordered pool's measured high-water mark minus X, W and the dX, dW
 // the run keeps (fp32 accumulators; RECOMPUTE's dW in the input dtype).
 //
@@ -55,6 +56,9 @@ ABSL_FLAG(bool, cuda_stages, false,
 ABSL_FLAG(bool, cuda_tune_gemms, true,
           "CUDA engine: tune each GEMM shape's algorithm (bit-identical to cuBLAS's default); "
           "the floor is then also timed with tuned algorithms, printed under the row");
+ABSL_FLAG(bool, cuda_tune_exhaustive, false,
+          "CUDA engine: tuning also tries every configuration cuBLASLt accepts, not only "
+          "its heuristic's candidates (the tuned floor likewise)");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
           "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
 
@@ -244,6 +248,7 @@ int RunCuda() {
     options.chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
   }
   options.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
+  options.tune_gemms_exhaustive = absl::GetFlag(FLAGS_cuda_tune_exhaustive);
   auto engine = CudaEngine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
@@ -271,11 +276,19 @@ int RunCuda() {
       } else {
         uint64_t zero = 0;
         cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero);
+        // Device time (CUDA events around each run's work), as the floor.
         absl::Status status;
-        ms = MedianMs(warmup, iters, [&] {
-          if (status.ok()) status = (*run)->Run();
-        });
+        std::vector<double> device_ms;
+        for (int i = 0; i < warmup + iters && status.ok(); ++i) {
+          absl::StatusOr<double> t = (*run)->Run();
+          status = t.status();
+          if (t.ok() && i >= warmup) device_ms.push_back(*t);
+        }
         if (!status.ok()) error = " " + status.ToString();
+        if (!device_ms.empty()) {
+          std::sort(device_ms.begin(), device_ms.end());
+          ms = device_ms[device_ms.size() / 2];
+        }
         uint64_t high = 0;
         cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
         const int64_t resident = (s.n * s.h + s.v * s.h) * DTypeSize(dtype) +  // X, W
@@ -292,11 +305,15 @@ int RunCuda() {
       }
     }
     const int logits_gemms = mode == BackwardMode::kRecompute ? 2 : 1;
-    auto floor = MeasureGemmFloor(s.n, s.h, s.v, dtype, logits_gemms, false, warmup, iters);
+    internal_cuda::GemmTuning tuning;
+    tuning.enabled = false;
+    auto floor = MeasureGemmFloor(s.n, s.h, s.v, dtype, logits_gemms, tuning, warmup, iters);
     if (!floor.ok()) error += " floor: " + floor.status().ToString();
     absl::StatusOr<GemmFloor> tuned_floor = GemmFloor{};
     if (options.tune_gemms) {
-      tuned_floor = MeasureGemmFloor(s.n, s.h, s.v, dtype, logits_gemms, true, warmup, iters);
+      tuning.enabled = true;
+      tuning.exhaustive = options.tune_gemms_exhaustive;
+      tuned_floor = MeasureGemmFloor(s.n, s.h, s.v, dtype, logits_gemms, tuning, warmup, iters);
       if (!tuned_floor.ok()) error += " tuned floor: " + tuned_floor.status().ToString();
     }
     const std::string accuracy = CheckAccuracyOf(**engine, dtype, mode);

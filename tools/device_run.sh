@@ -4,6 +4,10 @@
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
 # Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [ipc] [gemms]
+# bench reads BENCH_SHAPES, BENCH_DTYPES, BENCH_MODES, BENCH_WARMUP,
+# BENCH_CHUNK_BYTES and BENCH_FLAGS (more flce_bench flags); gemms reads
+# BENCH_SHAPES, GEMM_CHUNK_ROWS, GEMM_ALGOS and GEMM_FLAGS (more gemm_algos
+# flags, e.g. --exhaustive).
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
@@ -22,7 +26,7 @@ if [ -z "$ARGS" ] || want tests; then
   echo "== GPU tests"
   REQUIRE_GPU=1 "$bin/gemm_test" --gtest_output="xml:$OUT/gemm_test.xml" \
     > "$OUT/gemm_test.log" 2>&1 || status=1
-  grep -E '^tuned' "$OUT/gemm_test.log"
+  grep -E '(heuristic|exhaustive): tuned|configurations$' "$OUT/gemm_test.log"
   tail -3 "$OUT/gemm_test.log"
   REQUIRE_GPU=1 "$bin/cuda_engine_test" --gtest_output="xml:$OUT/cuda_engine_test.xml" \
     > "$OUT/cuda_engine_test.log" 2>&1 || status=1
@@ -58,13 +62,13 @@ if [ -z "$ARGS" ] || want bench; then
   echo "== flce_bench --backend=cuda --shapes=$shapes"
   "$bin/flce_bench" --backend=cuda --shapes="$shapes" --dtypes="${BENCH_DTYPES:-bf16}" \
     --modes="${BENCH_MODES:-store_grads,recompute}" --warmup="${BENCH_WARMUP:-20}" --iters=10 \
-    --cuda_chunk_bytes="${BENCH_CHUNK_BYTES:-0}" 2>&1 | tee -a "$OUT/bench.txt" || status=1
+    --cuda_chunk_bytes="${BENCH_CHUNK_BYTES:-0}" ${BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/bench.txt" || status=1
 fi
 if want gemms && [ -n "$ARGS" ]; then
   shapes="${BENCH_SHAPES:-8192x2304x256000}"
   echo "== gemm_algos --shapes=$shapes"
   "$bin/gemm_algos" --shapes="$shapes" --chunk_rows="${GEMM_CHUNK_ROWS:-2048}" \
-    --algos="${GEMM_ALGOS:-24}" 2>&1 | tee -a "$OUT/gemm_algos.txt" || status=1
+    --algos="${GEMM_ALGOS:-24}" ${GEMM_FLAGS:-} 2>&1 | tee -a "$OUT/gemm_algos.txt" || status=1
 fi
 if want rpc && [ -n "$ARGS" ]; then
   echo "== rpc_bench --backend=cuda --shape=${RPC_SHAPE:-8192x4096x128256}"

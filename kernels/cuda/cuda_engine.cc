@@ -205,6 +205,7 @@ class EngineImpl {
   absl::Status Init() {
     GemmTuning tuning;
     tuning.enabled = options_.tune_gemms;
+    tuning.exhaustive = options_.tune_gemms_exhaustive;
     FLCE_ASSIGN_OR_RETURN(gemms_, GemmRunner::Create(tuning));
     for (int i = 0; i < std::max(1, options_.lanes); ++i) {
       auto lane = std::make_unique<Lane>();
@@ -829,60 +830,67 @@ class EngineImpl {
       return impl_->Check(cudaStreamSynchronize(s), "prepare");
     }
 
-    absl::Status Run() override { return RunWith(nullptr); }
+    absl::StatusOr<double> Run() override { return RunWith(nullptr); }
 
     absl::StatusOr<std::map<std::string, double>> RunStages() override {
       std::map<std::string, double> stages;
-      FLCE_RETURN_IF_ERROR(RunWith(&stages));
+      FLCE_RETURN_IF_ERROR(RunWith(&stages).status());
       return stages;
     }
 
     int64_t gradient_bytes() const override { return dx_.bytes() + dw_.bytes(); }
 
    private:
-    // One run; with `stages`, timed stage by stage into it.
-    absl::Status RunWith(std::map<std::string, double>* stages) {
+    // One run, its device milliseconds; with `stages`, also timed stage by
+    // stage into it.
+    absl::StatusOr<double> RunWith(std::map<std::string, double>* stages) {
       FLCE_RETURN_IF_ERROR(impl_->SetDevice());
       LaneLease lane(impl_);
       cudaStream_t s = lane->stream.get();
       std::optional<StageClock> timer;
       if (stages != nullptr) timer.emplace(s);
       StageClock* clock = timer ? &*timer : nullptr;
-      Mark(clock, "start");
-      FLCE_RETURN_IF_ERROR(impl_->RowScales(*lane, in_, nullptr, 0, rows_));
-      Mark(clock, "row scales and reductions");
-      if (mode_ == BackwardMode::kStoreGrads) {
-        FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLossAndGrad, rows_, nullptr,
-                                              dx_.as<float>(), dw_.as<float>(), nullptr,
-                                              nullptr, clock));
-      } else {
-        FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLoss, rows_, nullptr, nullptr,
-                                              nullptr, nullptr, nullptr, clock));
-        FLCE_RETURN_IF_ERROR(impl_->RecomputeGradients(*lane, in_, rows_, rows_.lse.as<float>(),
-                                                       dx_.as<float>(), dw_.data(), in_.dtype,
-                                                       nullptr, nullptr, clock));
-      }
-      FLCE_RETURN_IF_ERROR(impl_->Check(
-          LaunchReduceRows(rows_.outputs(), in_.n, rows_.denom.as<double>(), true,
-                           rows_.totals.as<double>(), s),
-          "reduce rows"));
-      Mark(clock, "row scales and reductions");
-      // The gradients narrowed to their final dtype, as Backward does
-      // before its download (the chunk buffer is free again by now).
-      FLCE_ASSIGN_OR_RETURN(DeviceBuffer slice,
-                            DeviceBuffer::Allocate(kSliceElements * DTypeSize(in_.dtype), s));
-      auto no_download = [](const void*, int64_t, int64_t) { return absl::OkStatus(); };
-      FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dx_.as<float>(), in_.n * in_.h,
-                                                  in_.dtype, 1.0f, slice, no_download));
-      Mark(clock, "narrowing dX");
-      if (mode_ == BackwardMode::kStoreGrads) {
-        FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dw_.as<float>(), in_.v * in_.h,
+      EventTimer events;
+      absl::StatusOr<float> ms = events.Time(s, [&]() -> absl::Status {
+        Mark(clock, "start");
+        FLCE_RETURN_IF_ERROR(impl_->RowScales(*lane, in_, nullptr, 0, rows_));
+        Mark(clock, "row scales and reductions");
+        if (mode_ == BackwardMode::kStoreGrads) {
+          FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLossAndGrad, rows_, nullptr,
+                                                dx_.as<float>(), dw_.as<float>(), nullptr,
+                                                nullptr, clock));
+        } else {
+          FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLoss, rows_, nullptr, nullptr,
+                                                nullptr, nullptr, nullptr, clock));
+          FLCE_RETURN_IF_ERROR(impl_->RecomputeGradients(
+              *lane, in_, rows_, rows_.lse.as<float>(), dx_.as<float>(), dw_.data(), in_.dtype,
+              nullptr, nullptr, clock));
+        }
+        FLCE_RETURN_IF_ERROR(impl_->Check(
+            LaunchReduceRows(rows_.outputs(), in_.n, rows_.denom.as<double>(), true,
+                             rows_.totals.as<double>(), s),
+            "reduce rows"));
+        Mark(clock, "row scales and reductions");
+        // The gradients narrowed to their final dtype, as Backward does
+        // before its download (the chunk buffer is free again by now).
+        FLCE_ASSIGN_OR_RETURN(DeviceBuffer slice,
+                              DeviceBuffer::Allocate(kSliceElements * DTypeSize(in_.dtype), s));
+        auto no_download = [](const void*, int64_t, int64_t) { return absl::OkStatus(); };
+        FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dx_.as<float>(), in_.n * in_.h,
                                                     in_.dtype, 1.0f, slice, no_download));
-        Mark(clock, "narrowing dW");
-      }
+        Mark(clock, "narrowing dX");
+        if (mode_ == BackwardMode::kStoreGrads) {
+          FLCE_RETURN_IF_ERROR(impl_->ConvertInSlices(*lane, dw_.as<float>(), in_.v * in_.h,
+                                                      in_.dtype, 1.0f, slice, no_download));
+          Mark(clock, "narrowing dW");
+        }
+        return absl::OkStatus();
+      });
+      // Time() waited for its stop event only when everything was queued.
       FLCE_RETURN_IF_ERROR(impl_->Check(cudaStreamSynchronize(s), "run"));
+      FLCE_RETURN_IF_ERROR(ms.status());
       if (clock != nullptr) *stages = clock->Totals();
-      return absl::OkStatus();
+      return static_cast<double>(*ms);
     }
 
     EngineImpl* impl_;

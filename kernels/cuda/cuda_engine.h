@@ -31,6 +31,9 @@ struct CudaEngineOptions {
   // is bit-identical to the default's (GemmRunner): results never change,
   // the first call of a shape waits for the trials.
   bool tune_gemms = true;
+  // Tuning also tries every configuration cuBLASLt accepts, not only its
+  // heuristic's candidates (GemmTuning::exhaustive).
+  bool tune_gemms_exhaustive = false;
 };
 
 namespace internal_cuda {
@@ -79,7 +82,10 @@ class CudaEngine : public LossEngine {
   class DeviceRun {
    public:
     virtual ~DeviceRun() = default;
-    virtual absl::Status Run() = 0;
+    // One Forward + Backward of the prepared problem on the device (no
+    // upload, no download); returns its device milliseconds, from CUDA
+    // events on the lane's stream before its first and after its last work.
+    virtual absl::StatusOr<double> Run() = 0;
     // Run() with CUDA events between its stages: device milliseconds per
     // stage (logits GEMM, row kernel, dX GEMM, dW GEMM, narrowing, ...),
     // summed over chunks.

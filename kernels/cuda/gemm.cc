@@ -1,6 +1,8 @@
 #include "kernels/cuda/gemm.h"
 
 #include <algorithm>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/cuda_resources.h"
@@ -39,6 +41,10 @@ absl::Status RunDefault(cublasHandle_t blas, const GemmShape& g, const void* a, 
 }
 
 constexpr int kCandidates = 8;  // heuristic results considered per shape
+// With GemmTuning::exhaustive: configurations considered per shape at most,
+// and how many of the screened ones go on to the timed rounds.
+constexpr int kConfigurations = 4096;
+constexpr size_t kFinalists = 8;
 // Rounds of one timed run of every eligible algorithm, each round in a
 // rotated order, so that the card's clock drifting during the trials
 // favours none of them; an algorithm's time is its median.
@@ -49,7 +55,7 @@ constexpr float kMinGain = 0.02f;
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(const GemmShape& g) {
-  std::unique_ptr<LtGemm> d(new LtGemm());
+  std::unique_ptr<LtGemm> d(new LtGemm(g));
   FLCE_RETURN_IF_ERROR(
       CublasStatus(cublasLtMatmulDescCreate(&d->desc_, ComputeType(g), CUDA_R_32F), "Lt desc"));
   FLCE_RETURN_IF_ERROR(CublasStatus(
@@ -98,6 +104,79 @@ std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Candidates(cublasLtHandle_t
   cublasLtMatmulPreferenceDestroy(pref);
   results.resize(found);
   return results;
+}
+
+std::vector<cublasLtMatmulAlgo_t> LtGemm::Configurations(cublasLtHandle_t lt, int limit) const {
+  const cublasComputeType_t compute = ComputeType(g_);
+  const cudaDataType_t a = CudaType(g_.a_type), b = CudaType(g_.b_type), c = CudaType(g_.c_type);
+  std::vector<int> ids(256);
+  int id_count = 0;
+  if (cublasLtMatmulAlgoGetIds(lt, compute, CUDA_R_32F, a, b, c, c, static_cast<int>(ids.size()),
+                               ids.data(), &id_count) != CUBLAS_STATUS_SUCCESS) {
+    return {};
+  }
+  // A capability that is an array of uint32_t (tiles, stages); {0} (undefined) when empty.
+  auto cap_ids = [](const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
+    size_t bytes = 0;
+    std::vector<uint32_t> out;
+    if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, nullptr, 0, &bytes) ==
+            CUBLAS_STATUS_SUCCESS &&
+        bytes > 0) {
+      out.resize(bytes / sizeof(uint32_t));
+      cublasLtMatmulAlgoCapGetAttribute(&algo, attr, out.data(), bytes, &bytes);
+    }
+    if (out.empty()) out.push_back(0);
+    return out;
+  };
+  constexpr uint16_t kClusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO, CUBLASLT_CLUSTER_SHAPE_1x1x1,
+                                    CUBLASLT_CLUSTER_SHAPE_2x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1,
+                                    CUBLASLT_CLUSTER_SHAPE_2x2x1, CUBLASLT_CLUSTER_SHAPE_4x1x1,
+                                    CUBLASLT_CLUSTER_SHAPE_1x4x1};
+  std::vector<cublasLtMatmulAlgo_t> out;
+  for (int i = 0; i < id_count; ++i) {
+    cublasLtMatmulAlgo_t algo;
+    if (cublasLtMatmulAlgoInit(lt, compute, CUDA_R_32F, a, b, c, c, ids[i], &algo) !=
+        CUBLAS_STATUS_SUCCESS) {
+      continue;
+    }
+    int32_t swizzle = 0;
+    uint32_t custom_max = 0;
+    size_t written = 0;
+    cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swizzle,
+                                      sizeof(swizzle), &written);
+    cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max,
+                                      sizeof(custom_max), &written);
+    for (uint32_t tile : cap_ids(algo, CUBLASLT_ALGO_CAP_TILE_IDS)) {
+      for (uint32_t stages : cap_ids(algo, CUBLASLT_ALGO_CAP_STAGES_IDS)) {
+        for (uint16_t cluster : kClusters) {
+          for (uint32_t swz = 0; swz <= (swizzle ? 1u : 0u); ++swz) {
+            for (uint32_t custom = 0; custom <= custom_max; ++custom) {
+              cublasLtMatmulAlgo_t config = algo;
+              cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
+                                                   sizeof(tile));
+              cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_STAGES_ID,
+                                                   &stages, sizeof(stages));
+              cublasLtMatmulAlgoConfigSetAttribute(
+                  &config, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster));
+              cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
+                                                   &swz, sizeof(swz));
+              cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
+                                                   &custom, sizeof(custom));
+              cublasLtMatmulHeuristicResult_t result{};
+              if (cublasLtMatmulAlgoCheck(lt, desc_, la_, lb_, lc_, lc_, &config, &result) !=
+                      CUBLAS_STATUS_SUCCESS ||
+                  result.workspaceSize != 0) {
+                continue;
+              }
+              out.push_back(config);
+              if (static_cast<int>(out.size()) >= limit) return out;
+            }
+          }
+        }
+      }
+    }
+  }
+  return out;
 }
 
 absl::Status LtGemm::Run(cublasLtHandle_t lt, cudaStream_t stream,
@@ -189,31 +268,53 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
   FLCE_RETURN_IF_ERROR(run_default());
   FLCE_ASSIGN_OR_RETURN(const unsigned long long expected, hash_c());
 
-  // The candidates with the default's bits (nullptr: the default itself).
-  std::vector<const cublasLtMatmulAlgo_t*> eligible = {nullptr};
+  // The algorithms to try: the heuristic's candidates without workspace or
+  // split-K, then (exhaustive) every accepted configuration not among them.
+  std::vector<cublasLtMatmulAlgo_t> algos;
   absl::StatusOr<std::unique_ptr<LtGemm>> lt_gemm = LtGemm::Create(g);
-  std::vector<cublasLtMatmulHeuristicResult_t> results;
-  if (lt_gemm.ok()) results = (*lt_gemm)->Candidates(lt_, kCandidates, 0);
+  auto add = [&](const cublasLtMatmulAlgo_t& algo) {
+    for (const cublasLtMatmulAlgo_t& seen : algos) {
+      if (std::memcmp(&seen, &algo, sizeof(algo)) == 0) return;
+    }
+    algos.push_back(algo);
+  };
+  if (lt_gemm.ok()) {
+    for (const cublasLtMatmulHeuristicResult_t& result :
+         (*lt_gemm)->Candidates(lt_, kCandidates, 0)) {
+      uint32_t split_k = 1;
+      size_t written = 0;
+      cublasLtMatmulAlgoConfigGetAttribute(&result.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                           &split_k, sizeof(split_k), &written);
+      if (result.state == CUBLAS_STATUS_SUCCESS && result.workspaceSize == 0 && split_k <= 1) {
+        add(result.algo);
+      }
+    }
+    if (tuning_.exhaustive) {
+      for (const cublasLtMatmulAlgo_t& algo : (*lt_gemm)->Configurations(lt_, kConfigurations)) {
+        add(algo);
+      }
+    }
+  }
   auto run = [&](const cublasLtMatmulAlgo_t* algo) {
     return algo == nullptr ? run_default() : (*lt_gemm)->Run(lt_, stream, *algo, a, b, 0.0f, c);
   };
-  for (const cublasLtMatmulHeuristicResult_t& result : results) {
-    const cublasLtMatmulAlgo_t& algo = result.algo;
-    uint32_t split_k = 1;
-    size_t written = 0;
-    cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k,
-                                         sizeof(split_k), &written);
-    if (result.state != CUBLAS_STATUS_SUCCESS || result.workspaceSize != 0 || split_k > 1) {
-      continue;
-    }
-    if (!run(&algo).ok()) continue;  // a candidate cuBLAS refuses is skipped
+  // Screening: one timed run of each, kept only with the default's bits;
+  // the fastest kFinalists go on (nullptr: the default itself).
+  EventTimer timer;
+  std::vector<std::pair<float, const cublasLtMatmulAlgo_t*>> screened;
+  for (const cublasLtMatmulAlgo_t& algo : algos) {
+    absl::StatusOr<float> ms = timer.Time(stream, [&] { return run(&algo); });
+    if (!ms.ok()) continue;  // a candidate cuBLAS refuses is skipped
     FLCE_ASSIGN_OR_RETURN(const unsigned long long h, hash_c());
-    if (h == expected) eligible.push_back(&algo);  // other bits: never chosen
+    if (h == expected) screened.emplace_back(*ms, &algo);  // other bits: never chosen
   }
+  std::sort(screened.begin(), screened.end());
+  if (screened.size() > kFinalists) screened.resize(kFinalists);
+  std::vector<const cublasLtMatmulAlgo_t*> eligible = {nullptr};
+  for (const auto& [ms, algo] : screened) eligible.push_back(algo);
 
   const cublasLtMatmulAlgo_t* best = nullptr;
   if (eligible.size() > 1) {
-    EventTimer timer;
     const size_t count = eligible.size();
     std::vector<std::vector<float>> ms(count);
     for (int round = 0; round < kRounds; ++round) {

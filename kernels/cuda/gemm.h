@@ -58,12 +58,18 @@ class LtGemm {
   // `workspace_bytes` (none when the heuristic has none).
   std::vector<cublasLtMatmulHeuristicResult_t> Candidates(cublasLtHandle_t lt, int count,
                                                           size_t workspace_bytes) const;
+  // Beyond the heuristic: every configuration cublasLtMatmulAlgoCheck
+  // accepts for this shape on the current device with no workspace and no
+  // split-K — each algorithm id × its tiles × stages × CTA swizzling ×
+  // custom options × the cluster shapes up to 4 CTAs. At most `limit`.
+  std::vector<cublasLtMatmulAlgo_t> Configurations(cublasLtHandle_t lt, int limit) const;
   absl::Status Run(cublasLtHandle_t lt, cudaStream_t stream, const cublasLtMatmulAlgo_t& algo,
                    const void* a, const void* b, float beta, void* c,
                    void* workspace = nullptr, size_t workspace_bytes = 0) const;
 
  private:
-  LtGemm() = default;
+  explicit LtGemm(const GemmShape& g) : g_(g) {}
+  const GemmShape g_;
   cublasLtMatmulDesc_t desc_ = nullptr;
   cublasLtMatrixLayout_t la_ = nullptr, lb_ = nullptr, lc_ = nullptr;
 };
@@ -77,6 +83,10 @@ struct GemmTuning {
   // A process tunes at most this many shapes (each distinct token count N
   // brings new chunk shapes); later shapes run the default.
   int max_shapes = 64;
+  // Also try every configuration cuBLASLt accepts (LtGemm::Configurations),
+  // not only the heuristic's: each runs once (screening, which also checks
+  // its bits) and the fastest few go on to the timed rounds.
+  bool exhaustive = false;
 };
 
 // Runs GEMMs, choosing their algorithms. With tuning on, the first call of

@@ -94,11 +94,13 @@ std::vector<Case> Cases() {
   return cases;
 }
 
-TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
-  cudaStream_t s = this->s();
+// Every case, beta 0 then 1, run by a runner that tunes (with `exhaustive`)
+// and by one that does not: the outputs must be the same bits.
+void ExpectTunedBitsEqualDefault(cublasHandle_t blas, cudaStream_t s, bool exhaustive) {
   GemmTuning off, every;
   off.enabled = false;
   every.min_flop = 0;  // the odd sizes are small
+  every.exhaustive = exhaustive;
   auto plain = GemmRunner::Create(off);
   auto tuned = GemmRunner::Create(every);
   ASSERT_TRUE(plain.ok() && tuned.ok());
@@ -122,10 +124,10 @@ TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
                                   s),
                   cudaSuccess);
       }
-      ASSERT_TRUE((*plain)->Run(blas(), s, shape, a.data(), b.data(), beta,
+      ASSERT_TRUE((*plain)->Run(blas, s, shape, a.data(), b.data(), beta,
                                 expected->data()).ok());
       // beta 0 tunes the shape on this first call; beta 1 runs the choice.
-      ASSERT_TRUE((*tuned)->Run(blas(), s, shape, a.data(), b.data(), beta,
+      ASSERT_TRUE((*tuned)->Run(blas, s, shape, a.data(), b.data(), beta,
                                 got->data()).ok());
       const std::vector<char> want = Download(*expected, s), have = Download(*got, s);
       EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
@@ -135,8 +137,35 @@ TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
   const GemmRunner::Counts counts = (*tuned)->counts();
   EXPECT_EQ(counts.tuned, shapes);
   EXPECT_EQ((*plain)->counts().tuned, 0);
-  std::printf("tuned %d shapes, %d run a cuBLASLt algorithm other than the default\n",
-              counts.tuned, counts.non_default);
+  std::printf("%s: tuned %d shapes, %d run a cuBLASLt algorithm other than the default\n",
+              exhaustive ? "exhaustive" : "heuristic", counts.tuned, counts.non_default);
+}
+
+TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
+  ExpectTunedBitsEqualDefault(blas(), s(), false);
+}
+
+// Every configuration cuBLASLt accepts is screened; only the default's
+// bits may win.
+TEST_F(GemmRunnerTest, ExhaustivelyTunedAlgorithmsGiveTheDefaultsBits) {
+  ExpectTunedBitsEqualDefault(blas(), s(), true);
+}
+
+// LtGemm enumerates configurations beyond the heuristic's, each accepted by
+// cublasLtMatmulAlgoCheck, and honours the limit.
+TEST_F(GemmRunnerTest, ConfigurationsAreAcceptedAndLimited) {
+  const GemmShape shape{CUBLAS_OP_T, CUBLAS_OP_N, 32000, 2048, 1024, DType::kBFloat16, 1024,
+                        DType::kBFloat16, 1024, DType::kBFloat16, 32000};
+  auto gemm = LtGemm::Create(shape);
+  ASSERT_TRUE(gemm.ok()) << gemm.status();
+  cublasLtHandle_t lt = nullptr;
+  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
+  const std::vector<cublasLtMatmulAlgo_t> all = (*gemm)->Configurations(lt, 1 << 20);
+  const std::vector<cublasLtMatmulAlgo_t> few = (*gemm)->Configurations(lt, 3);
+  cublasLtDestroy(lt);
+  EXPECT_GT(all.size(), 8u);  // more than the heuristic offers
+  EXPECT_EQ(few.size(), 3u);
+  std::printf("%zu configurations\n", all.size());
 }
 
 TEST_F(GemmRunnerTest, EmptyShapesAreNoOps) {
