@@ -37,9 +37,9 @@ ABSL_FLAG(int, algos, 24, "heuristic results to request per GEMM");
 ABSL_FLAG(int, iters, 7, "timed runs per algorithm (median)");
 ABSL_FLAG(bool, full, true, "also the floor's full-size GEMMs");
 ABSL_FLAG(bool, exhaustive, false,
-          "also every configuration cuBLASLt accepts without workspace or split-K "
-          "(LtGemm::Configurations): each timed once, the --keep fastest then timed and "
-          "compared like the heuristic's");
+          "also the configurations around the heuristic's candidates without workspace or "
+          "split-K (LtGemm::Configurations): each timed once, the --keep fastest then timed "
+          "and compared like the heuristic's");
 ABSL_FLAG(int, keep, 12, "with --exhaustive: configurations re-timed after the screening run");
 
 namespace flce {
@@ -124,7 +124,15 @@ absl::Status Probe(const Probed& p, cublasHandle_t blas, GemmRunner& defaults,
   std::fflush(stdout);
   if (!absl::GetFlag(FLAGS_exhaustive)) return absl::OkStatus();
 
-  const std::vector<cublasLtMatmulAlgo_t> configs = gemm->Configurations(lt, 50000);
+  std::vector<cublasLtMatmulAlgo_t> seeds;
+  for (const cublasLtMatmulHeuristicResult_t& result : results) {
+    uint32_t split_k = 1;
+    size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&result.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k,
+                                         sizeof(split_k), &written);
+    if (result.workspaceSize == 0 && split_k <= 1) seeds.push_back(result.algo);
+  }
+  const std::vector<cublasLtMatmulAlgo_t> configs = gemm->Configurations(lt, seeds, 50000);
   std::vector<std::pair<float, size_t>> screened;
   for (size_t i = 0; i < configs.size(); ++i) {
     absl::StatusOr<float> ms =

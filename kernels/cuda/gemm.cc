@@ -55,7 +55,7 @@ constexpr float kMinGain = 0.02f;
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(const GemmShape& g) {
-  std::unique_ptr<LtGemm> d(new LtGemm(g));
+  std::unique_ptr<LtGemm> d(new LtGemm());
   FLCE_RETURN_IF_ERROR(
       CublasStatus(cublasLtMatmulDescCreate(&d->desc_, ComputeType(g), CUDA_R_32F), "Lt desc"));
   FLCE_RETURN_IF_ERROR(CublasStatus(
@@ -106,16 +106,9 @@ std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Candidates(cublasLtHandle_t
   return results;
 }
 
-std::vector<cublasLtMatmulAlgo_t> LtGemm::Configurations(cublasLtHandle_t lt, int limit) const {
-  const cublasComputeType_t compute = ComputeType(g_);
-  const cudaDataType_t a = CudaType(g_.a_type), b = CudaType(g_.b_type), c = CudaType(g_.c_type);
-  std::vector<int> ids(256);
-  int id_count = 0;
-  if (cublasLtMatmulAlgoGetIds(lt, compute, CUDA_R_32F, a, b, c, c, static_cast<int>(ids.size()),
-                               ids.data(), &id_count) != CUBLAS_STATUS_SUCCESS) {
-    return {};
-  }
-  // A capability that is an array of uint32_t (tiles, stages); {0} (undefined) when empty.
+std::vector<cublasLtMatmulAlgo_t> LtGemm::Configurations(
+    cublasLtHandle_t lt, const std::vector<cublasLtMatmulAlgo_t>& seeds, int limit) const {
+  // A capability that is an array of uint32_t (the tiles); empty when none.
   auto cap_ids = [](const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
     size_t bytes = 0;
     std::vector<uint32_t> out;
@@ -125,58 +118,61 @@ std::vector<cublasLtMatmulAlgo_t> LtGemm::Configurations(cublasLtHandle_t lt, in
       out.resize(bytes / sizeof(uint32_t));
       cublasLtMatmulAlgoCapGetAttribute(&algo, attr, out.data(), bytes, &bytes);
     }
-    if (out.empty()) out.push_back(0);
     return out;
   };
   constexpr uint16_t kClusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO, CUBLASLT_CLUSTER_SHAPE_1x1x1,
-                                    CUBLASLT_CLUSTER_SHAPE_2x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1,
-                                    CUBLASLT_CLUSTER_SHAPE_2x2x1, CUBLASLT_CLUSTER_SHAPE_4x1x1,
-                                    CUBLASLT_CLUSTER_SHAPE_1x4x1};
+                                    CUBLASLT_CLUSTER_SHAPE_2x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1};
   std::vector<cublasLtMatmulAlgo_t> out;
-  for (int i = 0; i < id_count; ++i) {
-    cublasLtMatmulAlgo_t algo;
-    if (cublasLtMatmulAlgoInit(lt, compute, CUDA_R_32F, a, b, c, c, ids[i], &algo) !=
-        CUBLAS_STATUS_SUCCESS) {
-      continue;
+  auto seen = [&](const cublasLtMatmulAlgo_t& algo) {
+    for (const cublasLtMatmulAlgo_t& o : out) {
+      if (std::memcmp(&o, &algo, sizeof(algo)) == 0) return true;
     }
+    return false;
+  };
+  for (const cublasLtMatmulAlgo_t& seed : seeds) {
     int32_t swizzle = 0;
     uint32_t custom_max = 0;
     size_t written = 0;
-    cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swizzle,
+    cublasLtMatmulAlgoCapGetAttribute(&seed, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swizzle,
                                       sizeof(swizzle), &written);
-    cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max,
+    cublasLtMatmulAlgoCapGetAttribute(&seed, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max,
                                       sizeof(custom_max), &written);
-    for (uint32_t tile : cap_ids(algo, CUBLASLT_ALGO_CAP_TILE_IDS)) {
-      for (uint32_t stages : cap_ids(algo, CUBLASLT_ALGO_CAP_STAGES_IDS)) {
-        for (uint16_t cluster : kClusters) {
-          for (uint32_t swz = 0; swz <= (swizzle ? 1u : 0u); ++swz) {
-            for (uint32_t custom = 0; custom <= custom_max; ++custom) {
-              cublasLtMatmulAlgo_t config = algo;
-              cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
-                                                   sizeof(tile));
-              cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_STAGES_ID,
-                                                   &stages, sizeof(stages));
-              cublasLtMatmulAlgoConfigSetAttribute(
-                  &config, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster));
-              cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
-                                                   &swz, sizeof(swz));
-              cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
-                                                   &custom, sizeof(custom));
-              cublasLtMatmulHeuristicResult_t result{};
-              if (cublasLtMatmulAlgoCheck(lt, desc_, la_, lb_, lc_, lc_, &config, &result) !=
-                      CUBLAS_STATUS_SUCCESS ||
-                  result.workspaceSize != 0) {
-                continue;
-              }
-              out.push_back(config);
-              if (static_cast<int>(out.size()) >= limit) return out;
+    uint32_t seed_tile = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&seed, CUBLASLT_ALGO_CONFIG_TILE_ID, &seed_tile,
+                                         sizeof(seed_tile), &written);
+    std::vector<uint32_t> tiles = cap_ids(seed, CUBLASLT_ALGO_CAP_TILE_IDS);
+    if (tiles.empty()) tiles.push_back(seed_tile);
+    for (uint32_t tile : tiles) {
+      for (uint16_t cluster : kClusters) {
+        for (uint32_t swz = 0; swz <= (swizzle ? 1u : 0u); ++swz) {
+          for (uint32_t custom = 0; custom <= custom_max; ++custom) {
+            cublasLtMatmulAlgo_t config = seed;
+            cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
+                                                 sizeof(tile));
+            cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
+                                                 &cluster, sizeof(cluster));
+            cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
+                                                 &swz, sizeof(swz));
+            cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
+                                                 &custom, sizeof(custom));
+            cublasLtMatmulHeuristicResult_t result{};
+            if (Check(lt, config, &result) != CUBLAS_STATUS_SUCCESS ||
+                result.workspaceSize != 0 || seen(config)) {
+              continue;
             }
+            out.push_back(config);
+            if (static_cast<int>(out.size()) >= limit) return out;
           }
         }
       }
     }
   }
   return out;
+}
+
+cublasStatus_t LtGemm::Check(cublasLtHandle_t lt, const cublasLtMatmulAlgo_t& algo,
+                             cublasLtMatmulHeuristicResult_t* result) const {
+  return cublasLtMatmulAlgoCheck(lt, desc_, la_, lb_, lc_, lc_, &algo, result);
 }
 
 absl::Status LtGemm::Run(cublasLtHandle_t lt, cudaStream_t stream,
@@ -290,7 +286,9 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
       }
     }
     if (tuning_.exhaustive) {
-      for (const cublasLtMatmulAlgo_t& algo : (*lt_gemm)->Configurations(lt_, kConfigurations)) {
+      const std::vector<cublasLtMatmulAlgo_t> seeds = algos;
+      for (const cublasLtMatmulAlgo_t& algo :
+           (*lt_gemm)->Configurations(lt_, seeds, kConfigurations)) {
         add(algo);
       }
     }

@@ -151,8 +151,8 @@ TEST_F(GemmRunnerTest, ExhaustivelyTunedAlgorithmsGiveTheDefaultsBits) {
   ExpectTunedBitsEqualDefault(blas(), s(), true);
 }
 
-// LtGemm enumerates configurations beyond the heuristic's, each accepted by
-// cublasLtMatmulAlgoCheck, and honours the limit.
+// LtGemm finds configurations around the heuristic's candidates, each
+// accepted by cublasLtMatmulAlgoCheck and distinct, and honours the limit.
 TEST_F(GemmRunnerTest, ConfigurationsAreAcceptedAndLimited) {
   const GemmShape shape{CUBLAS_OP_T, CUBLAS_OP_N, 32000, 2048, 1024, DType::kBFloat16, 1024,
                         DType::kBFloat16, 1024, DType::kBFloat16, 32000};
@@ -160,47 +160,25 @@ TEST_F(GemmRunnerTest, ConfigurationsAreAcceptedAndLimited) {
   ASSERT_TRUE(gemm.ok()) << gemm.status();
   cublasLtHandle_t lt = nullptr;
   ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
-  const std::vector<cublasLtMatmulAlgo_t> all = (*gemm)->Configurations(lt, 1 << 20);
-  const std::vector<cublasLtMatmulAlgo_t> few = (*gemm)->Configurations(lt, 3);
+  std::vector<cublasLtMatmulAlgo_t> seeds;
+  for (const auto& result : (*gemm)->Candidates(lt, 8, 0)) seeds.push_back(result.algo);
+  ASSERT_FALSE(seeds.empty());
+  const std::vector<cublasLtMatmulAlgo_t> all = (*gemm)->Configurations(lt, seeds, 1 << 20);
+  const std::vector<cublasLtMatmulAlgo_t> few = (*gemm)->Configurations(lt, seeds, 3);
+  for (const cublasLtMatmulAlgo_t& algo : all) {
+    cublasLtMatmulHeuristicResult_t result{};
+    EXPECT_EQ((*gemm)->Check(lt, algo, &result), CUBLAS_STATUS_SUCCESS);
+    EXPECT_EQ(result.workspaceSize, 0u);
+  }
+  for (size_t i = 0; i < all.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      ASSERT_NE(std::memcmp(&all[i], &all[j], sizeof(all[i])), 0) << i << " repeats " << j;
+    }
+  }
   cublasLtDestroy(lt);
-  EXPECT_GT(all.size(), 8u);  // more than the heuristic offers
+  EXPECT_GT(all.size(), seeds.size());  // more than the heuristic offers
   EXPECT_EQ(few.size(), 3u);
-  std::printf("%zu configurations\n", all.size());
-}
-
-TEST_F(GemmRunnerTest, EmptyShapesAreNoOps) {
-  auto tuned = GemmRunner::Create(GemmTuning{});
-  ASSERT_TRUE(tuned.ok());
-  const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, 0, 5, 3, DType::kBFloat16, 1,
-                        DType::kBFloat16, 3, DType::kFloat32, 1};
-  EXPECT_TRUE((*tuned)->Run(blas(), s(), shape, nullptr, nullptr, 0.0f, nullptr).ok());
-  EXPECT_EQ((*tuned)->counts().tuned, 0);
-}
-
-// Shapes under min_flop, and shapes beyond max_shapes, run the default and
-// are not remembered.
-TEST_F(GemmRunnerTest, SmallShapesAndShapesBeyondTheCapAreNotTuned) {
-  cudaStream_t s = this->s();
-  GemmTuning tuning;
-  tuning.min_flop = 2.0 * 256 * 256 * 256;
-  tuning.max_shapes = 2;
-  auto runner = GemmRunner::Create(tuning);
-  ASSERT_TRUE(runner.ok());
-  DeviceBuffer a = RandomBuffer(512 * 512, DType::kBFloat16, 1, s);
-  DeviceBuffer b = RandomBuffer(512 * 512, DType::kBFloat16, 2, s);
-  auto c = DeviceBuffer::Allocate(512 * 512 * 4, s);
-  ASSERT_TRUE(c.ok());
-  auto run = [&](int64_t size) {
-    const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, size, size, size, DType::kBFloat16, size,
-                          DType::kBFloat16, size, DType::kFloat32, size};
-    return (*runner)->Run(blas(), s, shape, a.data(), b.data(), 0.0f, c->data());
-  };
-  ASSERT_TRUE(run(255).ok());  // under min_flop
-  EXPECT_EQ((*runner)->counts().tuned, 0);
-  for (int64_t size : {256, 300, 400, 512}) ASSERT_TRUE(run(size).ok());
-  EXPECT_EQ((*runner)->counts().tuned, 2);  // the cap
-  ASSERT_TRUE(run(300).ok());               // a remembered shape runs its choice
-  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  std::printf("%zu configurations around %zu candidates\n", all.size(), seeds.size());
 }
 
 }  // namespace
