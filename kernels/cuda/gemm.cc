@@ -140,8 +140,12 @@ std::vector<cublasLtMatmulAlgo_t> LtGemm::Configurations(
     uint32_t seed_tile = 0;
     cublasLtMatmulAlgoConfigGetAttribute(&seed, CUBLASLT_ALGO_CONFIG_TILE_ID, &seed_tile,
                                          sizeof(seed_tile), &written);
-    std::vector<uint32_t> tiles = cap_ids(seed, CUBLASLT_ALGO_CAP_TILE_IDS);
-    if (tiles.empty()) tiles.push_back(seed_tile);
+    // The seed's own tile first: it need not be among those the capability
+    // lists (the H200's sm90 kernels for transposed operands offer others).
+    std::vector<uint32_t> tiles = {seed_tile};
+    for (uint32_t tile : cap_ids(seed, CUBLASLT_ALGO_CAP_TILE_IDS)) {
+      if (tile != seed_tile) tiles.push_back(tile);
+    }
     for (uint32_t tile : tiles) {
       for (uint16_t cluster : kClusters) {
         for (uint32_t swz = 0; swz <= (swizzle ? 1u : 0u); ++swz) {
