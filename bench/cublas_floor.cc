@@ -42,8 +42,7 @@ absl::Status FillPattern(const DeviceBuffer& b, DType dtype, cudaStream_t s) {
 }
 
 absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DType dtype,
-                                           int logits_gemms,
-                                           const internal_cuda::GemmTuning& tuning, int warmup,
+                                           int logits_gemms, bool tuned, int warmup,
                                            int iters) {
   FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
   cudaStream_t s = stream.get();
@@ -55,6 +54,8 @@ absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DTyp
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * elem, s));
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * elem, s));
   for (const DeviceBuffer* b : {&x, &w, &z}) FLCE_RETURN_IF_ERROR(FillPattern(*b, dtype, s));
+  internal_cuda::GemmTuning tuning;
+  tuning.enabled = tuned;
   FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms, GemmRunner::Create(tuning));
   auto gemm = [&](cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t gn,
                   int64_t k, const DeviceBuffer& a, int64_t lda, const DeviceBuffer& b,

@@ -5,7 +5,6 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/cuda/cuda_resources.h"
-#include "kernels/cuda/gemm.h"
 #include "kernels/dtype.h"
 
 namespace flce {
@@ -23,13 +22,11 @@ struct GemmFloor {
 // outputs (as torch.mm): logits = X·Wᵀ [N, V] (twice for RECOMPUTE), then
 // dX = dZ·W and dW = dZᵀ·X. Timed with CUDA events over `iters` runs after
 // `warmup`, median; on random data. This is the floor an engine is measured
-// against: 3 GEMMs for STORE_GRADS, 4 for RECOMPUTE. Each GEMM runs the
-// algorithm a GemmRunner with `tuning` picks (the first run tunes): with
-// tuning.enabled the fastest with the default's bits, else cublasGemmEx's
-// default.
+// against: 3 GEMMs for STORE_GRADS, 4 for RECOMPUTE. `tuned`: each GEMM
+// runs the algorithm the engine's GemmRunner tuning picks (the fastest with
+// the default's bits; the first run tunes), else cublasGemmEx's default.
 absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DType dtype,
-                                           int logits_gemms,
-                                           const internal_cuda::GemmTuning& tuning, int warmup,
+                                           int logits_gemms, bool tuned, int warmup,
                                            int iters);
 
 }  // namespace flce

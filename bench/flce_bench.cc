@@ -56,9 +56,6 @@ ABSL_FLAG(bool, cuda_stages, false,
 ABSL_FLAG(bool, cuda_tune_gemms, true,
           "CUDA engine: tune each GEMM shape's algorithm (bit-identical to cuBLAS's default); "
           "the floor is then also timed with tuned algorithms, printed under the row");
-ABSL_FLAG(bool, cuda_tune_exhaustive, false,
-          "CUDA engine: tuning also tries every configuration cuBLASLt accepts, not only "
-          "its heuristic's candidates (the tuned floor likewise)");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
           "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
 
@@ -248,7 +245,6 @@ int RunCuda() {
     options.chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
   }
   options.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
-  options.tune_gemms_exhaustive = absl::GetFlag(FLAGS_cuda_tune_exhaustive);
   auto engine = CudaEngine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
@@ -305,15 +301,11 @@ int RunCuda() {
       }
     }
     const int logits_gemms = mode == BackwardMode::kRecompute ? 2 : 1;
-    internal_cuda::GemmTuning tuning;
-    tuning.enabled = false;
-    auto floor = MeasureGemmFloor(s.n, s.h, s.v, dtype, logits_gemms, tuning, warmup, iters);
+    auto floor = MeasureGemmFloor(s.n, s.h, s.v, dtype, logits_gemms, false, warmup, iters);
     if (!floor.ok()) error += " floor: " + floor.status().ToString();
     absl::StatusOr<GemmFloor> tuned_floor = GemmFloor{};
     if (options.tune_gemms) {
-      tuning.enabled = true;
-      tuning.exhaustive = options.tune_gemms_exhaustive;
-      tuned_floor = MeasureGemmFloor(s.n, s.h, s.v, dtype, logits_gemms, tuning, warmup, iters);
+      tuned_floor = MeasureGemmFloor(s.n, s.h, s.v, dtype, logits_gemms, true, warmup, iters);
       if (!tuned_floor.ok()) error += " tuned floor: " + tuned_floor.status().ToString();
     }
     const std::string accuracy = CheckAccuracyOf(**engine, dtype, mode);

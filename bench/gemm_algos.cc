@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -36,11 +35,6 @@ ABSL_FLAG(int64_t, chunk_rows, 2048, "token-chunk rows of the engine's chunk GEM
 ABSL_FLAG(int, algos, 24, "heuristic results to request per GEMM");
 ABSL_FLAG(int, iters, 7, "timed runs per algorithm (median)");
 ABSL_FLAG(bool, full, true, "also the floor's full-size GEMMs");
-ABSL_FLAG(bool, exhaustive, false,
-          "also the configurations around the heuristic's candidates without workspace or "
-          "split-K (LtGemm::Configurations): each timed once, the --keep fastest then timed "
-          "and compared like the heuristic's");
-ABSL_FLAG(int, keep, 12, "with --exhaustive: configurations re-timed after the screening run");
 
 namespace flce {
 namespace {
@@ -121,40 +115,6 @@ absl::Status Probe(const Probed& p, cublasHandle_t blas, GemmRunner& defaults,
                 AlgoConfig(algo).c_str(), results[i].workspaceSize / 1048576.0, ms,
                 tflop / ms * 1e3, ms / default_ms, same ? "bit-equal" : "differs");
   }
-  std::fflush(stdout);
-  if (!absl::GetFlag(FLAGS_exhaustive)) return absl::OkStatus();
-
-  std::vector<cublasLtMatmulAlgo_t> seeds;
-  for (const cublasLtMatmulHeuristicResult_t& result : results) {
-    uint32_t split_k = 1;
-    size_t written = 0;
-    cublasLtMatmulAlgoConfigGetAttribute(&result.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k,
-                                         sizeof(split_k), &written);
-    if (result.workspaceSize == 0 && split_k <= 1) seeds.push_back(result.algo);
-  }
-  const std::vector<cublasLtMatmulAlgo_t> configs = gemm->Configurations(lt, seeds, 50000);
-  std::vector<std::pair<float, size_t>> screened;
-  for (size_t i = 0; i < configs.size(); ++i) {
-    absl::StatusOr<float> ms =
-        timer.Time(s, [&] { return gemm->Run(lt, s, configs[i], p.a, p.b, p.beta, p.c); });
-    if (ms.ok()) screened.emplace_back(*ms, i);  // a configuration that fails to run is dropped
-  }
-  std::sort(screened.begin(), screened.end());
-  std::printf("  exhaustive: %zu configurations, %zu ran; the %d fastest of one screening run:\n",
-              configs.size(), screened.size(), absl::GetFlag(FLAGS_keep));
-  for (size_t j = 0; j < screened.size() && j < static_cast<size_t>(absl::GetFlag(FLAGS_keep));
-       ++j) {
-    const cublasLtMatmulAlgo_t& algo = configs[screened[j].second];
-    auto run = [&] { return gemm->Run(lt, s, algo, p.a, p.b, p.beta, p.c); };
-    FLCE_RETURN_IF_ERROR(output_of(run, got));
-    const bool same = std::memcmp(expected.data(), got.data(), c_bytes) == 0;
-    FLCE_ASSIGN_OR_RETURN(const double ms, timer.MedianMs(s, 2, iters, run));
-    std::printf("  x%-2zu %-58s screen %8.3f ms %8.3f ms %6.1f TF/s %5.3fx %s\n", j,
-                AlgoConfig(algo).c_str(), screened[j].first, ms, tflop / ms * 1e3,
-                ms / default_ms, same ? "bit-equal" : "differs");
-  }
-  FLCE_ASSIGN_OR_RETURN(const double default_again, timer.MedianMs(s, 2, iters, run_default));
-  std::printf("  cublasGemmEx default again  %8.3f ms\n", default_again);
   std::fflush(stdout);
   return absl::OkStatus();
 }

@@ -205,7 +205,6 @@ class EngineImpl {
   absl::Status Init() {
     GemmTuning tuning;
     tuning.enabled = options_.tune_gemms;
-    tuning.exhaustive = options_.tune_gemms_exhaustive;
     FLCE_ASSIGN_OR_RETURN(gemms_, GemmRunner::Create(tuning));
     for (int i = 0; i < std::max(1, options_.lanes); ++i) {
       auto lane = std::make_unique<Lane>();

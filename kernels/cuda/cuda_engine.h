@@ -31,9 +31,6 @@ struct CudaEngineOptions {
   // is bit-identical to the default's (GemmRunner): results never change,
   // the first call of a shape waits for the trials.
   bool tune_gemms = true;
-  // Tuning also tries every configuration cuBLASLt accepts, not only its
-  // heuristic's candidates (GemmTuning::exhaustive).
-  bool tune_gemms_exhaustive = false;
 };
 
 namespace internal_cuda {

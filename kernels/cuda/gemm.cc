@@ -1,8 +1,6 @@
 #include "kernels/cuda/gemm.h"
 
 #include <algorithm>
-#include <cstring>
-#include <utility>
 #include <vector>
 
 #include "kernels/cuda/cuda_resources.h"
@@ -41,10 +39,6 @@ absl::Status RunDefault(cublasHandle_t blas, const GemmShape& g, const void* a, 
 }
 
 constexpr int kCandidates = 8;  // heuristic results considered per shape
-// With GemmTuning::exhaustive: configurations considered per shape at most,
-// and how many of the screened ones go on to the timed rounds.
-constexpr int kConfigurations = 4096;
-constexpr size_t kFinalists = 8;
 // Rounds of one timed run of every eligible algorithm, each round in a
 // rotated order, so that the card's clock drifting during the trials
 // favours none of them; an algorithm's time is its median.
@@ -104,79 +98,6 @@ std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Candidates(cublasLtHandle_t
   cublasLtMatmulPreferenceDestroy(pref);
   results.resize(found);
   return results;
-}
-
-std::vector<cublasLtMatmulAlgo_t> LtGemm::Configurations(
-    cublasLtHandle_t lt, const std::vector<cublasLtMatmulAlgo_t>& seeds, int limit) const {
-  // A capability that is an array of uint32_t (the tiles); empty when none.
-  auto cap_ids = [](const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
-    size_t bytes = 0;
-    std::vector<uint32_t> out;
-    if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, nullptr, 0, &bytes) ==
-            CUBLAS_STATUS_SUCCESS &&
-        bytes > 0) {
-      out.resize(bytes / sizeof(uint32_t));
-      cublasLtMatmulAlgoCapGetAttribute(&algo, attr, out.data(), bytes, &bytes);
-    }
-    return out;
-  };
-  constexpr uint16_t kClusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO, CUBLASLT_CLUSTER_SHAPE_1x1x1,
-                                    CUBLASLT_CLUSTER_SHAPE_2x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1};
-  std::vector<cublasLtMatmulAlgo_t> out;
-  auto seen = [&](const cublasLtMatmulAlgo_t& algo) {
-    for (const cublasLtMatmulAlgo_t& o : out) {
-      if (std::memcmp(&o, &algo, sizeof(algo)) == 0) return true;
-    }
-    return false;
-  };
-  for (const cublasLtMatmulAlgo_t& seed : seeds) {
-    int32_t swizzle = 0;
-    uint32_t custom_max = 0;
-    size_t written = 0;
-    cublasLtMatmulAlgoCapGetAttribute(&seed, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swizzle,
-                                      sizeof(swizzle), &written);
-    cublasLtMatmulAlgoCapGetAttribute(&seed, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max,
-                                      sizeof(custom_max), &written);
-    uint32_t seed_tile = 0;
-    cublasLtMatmulAlgoConfigGetAttribute(&seed, CUBLASLT_ALGO_CONFIG_TILE_ID, &seed_tile,
-                                         sizeof(seed_tile), &written);
-    // The seed's own tile first: it need not be among those the capability
-    // lists (the H200's sm90 kernels for transposed operands offer others).
-    std::vector<uint32_t> tiles = {seed_tile};
-    for (uint32_t tile : cap_ids(seed, CUBLASLT_ALGO_CAP_TILE_IDS)) {
-      if (tile != seed_tile) tiles.push_back(tile);
-    }
-    for (uint32_t tile : tiles) {
-      for (uint16_t cluster : kClusters) {
-        for (uint32_t swz = 0; swz <= (swizzle ? 1u : 0u); ++swz) {
-          for (uint32_t custom = 0; custom <= custom_max; ++custom) {
-            cublasLtMatmulAlgo_t config = seed;
-            cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
-                                                 sizeof(tile));
-            cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
-                                                 &cluster, sizeof(cluster));
-            cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
-                                                 &swz, sizeof(swz));
-            cublasLtMatmulAlgoConfigSetAttribute(&config, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
-                                                 &custom, sizeof(custom));
-            cublasLtMatmulHeuristicResult_t result{};
-            if (Check(lt, config, &result) != CUBLAS_STATUS_SUCCESS ||
-                result.workspaceSize != 0 || seen(config)) {
-              continue;
-            }
-            out.push_back(config);
-            if (static_cast<int>(out.size()) >= limit) return out;
-          }
-        }
-      }
-    }
-  }
-  return out;
-}
-
-cublasStatus_t LtGemm::Check(cublasLtHandle_t lt, const cublasLtMatmulAlgo_t& algo,
-                             cublasLtMatmulHeuristicResult_t* result) const {
-  return cublasLtMatmulAlgoCheck(lt, desc_, la_, lb_, lc_, lc_, &algo, result);
 }
 
 absl::Status LtGemm::Run(cublasLtHandle_t lt, cudaStream_t stream,
@@ -268,55 +189,31 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
   FLCE_RETURN_IF_ERROR(run_default());
   FLCE_ASSIGN_OR_RETURN(const unsigned long long expected, hash_c());
 
-  // The algorithms to try: the heuristic's candidates without workspace or
-  // split-K, then (exhaustive) every accepted configuration not among them.
-  std::vector<cublasLtMatmulAlgo_t> algos;
+  // The candidates with the default's bits (nullptr: the default itself).
+  std::vector<const cublasLtMatmulAlgo_t*> eligible = {nullptr};
   absl::StatusOr<std::unique_ptr<LtGemm>> lt_gemm = LtGemm::Create(g);
-  auto add = [&](const cublasLtMatmulAlgo_t& algo) {
-    for (const cublasLtMatmulAlgo_t& seen : algos) {
-      if (std::memcmp(&seen, &algo, sizeof(algo)) == 0) return;
-    }
-    algos.push_back(algo);
-  };
-  if (lt_gemm.ok()) {
-    for (const cublasLtMatmulHeuristicResult_t& result :
-         (*lt_gemm)->Candidates(lt_, kCandidates, 0)) {
-      uint32_t split_k = 1;
-      size_t written = 0;
-      cublasLtMatmulAlgoConfigGetAttribute(&result.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-                                           &split_k, sizeof(split_k), &written);
-      if (result.state == CUBLAS_STATUS_SUCCESS && result.workspaceSize == 0 && split_k <= 1) {
-        add(result.algo);
-      }
-    }
-    if (tuning_.exhaustive) {
-      const std::vector<cublasLtMatmulAlgo_t> seeds = algos;
-      for (const cublasLtMatmulAlgo_t& algo :
-           (*lt_gemm)->Configurations(lt_, seeds, kConfigurations)) {
-        add(algo);
-      }
-    }
-  }
+  std::vector<cublasLtMatmulHeuristicResult_t> results;
+  if (lt_gemm.ok()) results = (*lt_gemm)->Candidates(lt_, kCandidates, 0);
   auto run = [&](const cublasLtMatmulAlgo_t* algo) {
     return algo == nullptr ? run_default() : (*lt_gemm)->Run(lt_, stream, *algo, a, b, 0.0f, c);
   };
-  // Screening: one timed run of each, kept only with the default's bits;
-  // the fastest kFinalists go on (nullptr: the default itself).
-  EventTimer timer;
-  std::vector<std::pair<float, const cublasLtMatmulAlgo_t*>> screened;
-  for (const cublasLtMatmulAlgo_t& algo : algos) {
-    absl::StatusOr<float> ms = timer.Time(stream, [&] { return run(&algo); });
-    if (!ms.ok()) continue;  // a candidate cuBLAS refuses is skipped
+  for (const cublasLtMatmulHeuristicResult_t& result : results) {
+    const cublasLtMatmulAlgo_t& algo = result.algo;
+    uint32_t split_k = 1;
+    size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k,
+                                         sizeof(split_k), &written);
+    if (result.state != CUBLAS_STATUS_SUCCESS || result.workspaceSize != 0 || split_k > 1) {
+      continue;
+    }
+    if (!run(&algo).ok()) continue;  // a candidate cuBLAS refuses is skipped
     FLCE_ASSIGN_OR_RETURN(const unsigned long long h, hash_c());
-    if (h == expected) screened.emplace_back(*ms, &algo);  // other bits: never chosen
+    if (h == expected) eligible.push_back(&algo);  // other bits: never chosen
   }
-  std::sort(screened.begin(), screened.end());
-  if (screened.size() > kFinalists) screened.resize(kFinalists);
-  std::vector<const cublasLtMatmulAlgo_t*> eligible = {nullptr};
-  for (const auto& [ms, algo] : screened) eligible.push_back(algo);
 
   const cublasLtMatmulAlgo_t* best = nullptr;
   if (eligible.size() > 1) {
+    EventTimer timer;
     const size_t count = eligible.size();
     std::vector<std::vector<float>> ms(count);
     for (int round = 0; round < kRounds; ++round) {

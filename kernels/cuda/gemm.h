@@ -58,17 +58,6 @@ class LtGemm {
   // `workspace_bytes` (none when the heuristic has none).
   std::vector<cublasLtMatmulHeuristicResult_t> Candidates(cublasLtHandle_t lt, int count,
                                                           size_t workspace_bytes) const;
-  // Beyond the heuristic: the configurations around `seeds` (its
-  // candidates) that cublasLtMatmulAlgoCheck accepts for this shape with no
-  // workspace — each seed's algorithm, stages and split-K with every tile it
-  // offers × custom option × CTA swizzling × cluster shape (auto, 1×1,
-  // 2×1, 1×2). Distinct, at most `limit`.
-  std::vector<cublasLtMatmulAlgo_t> Configurations(cublasLtHandle_t lt,
-                                                   const std::vector<cublasLtMatmulAlgo_t>& seeds,
-                                                   int limit) const;
-  // cublasLtMatmulAlgoCheck of `algo` for this shape on the current device.
-  cublasStatus_t Check(cublasLtHandle_t lt, const cublasLtMatmulAlgo_t& algo,
-                       cublasLtMatmulHeuristicResult_t* result) const;
   absl::Status Run(cublasLtHandle_t lt, cudaStream_t stream, const cublasLtMatmulAlgo_t& algo,
                    const void* a, const void* b, float beta, void* c,
                    void* workspace = nullptr, size_t workspace_bytes = 0) const;
@@ -88,10 +77,6 @@ struct GemmTuning {
   // A process tunes at most this many shapes (each distinct token count N
   // brings new chunk shapes); later shapes run the default.
   int max_shapes = 64;
-  // Also try the configurations around the heuristic's candidates
-  // (LtGemm::Configurations): each runs once (screening, which also checks
-  // its bits) and the fastest few go on to the timed rounds.
-  bool exhaustive = false;
 };
 
 // Runs GEMMs, choosing their algorithms. With tuning on, the first call of

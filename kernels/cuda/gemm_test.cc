@@ -94,13 +94,11 @@ std::vector<Case> Cases() {
   return cases;
 }
 
-// Every case, beta 0 then 1, run by a runner that tunes (with `exhaustive`)
-// and by one that does not: the outputs must be the same bits.
-void ExpectTunedBitsEqualDefault(cublasHandle_t blas, cudaStream_t s, bool exhaustive) {
+TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
+  cudaStream_t s = this->s();
   GemmTuning off, every;
   off.enabled = false;
   every.min_flop = 0;  // the odd sizes are small
-  every.exhaustive = exhaustive;
   auto plain = GemmRunner::Create(off);
   auto tuned = GemmRunner::Create(every);
   ASSERT_TRUE(plain.ok() && tuned.ok());
@@ -124,10 +122,10 @@ void ExpectTunedBitsEqualDefault(cublasHandle_t blas, cudaStream_t s, bool exhau
                                   s),
                   cudaSuccess);
       }
-      ASSERT_TRUE((*plain)->Run(blas, s, shape, a.data(), b.data(), beta,
+      ASSERT_TRUE((*plain)->Run(blas(), s, shape, a.data(), b.data(), beta,
                                 expected->data()).ok());
       // beta 0 tunes the shape on this first call; beta 1 runs the choice.
-      ASSERT_TRUE((*tuned)->Run(blas, s, shape, a.data(), b.data(), beta,
+      ASSERT_TRUE((*tuned)->Run(blas(), s, shape, a.data(), b.data(), beta,
                                 got->data()).ok());
       const std::vector<char> want = Download(*expected, s), have = Download(*got, s);
       EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
@@ -137,48 +135,43 @@ void ExpectTunedBitsEqualDefault(cublasHandle_t blas, cudaStream_t s, bool exhau
   const GemmRunner::Counts counts = (*tuned)->counts();
   EXPECT_EQ(counts.tuned, shapes);
   EXPECT_EQ((*plain)->counts().tuned, 0);
-  std::printf("%s: tuned %d shapes, %d run a cuBLASLt algorithm other than the default\n",
-              exhaustive ? "exhaustive" : "heuristic", counts.tuned, counts.non_default);
+  std::printf("tuned %d shapes, %d run a cuBLASLt algorithm other than the default\n",
+              counts.tuned, counts.non_default);
 }
 
-TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
-  ExpectTunedBitsEqualDefault(blas(), s(), false);
+TEST_F(GemmRunnerTest, EmptyShapesAreNoOps) {
+  auto tuned = GemmRunner::Create(GemmTuning{});
+  ASSERT_TRUE(tuned.ok());
+  const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, 0, 5, 3, DType::kBFloat16, 1,
+                        DType::kBFloat16, 3, DType::kFloat32, 1};
+  EXPECT_TRUE((*tuned)->Run(blas(), s(), shape, nullptr, nullptr, 0.0f, nullptr).ok());
+  EXPECT_EQ((*tuned)->counts().tuned, 0);
 }
 
-// Every configuration cuBLASLt accepts is screened; only the default's
-// bits may win.
-TEST_F(GemmRunnerTest, ExhaustivelyTunedAlgorithmsGiveTheDefaultsBits) {
-  ExpectTunedBitsEqualDefault(blas(), s(), true);
-}
-
-// LtGemm finds configurations around the heuristic's candidates, each
-// accepted by cublasLtMatmulAlgoCheck and distinct, and honours the limit.
-TEST_F(GemmRunnerTest, ConfigurationsAreAcceptedAndLimited) {
-  const GemmShape shape{CUBLAS_OP_T, CUBLAS_OP_N, 32000, 2048, 1024, DType::kBFloat16, 1024,
-                        DType::kBFloat16, 1024, DType::kBFloat16, 32000};
-  auto gemm = LtGemm::Create(shape);
-  ASSERT_TRUE(gemm.ok()) << gemm.status();
-  cublasLtHandle_t lt = nullptr;
-  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
-  std::vector<cublasLtMatmulAlgo_t> seeds;
-  for (const auto& result : (*gemm)->Candidates(lt, 8, 0)) seeds.push_back(result.algo);
-  ASSERT_FALSE(seeds.empty());
-  const std::vector<cublasLtMatmulAlgo_t> all = (*gemm)->Configurations(lt, seeds, 1 << 20);
-  const std::vector<cublasLtMatmulAlgo_t> few = (*gemm)->Configurations(lt, seeds, 3);
-  for (const cublasLtMatmulAlgo_t& algo : all) {
-    cublasLtMatmulHeuristicResult_t result{};
-    EXPECT_EQ((*gemm)->Check(lt, algo, &result), CUBLAS_STATUS_SUCCESS);
-    EXPECT_EQ(result.workspaceSize, 0u);
-  }
-  for (size_t i = 0; i < all.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      ASSERT_NE(std::memcmp(&all[i], &all[j], sizeof(all[i])), 0) << i << " repeats " << j;
-    }
-  }
-  cublasLtDestroy(lt);
-  EXPECT_GT(all.size(), seeds.size());  // more than the heuristic offers
-  EXPECT_EQ(few.size(), 3u);
-  std::printf("%zu configurations around %zu candidates\n", all.size(), seeds.size());
+// Shapes under min_flop, and shapes beyond max_shapes, run the default and
+// are not remembered.
+TEST_F(GemmRunnerTest, SmallShapesAndShapesBeyondTheCapAreNotTuned) {
+  cudaStream_t s = this->s();
+  GemmTuning tuning;
+  tuning.min_flop = 2.0 * 256 * 256 * 256;
+  tuning.max_shapes = 2;
+  auto runner = GemmRunner::Create(tuning);
+  ASSERT_TRUE(runner.ok());
+  DeviceBuffer a = RandomBuffer(512 * 512, DType::kBFloat16, 1, s);
+  DeviceBuffer b = RandomBuffer(512 * 512, DType::kBFloat16, 2, s);
+  auto c = DeviceBuffer::Allocate(512 * 512 * 4, s);
+  ASSERT_TRUE(c.ok());
+  auto run = [&](int64_t size) {
+    const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, size, size, size, DType::kBFloat16, size,
+                          DType::kBFloat16, size, DType::kFloat32, size};
+    return (*runner)->Run(blas(), s, shape, a.data(), b.data(), 0.0f, c->data());
+  };
+  ASSERT_TRUE(run(255).ok());  // under min_flop
+  EXPECT_EQ((*runner)->counts().tuned, 0);
+  for (int64_t size : {256, 300, 400, 512}) ASSERT_TRUE(run(size).ok());
+  EXPECT_EQ((*runner)->counts().tuned, 2);  // the cap
+  ASSERT_TRUE(run(300).ok());               // a remembered shape runs its choice
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
 }
 
 }  // namespace
