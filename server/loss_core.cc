@@ -104,7 +104,8 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   outcome.grad_hidden = std::move(grads->grad_hidden);
   outcome.grad_hidden_in_shm = spec.grad_hidden_to.has_value();
   if (call.accumulate_weight_grad) {
-    lease.info.weight->AccumulateGrad(grads->grad_weight, grads->grad_bias);
+    lease.info.weight->AccumulateGrad(std::move(grads->grad_weight),
+                                      std::move(grads->grad_bias));
   } else {
     outcome.grad_weight = std::move(grads->grad_weight);
     outcome.grad_bias = std::move(grads->grad_bias);

@@ -1,5 +1,8 @@
 #include "server/weight_registry.h"
 
+#include <cblas.h>
+
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -17,10 +20,18 @@ bool ValidName(const std::string& name) {
   return true;
 }
 
+// sum += term, element by element in fp32, on OpenBLAS's threads (a
+// gradient is hundreds of MiB). saxpy with alpha 1 rounds each x + y once:
+// the same bits as a plain loop.
 void AddInto(HostTensor& sum, const HostTensor& term) {
   float* s = sum.mutable_data<float>();
   const float* t = term.data_as<float>();
-  for (int64_t i = 0; i < sum.num_elements(); ++i) s[i] += t[i];
+  const int64_t n = sum.num_elements();
+  constexpr int64_t kPiece = int64_t{1} << 30;  // cblas counts are int
+  for (int64_t first = 0; first < n; first += kPiece) {
+    cblas_saxpy(static_cast<int>(std::min(kPiece, n - first)), 1.0f, t + first, 1, s + first,
+                1);
+  }
 }
 
 // Keyed by principal and name, so principals never see each other's names.
@@ -42,10 +53,10 @@ int64_t RegisteredWeight::bytes() const {
   return static_cast<int64_t>(weight_.data.size() + (bias_ ? bias_->data.size() : 0));
 }
 
-void RegisteredWeight::AccumulateGrad(const HostTensor& dw, const std::optional<HostTensor>& db) {
+void RegisteredWeight::AccumulateGrad(HostTensor dw, std::optional<HostTensor> db) {
   absl::MutexLock lock(&mu_);
   if (!grad_) {
-    grad_ = Grad{dw, db, 0};
+    grad_ = Grad{std::move(dw), std::move(db), 0};
   } else {
     AddInto(grad_->dw, dw);
     if (db && grad_->db) AddInto(*grad_->db, *db);

@@ -38,9 +38,10 @@ class RegisteredWeight {
   const std::optional<HostTensor>& bias() const { return bias_; }
   int64_t bytes() const;
 
-  // Adds fp32 gradients (dW [V, H], db [V] iff the weight has a bias).
+  // Adds fp32 gradients (dW [V, H], db [V] iff the weight has a bias); the
+  // first ones after a TakeGrad become the accumulator (no copy).
   // REQUIRES: shapes match the weight's.
-  void AccumulateGrad(const HostTensor& dw, const std::optional<HostTensor>& db);
+  void AccumulateGrad(HostTensor dw, std::optional<HostTensor> db);
 
   struct Grad {
     HostTensor dw;                 // fp32 [V, H]

@@ -1,5 +1,8 @@
 #include "server/weight_registry.h"
 
+#include <cstring>
+#include <vector>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
@@ -85,6 +88,25 @@ TEST(WeightRegistryTest, GradientAccumulatesTakesAndRestores) {
   auto again = w->TakeGrad();
   EXPECT_EQ(again->backwards, 3);
   EXPECT_EQ(again->dw.data_as<float>()[0], 4.0f);
+}
+
+// Large gradients are summed on OpenBLAS's threads: the same bits as adding
+// element by element in fp32.
+TEST(WeightRegistryTest, LargeGradientsSumExactlyAsPlainFloatAdds) {
+  WeightRegistry registry(int64_t{1} << 30);
+  auto w = *registry.Put("w", "", Weight(301, 257, 0), std::nullopt);
+  HostTensor a(DType::kFloat32, {301, 257}), b(DType::kFloat32, {301, 257});
+  std::vector<float> want(a.num_elements());
+  for (int64_t i = 0; i < a.num_elements(); ++i) {
+    a.mutable_data<float>()[i] = 1.0f / static_cast<float>(i + 3);
+    b.mutable_data<float>()[i] = static_cast<float>(i % 97) * 1e-3f - 0.04f;
+    want[i] = a.data_as<float>()[i] + b.data_as<float>()[i];
+  }
+  w->AccumulateGrad(std::move(a), std::nullopt);
+  w->AccumulateGrad(std::move(b), std::nullopt);
+  auto grad = w->TakeGrad();
+  ASSERT_TRUE(grad.ok());
+  EXPECT_EQ(std::memcmp(grad->dw.data_as<float>(), want.data(), want.size() * sizeof(float)), 0);
 }
 
 }  // namespace
