@@ -94,6 +94,10 @@ absl::Status WriteToHostDestinations(const BackwardSpec& spec, Gradients& grads)
       return absl::FailedPreconditionError(
           absl::StrCat(name, ": this engine cannot write GPU memory"));
     }
+    if (to->accumulate) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(name, ": this engine does not accumulate into destinations"));
+    }
     if (!t->data.empty()) std::memcpy(to->data, t->data.data(), t->data.size());
     t->data.clear();
     t->data.shrink_to_fit();
@@ -113,6 +117,14 @@ absl::StatusOr<std::unique_ptr<ImportedMemory>> LossEngine::ImportCudaIpcMemory(
   return absl::FailedPreconditionError(absl::StrCat(
       "cuda_ipc_handle: the ", backend(),
       " backend cannot read GPU memory; run the server with --backend=cuda"));
+}
+
+absl::StatusOr<std::unique_ptr<ImportedMemory>> LossEngine::AllocateDeviceMemory(int64_t) {
+  return absl::UnimplementedError(absl::StrCat("the ", backend(), " backend has no device"));
+}
+
+absl::Status LossEngine::CopyDeviceToHost(const void*, void*, int64_t) {
+  return absl::UnimplementedError(absl::StrCat("the ", backend(), " backend has no device"));
 }
 
 }  // namespace flce

@@ -111,6 +111,9 @@ struct ForwardResult {
 struct GradientDestination {
   void* data = nullptr;
   MemorySpace space = MemorySpace::kHost;
+  // Add the gradient to what `data` holds instead of overwriting it: fp32
+  // gradients in device memory only (an accumulator the engine allocated).
+  bool accumulate = false;
 };
 
 struct BackwardSpec {
@@ -211,6 +214,17 @@ class LossEngine {
   // does not open is INVALID_ARGUMENT.
   virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
       const std::string& handle);
+
+  // `bytes` of zeroed device memory that lives until destroyed (the
+  // destructor may run after the engine's), for long-lived tensors such as
+  // a registered weight's gradient accumulator. UNIMPLEMENTED for engines
+  // without a device; RESOURCE_EXHAUSTED when it does not fit.
+  virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes);
+
+  // Copies `bytes` of device memory from AllocateDeviceMemory or
+  // ImportCudaIpcMemory to host memory, after all of this engine's work
+  // queued before the call. UNIMPLEMENTED for engines without a device.
+  virtual absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes);
 };
 
 }  // namespace flce

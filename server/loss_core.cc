@@ -94,18 +94,30 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   }
   if (call.grad_output) spec.grad_output = call.grad_output->view();
   spec.grad_dtype = call.grad_dtype;
-  // The accumulator sums fp32 gradients.
-  if (call.accumulate_weight_grad) spec.weight_grad_dtype = DType::kFloat32;
+  // The accumulator sums fp32 gradients: on the engine's device when it has
+  // one (the engine adds them there), else here on the host.
+  std::optional<RegisteredWeight::DeviceGrad> device_grad =
+      call.accumulate_weight_grad ? lease.info.weight->LeaseDeviceGrad(*engine_) : std::nullopt;
+  if (call.accumulate_weight_grad) {
+    spec.weight_grad_dtype = DType::kFloat32;
+    if (device_grad) {
+      spec.grad_weight_to = device_grad->dw();
+      spec.grad_bias_to = device_grad->db();
+    }
+  }
   spec.last_use = !call.keep_session;
   absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
   sessions_->Finish(lease, /*consume=*/grads.ok() && !call.keep_session);
   if (!grads.ok()) return grads.status();
+  if (device_grad) device_grad->Added();
   BackwardOutcome outcome;
   outcome.grad_hidden = std::move(grads->grad_hidden);
   outcome.grad_hidden_in_shm = spec.grad_hidden_to.has_value();
   if (call.accumulate_weight_grad) {
-    lease.info.weight->AccumulateGrad(std::move(grads->grad_weight),
-                                      std::move(grads->grad_bias));
+    if (!device_grad) {
+      lease.info.weight->AccumulateGrad(std::move(grads->grad_weight),
+                                        std::move(grads->grad_bias));
+    }
   } else {
     outcome.grad_weight = std::move(grads->grad_weight);
     outcome.grad_bias = std::move(grads->grad_bias);

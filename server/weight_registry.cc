@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 
 namespace flce {
 namespace {
@@ -65,16 +66,79 @@ void RegisteredWeight::AccumulateGrad(HostTensor dw, std::optional<HostTensor> d
 }
 
 absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad() {
+  absl::MutexLock device_lock(&device_mu_);
   absl::MutexLock lock(&mu_);
-  if (!grad_) {
+  const int64_t device_backwards = device_backwards_.load();
+  if (!grad_ && device_backwards == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "weight ", name_, " version ", version_,
         ": no gradient accumulated (Backward with accumulate_weight_grad adds one)"));
+  }
+  if (device_backwards > 0) {
+    Grad device{HostTensor(DType::kFloat32, weight_.shape), std::nullopt, device_backwards};
+    FLCE_RETURN_IF_ERROR(device_engine_->CopyDeviceToHost(
+        device_dw_->data(), device.dw.data.data(), static_cast<int64_t>(device.dw.data.size())));
+    if (device_db_ != nullptr) {
+      device.db = HostTensor(DType::kFloat32, {weight_.shape[0]});
+      FLCE_RETURN_IF_ERROR(device_engine_->CopyDeviceToHost(
+          device_db_->data(), device.db->data.data(),
+          static_cast<int64_t>(device.db->data.size())));
+    }
+    device_backwards_ = 0;  // the next Backward overwrites the device sums
+    if (!grad_) {
+      grad_ = std::move(device);
+    } else {
+      AddInto(grad_->dw, device.dw);
+      if (device.db && grad_->db) AddInto(*grad_->db, *device.db);
+      grad_->backwards += device.backwards;
+    }
   }
   Grad grad = std::move(*grad_);
   grad_.reset();
   return grad;
 }
+
+// The lease holds device_mu_ from here until its destructor: a hand-over
+// the thread-safety analysis cannot follow.
+std::optional<RegisteredWeight::DeviceGrad> RegisteredWeight::LeaseDeviceGrad(
+    LossEngine& engine) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  device_mu_.Lock();
+  if (device_dw_ == nullptr && !no_device_) {
+    const int64_t v = weight_.shape[0], h = weight_.shape[1];
+    absl::StatusOr<std::unique_ptr<ImportedMemory>> dw = engine.AllocateDeviceMemory(v * h * 4);
+    absl::StatusOr<std::unique_ptr<ImportedMemory>> db = std::unique_ptr<ImportedMemory>();
+    if (dw.ok() && bias_) db = engine.AllocateDeviceMemory(v * 4);
+    if (dw.ok() && db.ok()) {
+      device_engine_ = &engine;
+      device_dw_ = *std::move(dw);
+      device_db_ = *std::move(db);
+    } else if (absl::IsUnimplemented(dw.status())) {
+      no_device_ = true;  // e.g. the CPU engine: never ask again
+    }
+  }
+  if (device_dw_ == nullptr) {
+    device_mu_.Unlock();
+    return std::nullopt;
+  }
+  return DeviceGrad(this);
+}
+
+RegisteredWeight::DeviceGrad::~DeviceGrad() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (weight_ != nullptr) weight_->device_mu_.Unlock();
+}
+
+GradientDestination RegisteredWeight::DeviceGrad::dw() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  return GradientDestination{weight_->device_dw_->data(), MemorySpace::kCuda,
+                             weight_->device_backwards_.load() > 0};
+}
+
+std::optional<GradientDestination> RegisteredWeight::DeviceGrad::db() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (weight_->device_db_ == nullptr) return std::nullopt;
+  return GradientDestination{weight_->device_db_->data(), MemorySpace::kCuda,
+                             weight_->device_backwards_.load() > 0};
+}
+
+void RegisteredWeight::DeviceGrad::Added() { ++weight_->device_backwards_; }
 
 void RegisteredWeight::RestoreGrad(Grad grad) {
   absl::MutexLock lock(&mu_);
@@ -89,7 +153,7 @@ void RegisteredWeight::RestoreGrad(Grad grad) {
 
 int64_t RegisteredWeight::accumulated_backwards() const {
   absl::MutexLock lock(&mu_);
-  return grad_ ? grad_->backwards : 0;
+  return (grad_ ? grad_->backwards : 0) + device_backwards_.load();
 }
 
 WeightRegistry::WeightRegistry(int64_t memory_budget_bytes) : budget_(memory_budget_bytes) {}

@@ -13,6 +13,7 @@
 // - A memory budget bounds the registered bytes (the latest versions);
 //   RESOURCE_EXHAUSTED with the numbers past it.
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -22,6 +23,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/loss_engine.h"
 #include "kernels/tensor.h"
 
 namespace flce {
@@ -57,6 +59,30 @@ class RegisteredWeight {
 
   int64_t accumulated_backwards() const;
 
+  // The accumulator on the engine's device, held by one Backward at a time
+  // (others that accumulate into this version wait) until destroyed.
+  class DeviceGrad {
+   public:
+    DeviceGrad(DeviceGrad&& other) noexcept : weight_(other.weight_) { other.weight_ = nullptr; }
+    DeviceGrad& operator=(DeviceGrad&&) = delete;
+    ~DeviceGrad();
+    // Where the Backward adds dW and db (fp32, device memory); the first
+    // after a TakeGrad overwrites instead.
+    GradientDestination dw() const;
+    std::optional<GradientDestination> db() const;
+    // The Backward succeeded: its gradients are in the accumulator.
+    void Added();
+
+   private:
+    friend class RegisteredWeight;
+    explicit DeviceGrad(RegisteredWeight* weight) : weight_(weight) {}
+    RegisteredWeight* weight_;
+  };
+  // The device accumulator, allocated from `engine` on first use; nullopt
+  // when the engine has no device memory to give (the host accumulator of
+  // AccumulateGrad serves then). TakeGrad includes what it holds.
+  std::optional<DeviceGrad> LeaseDeviceGrad(LossEngine& engine);
+
  private:
   const std::string name_;
   const int64_t version_;
@@ -65,6 +91,13 @@ class RegisteredWeight {
   const std::optional<HostTensor> bias_;
   mutable absl::Mutex mu_;
   std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
+  // Held by a DeviceGrad, and by TakeGrad; taken before mu_.
+  absl::Mutex device_mu_;
+  LossEngine* device_engine_ ABSL_GUARDED_BY(device_mu_) = nullptr;
+  std::unique_ptr<ImportedMemory> device_dw_ ABSL_GUARDED_BY(device_mu_);
+  std::unique_ptr<ImportedMemory> device_db_ ABSL_GUARDED_BY(device_mu_);
+  bool no_device_ ABSL_GUARDED_BY(device_mu_) = false;  // the engine has none
+  std::atomic<int64_t> device_backwards_{0};             // Backwards in the device sums
 };
 
 class WeightRegistry {

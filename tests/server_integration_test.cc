@@ -559,6 +559,9 @@ TEST_F(ServerTest, ANewVersionNeverDisturbsSessionsOfTheOldOne) {
   }
 }
 
+// K micro-batches accumulated on the server (on the GPU with
+// --backend=cuda) equal one concatenated batch, for both backward modes,
+// with an upstream gradient, and again after a take reset the sum.
 TEST_F(ServerTest, AccumulatingMicroBatchesEqualsOneConcatenatedBatch) {
   RandomProblemSpec spec;
   spec.rows = 24;
@@ -568,45 +571,58 @@ TEST_F(ServerTest, AccumulatingMicroBatchesEqualsOneConcatenatedBatch) {
   spec.ignore_fraction = 0.1;
   spec.options.reduction = Reduction::kSum;
   const OwnedProblem whole = MakeRandomProblem(spec);
-  ASSERT_TRUE(client_->PutWeight("head", whole.weight.view(), whole.bias->view()).ok());
-  // Three micro-batches of 8 rows each, as views into the whole batch.
-  for (int k = 0; k < 3; ++k) {
-    ForwardArgs args = Args(whole);
-    args.weight_name = "head";
-    args.problem.hidden.shape = {8, 9};
-    args.problem.hidden.data = whole.hidden.data_as<char>() + k * 8 * 9 * 4;
-    args.problem.target.shape = {8};
-    args.problem.target.data = whole.target.data_as<char>() + k * 8 * 8;
-    auto fwd = client_->Forward(args);
-    ASSERT_TRUE(fwd.ok()) << fwd.status();
-    BackwardArgs b;
-    b.session_id = fwd->session_id;
-    b.accumulate_weight_grad = true;
-    auto grads = client_->Backward(b);
-    ASSERT_TRUE(grads.ok()) << grads.status();
-    EXPECT_FALSE(grads->grad_weight.has_value());
-    EXPECT_EQ(grads->grad_hidden.shape, std::vector<int64_t>({8, 9}));
+  HostTensor half(DType::kFloat32, {});
+  half.mutable_data<float>()[0] = 0.5f;
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    SCOPED_TRACE(BackwardModeName(mode));
+    const std::string name = std::string("head_") + BackwardModeName(mode);
+    ASSERT_TRUE(client_->PutWeight(name, whole.weight.view(), whole.bias->view()).ok());
+    for (int round = 0; round < 2; ++round) {
+      // Three micro-batches of 8 rows each, as views into the whole batch.
+      for (int k = 0; k < 3; ++k) {
+        ForwardArgs args = Args(whole);
+        args.weight_name = name;
+        args.mode = mode;
+        args.problem.hidden.shape = {8, 9};
+        args.problem.hidden.data = whole.hidden.data_as<char>() + k * 8 * 9 * 4;
+        args.problem.target.shape = {8};
+        args.problem.target.data = whole.target.data_as<char>() + k * 8 * 8;
+        auto fwd = client_->Forward(args);
+        ASSERT_TRUE(fwd.ok()) << fwd.status();
+        BackwardArgs b;
+        b.session_id = fwd->session_id;
+        b.accumulate_weight_grad = true;
+        b.grad_output = half.view();
+        auto grads = client_->Backward(b);
+        ASSERT_TRUE(grads.ok()) << grads.status();
+        EXPECT_FALSE(grads->grad_weight.has_value());
+        EXPECT_EQ(grads->grad_hidden.shape, std::vector<int64_t>({8, 9}));
+      }
+      auto acc = SmallChunkClient(address_)->TakeWeightGrad(name);
+      ASSERT_TRUE(acc.ok()) << acc.status();
+      EXPECT_EQ(acc->accumulated_backwards, 3);
+      ForwardArgs args = Args(whole);
+      args.mode = mode;
+      auto fwd = client_->Forward(args);
+      BackwardArgs b;
+      b.session_id = fwd->session_id;
+      b.grad_dtype = DType::kFloat32;
+      b.grad_output = half.view();
+      auto one = client_->Backward(b);
+      ASSERT_TRUE(one.ok());
+      const std::vector<float> expected_w = TensorToFloats(one->grad_weight->view());
+      EXPECT_LT(RelativeL2Error(TensorToFloats(acc->grad_weight.view()),
+                                std::vector<double>(expected_w.begin(), expected_w.end())),
+                1e-6);
+      const std::vector<float> expected_b = TensorToFloats(one->grad_bias->view());
+      EXPECT_LT(RelativeL2Error(TensorToFloats(acc->grad_bias->view()),
+                                std::vector<double>(expected_b.begin(), expected_b.end())),
+                1e-6);
+      // Taking resets the accumulator.
+      EXPECT_THAT(client_->TakeWeightGrad(name),
+                  StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient accumulated")));
+    }
   }
-  auto acc = SmallChunkClient(address_)->TakeWeightGrad("head");
-  ASSERT_TRUE(acc.ok()) << acc.status();
-  EXPECT_EQ(acc->accumulated_backwards, 3);
-  auto fwd = client_->Forward(Args(whole));
-  BackwardArgs b;
-  b.session_id = fwd->session_id;
-  b.grad_dtype = DType::kFloat32;
-  auto one = client_->Backward(b);
-  ASSERT_TRUE(one.ok());
-  const std::vector<float> expected_w = TensorToFloats(one->grad_weight->view());
-  EXPECT_LT(RelativeL2Error(TensorToFloats(acc->grad_weight.view()),
-                            std::vector<double>(expected_w.begin(), expected_w.end())),
-            1e-6);
-  const std::vector<float> expected_b = TensorToFloats(one->grad_bias->view());
-  EXPECT_LT(RelativeL2Error(TensorToFloats(acc->grad_bias->view()),
-                            std::vector<double>(expected_b.begin(), expected_b.end())),
-            1e-6);
-  // Taking resets the accumulator.
-  EXPECT_THAT(client_->TakeWeightGrad("head"),
-              StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient accumulated")));
 }
 
 TEST_F(ServerTest, WeightErrorsHaveTheirCodes) {

@@ -114,6 +114,24 @@ class IpcMemory : public ImportedMemory {
   const int64_t bytes_;
 };
 
+// Device memory of AllocateDeviceMemory, freed when destroyed.
+class DeviceMemory : public ImportedMemory {
+ public:
+  DeviceMemory(int device, void* data, int64_t bytes)
+      : device_(device), data_(data), bytes_(bytes) {}
+  ~DeviceMemory() override {
+    cudaSetDevice(device_);
+    cudaFree(data_);
+  }
+  void* data() const override { return data_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  const int device_;
+  void* const data_;
+  const int64_t bytes_;
+};
+
 // The size of the allocation that starts at `base`, from the driver's
 // cuMemGetAddressRange (reached through the runtime, so the binary needs
 // no link against the driver library).
@@ -579,9 +597,12 @@ class EngineImpl {
     cudaStream_t s = lane.stream.get();
     if (to && to->space == MemorySpace::kCuda) {
       if (count > 0) {
-        FLCE_RETURN_IF_ERROR(Check(LaunchConvert(src32.data(), DType::kFloat32, to->data,
-                                                 dtype, count, scale, s),
-                                   "convert"));
+        FLCE_RETURN_IF_ERROR(Check(
+            to->accumulate ? LaunchAccumulate(src32.as<float>(), static_cast<float*>(to->data),
+                                              count, scale, s)
+                           : LaunchConvert(src32.data(), DType::kFloat32, to->data, dtype, count,
+                                           scale, s),
+            "convert"));
       }
       FLCE_RETURN_IF_ERROR(Check(cudaStreamSynchronize(s), "download"));
       return out;
@@ -721,6 +742,7 @@ class EngineImpl {
     cudaStream_t s = lane->stream.get();
     std::vector<float> g;
     if (spec.grad_output) g = TensorToFloats(*spec.grad_output);
+    FLCE_RETURN_IF_ERROR(CheckAccumulating(spec, state));
     Gradients out;
     if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
       const DType dtype = spec.hidden_dtype(stored->dtype);
@@ -753,8 +775,11 @@ class EngineImpl {
     FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(in.n * in.h * 4, s));
     // dW is made in its final dtype: straight into the caller's device
     // memory, or into a buffer that is copied down.
-    const bool dw_in_place =
-        spec.grad_weight_to && spec.grad_weight_to->space == MemorySpace::kCuda;
+    // An accumulating destination gets dW added only once all of it is
+    // made (a cancelled call leaves the accumulator as it was).
+    const bool dw_in_place = spec.grad_weight_to &&
+                             spec.grad_weight_to->space == MemorySpace::kCuda &&
+                             !spec.grad_weight_to->accumulate;
     DeviceBuffer dw;
     if (!dw_in_place) {
       FLCE_ASSIGN_OR_RETURN(dw, DeviceBuffer::Allocate(in.v * in.h * DTypeSize(wdtype), s));
@@ -771,13 +796,61 @@ class EngineImpl {
     // g (host) must outlive its upload: Download synchronises the stream.
     FLCE_ASSIGN_OR_RETURN(out.grad_hidden, Download(*lane, dx, {in.n, in.h}, dtype, 1.0f,
                                                     spec.grad_hidden_to));
-    FLCE_ASSIGN_OR_RETURN(out.grad_weight,
-                          CopyDown(*lane, dw_out, {in.v, in.h}, wdtype, spec.grad_weight_to));
+    if (spec.grad_weight_to && spec.grad_weight_to->accumulate) {
+      FLCE_ASSIGN_OR_RETURN(out.grad_weight, Download(*lane, dw, {in.v, in.h}, wdtype, 1.0f,
+                                                      spec.grad_weight_to));
+    } else {
+      FLCE_ASSIGN_OR_RETURN(out.grad_weight,
+                            CopyDown(*lane, dw_out, {in.v, in.h}, wdtype, spec.grad_weight_to));
+    }
     if (db.bytes() > 0) {
       FLCE_ASSIGN_OR_RETURN(out.grad_bias,
                             Download(*lane, db, {in.v}, wdtype, 1.0f, spec.grad_bias_to));
     }
     return out;
+  }
+
+  // Accumulating destinations: dW and db only, in device memory, fp32.
+  static absl::Status CheckAccumulating(const BackwardSpec& spec, const SavedState& state) {
+    if (spec.grad_hidden_to && spec.grad_hidden_to->accumulate) {
+      return absl::InvalidArgumentError("grad_hidden_out: dX is never accumulated");
+    }
+    const auto* stored = dynamic_cast<const StoredGradients*>(&state);
+    const auto* saved = dynamic_cast<const RecomputeState*>(&state);
+    if (stored == nullptr && saved == nullptr) return absl::OkStatus();  // Backward says so
+    const DType input = stored != nullptr ? stored->dtype : saved->inputs.dtype;
+    for (const auto* to : {&spec.grad_weight_to, &spec.grad_bias_to}) {
+      if (*to && (*to)->accumulate &&
+          ((*to)->space != MemorySpace::kCuda || spec.weight_dtype(input) != DType::kFloat32)) {
+        return absl::InvalidArgumentError(
+            "an accumulating gradient destination must be fp32 device memory");
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes) {
+    FLCE_RETURN_IF_ERROR(health());
+    FLCE_RETURN_IF_ERROR(SetDevice());
+    void* data = nullptr;
+    const cudaError_t error = cudaMalloc(&data, static_cast<size_t>(std::max<int64_t>(bytes, 1)));
+    if (error == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("device memory: ", bytes, " bytes do not fit on the GPU"));
+    }
+    FLCE_RETURN_IF_ERROR(Check(error, "cudaMalloc"));
+    auto memory = std::make_unique<DeviceMemory>(options_.device, data, bytes);
+    FLCE_RETURN_IF_ERROR(Check(cudaMemset(data, 0, bytes), "zero device memory"));
+    return std::unique_ptr<ImportedMemory>(std::move(memory));
+  }
+
+  absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes) {
+    FLCE_RETURN_IF_ERROR(health());
+    FLCE_RETURN_IF_ERROR(SetDevice());
+    // The lanes' streams are non-blocking: wait for their work first.
+    FLCE_RETURN_IF_ERROR(Check(cudaDeviceSynchronize(), "copy to host"));
+    return Check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "copy to host");
   }
 
   absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
@@ -988,6 +1061,15 @@ absl::StatusOr<ForwardResult> CudaEngine::Forward(const LossProblem& problem,
 absl::StatusOr<Gradients> CudaEngine::Backward(SavedState& state, const BackwardSpec& spec,
                                                const CancelFn& cancelled) {
   return impl_->Backward(state, spec, cancelled);
+}
+
+absl::StatusOr<std::unique_ptr<ImportedMemory>> CudaEngine::AllocateDeviceMemory(
+    int64_t bytes) {
+  return impl_->AllocateDeviceMemory(bytes);
+}
+
+absl::Status CudaEngine::CopyDeviceToHost(const void* device, void* host, int64_t bytes) {
+  return impl_->CopyDeviceToHost(device, host, bytes);
 }
 
 absl::StatusOr<std::unique_ptr<ImportedMemory>> CudaEngine::ImportCudaIpcMemory(

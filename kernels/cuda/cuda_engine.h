@@ -69,6 +69,8 @@ class CudaEngine : public LossEngine {
                                      const CancelFn& cancelled) override;
   absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
       const std::string& handle) override;
+  absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes) override;
+  absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes) override;
 
   // GEMM shapes whose algorithm has been tuned so far (tune_gemms).
   int tuned_gemm_shapes() const;

@@ -687,6 +687,20 @@ cudaError_t LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst
   }
 }
 
+__global__ void AccumulateKernel(const float* src, float* dst, int64_t count, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] += src[i] * scale;
+  }
+}
+
+cudaError_t LaunchAccumulate(const float* src, float* dst, int64_t count, float scale,
+                             cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  AccumulateKernel<<<Blocks(count, 256), 256, 0, stream>>>(src, dst, count, scale);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchWidenTargets(const int32_t* src, int64_t count, int64_t* dst,
                                cudaStream_t stream) {
   if (count == 0) return cudaSuccess;

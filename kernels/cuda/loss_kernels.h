@@ -89,6 +89,10 @@ cudaError_t LaunchColumnSums(const void* grad, DType grad_dtype, int64_t rows,
 cudaError_t LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                           int64_t count, float scale, cudaStream_t stream);
 
+// dst[i] += src[i] × scale, fp32 (a gradient added into an accumulator).
+cudaError_t LaunchAccumulate(const float* src, float* dst, int64_t count, float scale,
+                             cudaStream_t stream);
+
 // dst[i] = src[i]: int32 targets widened to int64.
 cudaError_t LaunchWidenTargets(const int32_t* src, int64_t count, int64_t* dst,
                                cudaStream_t stream);
