@@ -127,4 +127,8 @@ absl::Status LossEngine::CopyDeviceToHost(const void*, void*, int64_t) {
   return absl::UnimplementedError(absl::StrCat("the ", backend(), " backend has no device"));
 }
 
+absl::Status LossEngine::CopyHostToDevice(const void*, void*, int64_t) {
+  return absl::UnimplementedError(absl::StrCat("the ", backend(), " backend has no device"));
+}
+
 }  // namespace flce

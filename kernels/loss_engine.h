@@ -217,7 +217,7 @@ class LossEngine {
 
   // `bytes` of zeroed device memory that lives until destroyed (the
   // destructor may run after the engine's), for long-lived tensors such as
-  // a registered weight's gradient accumulator. UNIMPLEMENTED for engines
+  // a registered weight's device copy and gradient accumulator. UNIMPLEMENTED for engines
   // without a device; RESOURCE_EXHAUSTED when it does not fit.
   virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes);
 
@@ -225,6 +225,11 @@ class LossEngine {
   // ImportCudaIpcMemory to host memory, after all of this engine's work
   // queued before the call. UNIMPLEMENTED for engines without a device.
   virtual absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes);
+
+  // Copies `bytes` of host memory into device memory from
+  // AllocateDeviceMemory, complete when it returns. UNIMPLEMENTED for
+  // engines without a device.
+  virtual absl::Status CopyHostToDevice(const void* host, void* device, int64_t bytes);
 };
 
 }  // namespace flce

@@ -38,7 +38,16 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
         reservation,
         sessions_->Reserve(engine_->SavedStateBytes(call.problem, spec.mode), principal));
   }
-  FLCE_ASSIGN_OR_RETURN(outcome.result, engine_->Forward(call.problem, spec, cancelled));
+  // A registered weight is read from its device copy where the engine keeps
+  // one, instead of being uploaded on every call.
+  LossProblem problem = call.problem;
+  if (call.weight_ref != nullptr) {
+    if (const void* device = call.weight_ref->DeviceWeight(*engine_)) {
+      problem.weight.data = device;
+      problem.weight.space = MemorySpace::kCuda;
+    }
+  }
+  FLCE_ASSIGN_OR_RETURN(outcome.result, engine_->Forward(problem, spec, cancelled));
   if (call.need_backward) {
     SessionInfo info;
     info.reduction = call.problem.options.reduction;

@@ -98,6 +98,21 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad() {
   return grad;
 }
 
+const void* RegisteredWeight::DeviceWeight(LossEngine& engine) {
+  absl::MutexLock lock(&weight_mu_);
+  if (device_weight_ == nullptr && !no_device_weight_) {
+    const int64_t bytes = static_cast<int64_t>(weight_.data.size());
+    absl::StatusOr<std::unique_ptr<ImportedMemory>> memory = engine.AllocateDeviceMemory(bytes);
+    if (memory.ok() &&
+        engine.CopyHostToDevice(weight_.data.data(), (*memory)->data(), bytes).ok()) {
+      device_weight_ = *std::move(memory);
+    } else if (absl::IsUnimplemented(memory.status())) {
+      no_device_weight_ = true;  // e.g. the CPU engine: never ask again
+    }
+  }
+  return device_weight_ != nullptr ? device_weight_->data() : nullptr;
+}
+
 // The lease holds device_mu_ from here until its destructor: a hand-over
 // the thread-safety analysis cannot follow.
 std::optional<RegisteredWeight::DeviceGrad> RegisteredWeight::LeaseDeviceGrad(

@@ -78,6 +78,11 @@ class RegisteredWeight {
     explicit DeviceGrad(RegisteredWeight* weight) : weight_(weight) {}
     RegisteredWeight* weight_;
   };
+  // W on the engine's device (a copy made on first use, freed with the
+  // version), or null when the engine has no device memory to give (the
+  // host copy serves then).
+  const void* DeviceWeight(LossEngine& engine);
+
   // The device accumulator, allocated from `engine` on first use; nullopt
   // when the engine has no device memory to give (the host accumulator of
   // AccumulateGrad serves then). TakeGrad includes what it holds.
@@ -91,6 +96,9 @@ class RegisteredWeight {
   const std::optional<HostTensor> bias_;
   mutable absl::Mutex mu_;
   std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex weight_mu_;
+  std::unique_ptr<ImportedMemory> device_weight_ ABSL_GUARDED_BY(weight_mu_);
+  bool no_device_weight_ ABSL_GUARDED_BY(weight_mu_) = false;
   // Held by a DeviceGrad, and by TakeGrad; taken before mu_.
   absl::Mutex device_mu_;
   LossEngine* device_engine_ ABSL_GUARDED_BY(device_mu_) = nullptr;

@@ -853,6 +853,12 @@ class EngineImpl {
     return Check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "copy to host");
   }
 
+  absl::Status CopyHostToDevice(const void* host, void* device, int64_t bytes) {
+    FLCE_RETURN_IF_ERROR(health());
+    FLCE_RETURN_IF_ERROR(SetDevice());
+    return Check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device");
+  }
+
   absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
       const std::string& handle) {
     FLCE_RETURN_IF_ERROR(health());
@@ -1070,6 +1076,10 @@ absl::StatusOr<std::unique_ptr<ImportedMemory>> CudaEngine::AllocateDeviceMemory
 
 absl::Status CudaEngine::CopyDeviceToHost(const void* device, void* host, int64_t bytes) {
   return impl_->CopyDeviceToHost(device, host, bytes);
+}
+
+absl::Status CudaEngine::CopyHostToDevice(const void* host, void* device, int64_t bytes) {
+  return impl_->CopyHostToDevice(host, device, bytes);
 }
 
 absl::StatusOr<std::unique_ptr<ImportedMemory>> CudaEngine::ImportCudaIpcMemory(

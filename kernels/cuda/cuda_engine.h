@@ -71,6 +71,7 @@ class CudaEngine : public LossEngine {
       const std::string& handle) override;
   absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes) override;
   absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes) override;
+  absl::Status CopyHostToDevice(const void* host, void* device, int64_t bytes) override;
 
   // GEMM shapes whose algorithm has been tuned so far (tune_gemms).
   int tuned_gemm_shapes() const;
