@@ -179,8 +179,9 @@ class LossEngine {
   virtual std::string backend() const = 0;
   virtual std::vector<DeviceInfo> devices() const = 0;
 
-  // Device memory the engine holds now (pooled workspace and sessions'
-  // state on the device), in bytes; 0 for engines without a device.
+  // Device memory the engine holds now (pooled workspace, sessions' state
+  // on the device, AllocateDeviceMemory's allocations), in bytes; 0 for
+  // engines without a device.
   virtual int64_t device_memory_bytes() const { return 0; }
 
   // OK while the engine can serve; UNAVAILABLE after an unrecoverable

@@ -149,7 +149,8 @@ std::string PrometheusText(const MetricsSnapshot& s) {
   AppendGauge(&out, "flce_shared_memory_regions", "Registered shared-memory regions.",
               g.shared_memory_regions);
   AppendGauge(&out, "flce_device_memory_bytes",
-              "Device memory the engine holds (its pool; 0 on the CPU).", g.device_memory_bytes);
+              "Device memory the engine holds (its pool, registered weights and their "
+              "gradient sums; 0 on the CPU).", g.device_memory_bytes);
   AppendGauge(&out, "flce_serving", "1 while health is SERVING, 0 when draining or failed.",
               g.serving ? 1 : 0);
   return out;

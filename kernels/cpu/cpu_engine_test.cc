@@ -34,6 +34,29 @@ INSTANTIATE_TEST_SUITE_P(AllDTypes, CpuEngineTest,
                                            DType::kFloat16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
+// Without a device: no device memory to allocate or copy, and a
+// destination that asks to accumulate is refused.
+TEST(CpuEngineSemanticsTest, HasNoDeviceMemoryAndDoesNotAccumulate) {
+  CpuEngine engine;
+  EXPECT_EQ(engine.AllocateDeviceMemory(16).status().code(), absl::StatusCode::kUnimplemented);
+  char host[4] = {};
+  EXPECT_EQ(engine.CopyDeviceToHost(host, host, 4).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(engine.CopyHostToDevice(host, host, 4).code(), absl::StatusCode::kUnimplemented);
+  RandomProblemSpec spec;
+  spec.rows = 4;
+  OwnedProblem p = MakeRandomProblem(spec);
+  ForwardSpec fs;
+  fs.need_backward = true;
+  auto fwd = engine.Forward(p.view(), fs, nullptr);
+  ASSERT_TRUE(fwd.ok());
+  std::vector<float> dw(static_cast<size_t>(p.weight.num_elements()));
+  BackwardSpec bs;
+  bs.weight_grad_dtype = DType::kFloat32;
+  bs.grad_weight_to = GradientDestination{dw.data(), MemorySpace::kHost, /*accumulate=*/true};
+  EXPECT_EQ(engine.Backward(*fwd->saved, bs, nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
 TEST(CpuEngineSemanticsTest, MeanOverAllIgnoredRowsIsNaNWithZeroGradients) {
   CpuEngine engine;
   RandomProblemSpec spec;

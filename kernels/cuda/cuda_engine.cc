@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -114,14 +115,19 @@ class IpcMemory : public ImportedMemory {
   const int64_t bytes_;
 };
 
-// Device memory of AllocateDeviceMemory, freed when destroyed.
+// Device memory of AllocateDeviceMemory, freed when destroyed; counted in
+// `allocated` (shared with the engine, which it may outlive) while alive.
 class DeviceMemory : public ImportedMemory {
  public:
-  DeviceMemory(int device, void* data, int64_t bytes)
-      : device_(device), data_(data), bytes_(bytes) {}
+  DeviceMemory(int device, void* data, int64_t bytes,
+               std::shared_ptr<std::atomic<int64_t>> allocated)
+      : device_(device), data_(data), bytes_(bytes), allocated_(std::move(allocated)) {
+    *allocated_ += bytes_;
+  }
   ~DeviceMemory() override {
     cudaSetDevice(device_);
     cudaFree(data_);
+    *allocated_ -= bytes_;
   }
   void* data() const override { return data_; }
   int64_t bytes() const override { return bytes_; }
@@ -130,6 +136,7 @@ class DeviceMemory : public ImportedMemory {
   const int device_;
   void* const data_;
   const int64_t bytes_;
+  const std::shared_ptr<std::atomic<int64_t>> allocated_;
 };
 
 // The size of the allocation that starts at `base`, from the driver's
@@ -840,7 +847,7 @@ class EngineImpl {
           absl::StrCat("device memory: ", bytes, " bytes do not fit on the GPU"));
     }
     FLCE_RETURN_IF_ERROR(Check(error, "cudaMalloc"));
-    auto memory = std::make_unique<DeviceMemory>(options_.device, data, bytes);
+    auto memory = std::make_unique<DeviceMemory>(options_.device, data, bytes, allocated_);
     FLCE_RETURN_IF_ERROR(Check(cudaMemset(data, 0, bytes), "zero device memory"));
     return std::unique_ptr<ImportedMemory>(std::move(memory));
   }
@@ -852,6 +859,8 @@ class EngineImpl {
     FLCE_RETURN_IF_ERROR(Check(cudaDeviceSynchronize(), "copy to host"));
     return Check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "copy to host");
   }
+
+  int64_t allocated_bytes() const { return allocated_->load(); }
 
   absl::Status CopyHostToDevice(const void* host, void* device, int64_t bytes) {
     FLCE_RETURN_IF_ERROR(health());
@@ -986,6 +995,9 @@ class EngineImpl {
   mutable absl::Mutex mu_;
   std::vector<Lane*> free_lanes_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> healthy_{true};
+  // Bytes of AllocateDeviceMemory's allocations alive.
+  const std::shared_ptr<std::atomic<int64_t>> allocated_ =
+      std::make_shared<std::atomic<int64_t>>(0);
   std::string sticky_error_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -1037,16 +1049,17 @@ absl::Status CudaEngine::health() const { return impl_->health(); }
 int CudaEngine::tuned_gemm_shapes() const { return impl_->gemms().counts().tuned; }
 
 int64_t CudaEngine::device_memory_bytes() const {
-  // The stream-ordered pool's reservation: freed workspace stays in it.
+  // The stream-ordered pool's reservation (freed workspace stays in it) and
+  // the long-lived allocations (registered weights, their accumulators).
   cudaMemPool_t pool;
   uint64_t reserved = 0;
   if (cudaDeviceGetDefaultMemPool(&pool, impl_->device()) != cudaSuccess ||
       cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) !=
           cudaSuccess) {
     cudaGetLastError();
-    return 0;
+    return impl_->allocated_bytes();
   }
-  return static_cast<int64_t>(reserved);
+  return static_cast<int64_t>(reserved) + impl_->allocated_bytes();
 }
 
 int64_t CudaEngine::SavedStateBytes(const LossProblem& p, BackwardMode mode) const {

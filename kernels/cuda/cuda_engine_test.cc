@@ -140,6 +140,87 @@ TEST(CudaEngineSemanticsTest, DeviceDestinationsHoldTheHostResults) {
   }
 }
 
+// An accumulating destination (engine-allocated device memory) gets the
+// scaled fp32 dW and db added: overwritten by the first Backward, added by
+// the second, so it holds exactly twice the host result; dX is returned as
+// usual. Both modes, both RECOMPUTE layouts. The allocation is zeroed,
+// counted in device_memory_bytes() while alive, and round-trips through
+// CopyHostToDevice / CopyDeviceToHost.
+TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
+  for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
+    FLCE_GET_ENGINE_OR_SKIP(engine, layout);
+    RandomProblemSpec spec;
+    spec.rows = 150;
+    spec.hidden = 40;
+    spec.vocab = 3001;
+    spec.dtype = DType::kBFloat16;
+    spec.bias = true;
+    spec.options.reduction = Reduction::kSum;
+    const OwnedProblem p = MakeRandomProblem(spec);
+    const int64_t dw_bytes = spec.vocab * spec.hidden * 4, db_bytes = spec.vocab * 4;
+    const int64_t before = engine->device_memory_bytes();
+    auto dw = engine->AllocateDeviceMemory(dw_bytes);
+    auto db = engine->AllocateDeviceMemory(db_bytes);
+    ASSERT_TRUE(dw.ok() && db.ok()) << dw.status() << db.status();
+    EXPECT_EQ(engine->device_memory_bytes() - before, dw_bytes + db_bytes);
+    std::string zeros(db_bytes, 'x');
+    ASSERT_TRUE(engine->CopyDeviceToHost((*db)->data(), zeros.data(), db_bytes).ok());
+    EXPECT_EQ(zeros, std::string(db_bytes, '\0'));
+    HostTensor g(DType::kFloat32, {});
+    g.mutable_data<float>()[0] = 0.5f;
+    for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+      SCOPED_TRACE(BackwardModeName(mode));
+      ForwardSpec fs;
+      fs.need_backward = true;
+      fs.mode = mode;
+      auto fwd = engine->Forward(p.view(), fs, nullptr);
+      ASSERT_TRUE(fwd.ok()) << fwd.status();
+      BackwardSpec host;
+      host.weight_grad_dtype = DType::kFloat32;
+      host.grad_output = g.view();
+      auto want = engine->Backward(*fwd->saved, host, nullptr);
+      ASSERT_TRUE(want.ok()) << want.status();
+      for (bool accumulate : {false, true}) {
+        BackwardSpec into = host;
+        into.grad_weight_to = GradientDestination{(*dw)->data(), MemorySpace::kCuda, accumulate};
+        into.grad_bias_to = GradientDestination{(*db)->data(), MemorySpace::kCuda, accumulate};
+        auto got = engine->Backward(*fwd->saved, into, nullptr);
+        ASSERT_TRUE(got.ok()) << got.status();
+        EXPECT_TRUE(got->grad_weight.data.empty());
+        EXPECT_EQ(got->grad_hidden.data, want->grad_hidden.data);
+      }
+      HostTensor sum_w(DType::kFloat32, {spec.vocab, spec.hidden}), sum_b(DType::kFloat32,
+                                                                          {spec.vocab});
+      ASSERT_TRUE(engine->CopyDeviceToHost((*dw)->data(), sum_w.data.data(), dw_bytes).ok());
+      ASSERT_TRUE(engine->CopyDeviceToHost((*db)->data(), sum_b.data.data(), db_bytes).ok());
+      for (int64_t i = 0; i < sum_w.num_elements(); ++i) {
+        ASSERT_EQ(sum_w.data_as<float>()[i], 2.0f * want->grad_weight.data_as<float>()[i]) << i;
+      }
+      for (int64_t i = 0; i < sum_b.num_elements(); ++i) {
+        ASSERT_EQ(sum_b.data_as<float>()[i], 2.0f * want->grad_bias->data_as<float>()[i]) << i;
+      }
+      // Only fp32 dW and db accumulate.
+      BackwardSpec bad = host;
+      bad.grad_hidden_to = GradientDestination{(*dw)->data(), MemorySpace::kCuda, true};
+      EXPECT_EQ(engine->Backward(*fwd->saved, bad, nullptr).status().code(),
+                absl::StatusCode::kInvalidArgument);
+      bad = host;
+      bad.weight_grad_dtype = DType::kBFloat16;
+      bad.grad_weight_to = GradientDestination{(*dw)->data(), MemorySpace::kCuda, true};
+      EXPECT_EQ(engine->Backward(*fwd->saved, bad, nullptr).status().code(),
+                absl::StatusCode::kInvalidArgument);
+    }
+    std::string back(db_bytes, 'y');
+    ASSERT_TRUE(engine->CopyHostToDevice(zeros.data(), (*db)->data(), db_bytes).ok());
+    ASSERT_TRUE(engine->CopyDeviceToHost((*db)->data(), back.data(), db_bytes).ok());
+    EXPECT_EQ(back, zeros);
+    const int64_t held = engine->device_memory_bytes();
+    dw->reset();
+    db->reset();
+    EXPECT_EQ(held - engine->device_memory_bytes(), dw_bytes + db_bytes);
+  }
+}
+
 // The benchmark's stage timing names every stage of a run and times each.
 TEST(CudaEngineSemanticsTest, DeviceRunTimesItsStages) {
   for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
