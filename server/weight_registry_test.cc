@@ -1,6 +1,8 @@
 #include "server/weight_registry.h"
 
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -107,6 +109,143 @@ TEST(WeightRegistryTest, LargeGradientsSumExactlyAsPlainFloatAdds) {
   auto grad = w->TakeGrad();
   ASSERT_TRUE(grad.ok());
   EXPECT_EQ(std::memcmp(grad->dw.data_as<float>(), want.data(), want.size() * sizeof(float)), 0);
+}
+
+// An engine whose "device memory" is host memory: enough to drive the
+// registry's device copies and sums the way a CUDA engine does. Allocations
+// fail while `exhausted`; without `has_device` it answers UNIMPLEMENTED.
+class FakeDeviceEngine : public LossEngine {
+ public:
+  bool has_device = true;
+  bool exhausted = false;
+  int allocations = 0;
+
+  std::string backend() const override { return "fake"; }
+  std::vector<DeviceInfo> devices() const override { return {}; }
+  int64_t SavedStateBytes(const LossProblem&, BackwardMode) const override { return 0; }
+  absl::StatusOr<ForwardResult> Forward(const LossProblem&, const ForwardSpec&,
+                                        const CancelFn&) override {
+    return absl::UnimplementedError("fake");
+  }
+  absl::StatusOr<Gradients> Backward(SavedState&, const BackwardSpec&,
+                                     const CancelFn&) override {
+    return absl::UnimplementedError("fake");
+  }
+  absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes) override {
+    if (!has_device) return LossEngine::AllocateDeviceMemory(bytes);
+    if (exhausted) return absl::ResourceExhaustedError("fake device full");
+    ++allocations;
+    return std::unique_ptr<ImportedMemory>(new Memory(bytes));
+  }
+  absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes) override {
+    std::memcpy(host, device, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+  absl::Status CopyHostToDevice(const void* host, void* device, int64_t bytes) override {
+    std::memcpy(device, host, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+
+ private:
+  class Memory : public ImportedMemory {
+   public:
+    explicit Memory(int64_t bytes) : bytes_(static_cast<size_t>(bytes), '\0') {}
+    void* data() const override { return const_cast<char*>(bytes_.data()); }
+    int64_t bytes() const override { return static_cast<int64_t>(bytes_.size()); }
+
+   private:
+    std::string bytes_;
+  };
+};
+
+// What an engine's Backward does with a DeviceGrad: writes (first) or adds
+// `value` into every element of dW and db.
+void AddOnDevice(const RegisteredWeight::DeviceGrad& grad, int64_t v, int64_t h, float value) {
+  auto add = [&](const GradientDestination& to, int64_t count) {
+    EXPECT_EQ(to.space, MemorySpace::kCuda);
+    float* f = static_cast<float*>(to.data);
+    for (int64_t i = 0; i < count; ++i) f[i] = (to.accumulate ? f[i] : 0.0f) + value;
+  };
+  add(grad.dw(), v * h);
+  if (grad.db()) add(*grad.db(), v);
+}
+
+TEST(WeightRegistryTest, DeviceSumsMergeWithTheHostOnTake) {
+  FakeDeviceEngine engine;
+  WeightRegistry registry(1 << 20);
+  auto w = *registry.Put("w", "", Weight(3, 2, 0), HostTensor(DType::kFloat32, {3}));
+  for (float value : {1.0f, 2.0f}) {
+    auto grad = w->LeaseDeviceGrad(engine);
+    ASSERT_TRUE(grad.has_value());
+    EXPECT_EQ(grad->dw().accumulate, value != 1.0f);  // the first overwrites
+    AddOnDevice(*grad, 3, 2, value);
+    grad->Added();
+  }
+  EXPECT_EQ(w->accumulated_backwards(), 2);
+  // A broken TakeWeightGrad stream put a host sum back meanwhile.
+  HostTensor db(DType::kFloat32, {3});
+  for (int i = 0; i < 3; ++i) db.mutable_data<float>()[i] = 0.25f;
+  w->RestoreGrad(RegisteredWeight::Grad{Weight(3, 2, 0.5f), db, 1});
+  EXPECT_EQ(w->accumulated_backwards(), 3);
+  auto taken = w->TakeGrad();
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(taken->backwards, 3);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(taken->dw.data_as<float>()[i], 3.5f);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(taken->db->data_as<float>()[i], 3.25f);
+  EXPECT_THAT(w->TakeGrad(), StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient")));
+  // After a take the next Backward overwrites the device sums.
+  {
+    auto grad = w->LeaseDeviceGrad(engine);
+    EXPECT_FALSE(grad->dw().accumulate);
+    AddOnDevice(*grad, 3, 2, 4.0f);
+    grad->Added();
+  }
+  EXPECT_EQ(w->TakeGrad()->dw.data_as<float>()[5], 4.0f);
+  EXPECT_EQ(engine.allocations, 2);  // dW and db, once
+}
+
+// A lease that never reports success (the Backward failed) adds no count,
+// and the lease is exclusive: the next one waits for it to end.
+TEST(WeightRegistryTest, AFailedBackwardAddsNothing) {
+  FakeDeviceEngine engine;
+  WeightRegistry registry(1 << 20);
+  auto w = *registry.Put("w", "", Weight(2, 2, 0), std::nullopt);
+  {
+    auto grad = w->LeaseDeviceGrad(engine);
+    ASSERT_TRUE(grad.has_value());
+    EXPECT_FALSE(grad->db().has_value());
+  }
+  EXPECT_EQ(w->accumulated_backwards(), 0);
+  EXPECT_THAT(w->TakeGrad(), StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient")));
+  auto again = w->LeaseDeviceGrad(engine);
+  EXPECT_TRUE(again.has_value());
+}
+
+// Without device memory the host serves: UNIMPLEMENTED is remembered,
+// RESOURCE_EXHAUSTED is asked again next time.
+TEST(WeightRegistryTest, WithoutDeviceMemoryTheHostServes) {
+  FakeDeviceEngine engine;
+  WeightRegistry registry(1 << 20);
+  auto w = *registry.Put("w", "", Weight(2, 2, 1.5f), std::nullopt);
+  engine.exhausted = true;
+  EXPECT_FALSE(w->LeaseDeviceGrad(engine).has_value());
+  EXPECT_EQ(w->DeviceWeight(engine), nullptr);
+  engine.exhausted = false;
+  const void* device = w->DeviceWeight(engine);
+  ASSERT_NE(device, nullptr);
+  EXPECT_EQ(static_cast<const float*>(device)[3], 1.5f);  // copied from the host
+  EXPECT_EQ(w->DeviceWeight(engine), device);              // once per version
+  EXPECT_TRUE(w->LeaseDeviceGrad(engine).has_value());
+
+  FakeDeviceEngine none;
+  none.has_device = false;
+  auto v = *registry.Put("v", "", Weight(2, 2, 0), std::nullopt);
+  EXPECT_FALSE(v->LeaseDeviceGrad(none).has_value());
+  EXPECT_EQ(v->DeviceWeight(none), nullptr);
+  none.has_device = true;  // an engine never changes its mind: not asked again
+  EXPECT_FALSE(v->LeaseDeviceGrad(none).has_value());
+  EXPECT_EQ(v->DeviceWeight(none), nullptr);
+  EXPECT_EQ(none.allocations, 0);
 }
 
 }  // namespace
