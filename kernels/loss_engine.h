@@ -218,8 +218,9 @@ class LossEngine {
 
   // `bytes` of zeroed device memory that lives until destroyed (the
   // destructor may run after the engine's), for long-lived tensors such as
-  // a registered weight's device copy and gradient accumulator. UNIMPLEMENTED for engines
-  // without a device; RESOURCE_EXHAUSTED when it does not fit.
+  // a registered weight's device copy and gradient accumulator.
+  // UNIMPLEMENTED for engines without a device; RESOURCE_EXHAUSTED when it
+  // does not fit.
   virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes);
 
   // Copies `bytes` of device memory from AllocateDeviceMemory or

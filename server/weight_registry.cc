@@ -147,7 +147,8 @@ GradientDestination RegisteredWeight::DeviceGrad::dw() const ABSL_NO_THREAD_SAFE
                              weight_->device_backwards_.load() > 0};
 }
 
-std::optional<GradientDestination> RegisteredWeight::DeviceGrad::db() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+std::optional<GradientDestination> RegisteredWeight::DeviceGrad::db() const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (weight_->device_db_ == nullptr) return std::nullopt;
   return GradientDestination{weight_->device_db_->data(), MemorySpace::kCuda,
                              weight_->device_backwards_.load() > 0};

@@ -592,8 +592,8 @@ class EngineImpl {
 
   // An fp32 device buffer × scale, rounded once on the device to `dtype`,
   // as a new host tensor or, with `to`, written there (device memory
-  // directly, host memory through the conversion slice) and returned
-  // without bytes.
+  // directly, or added to what it holds when `to` accumulates; host memory
+  // through the conversion slice) and returned without bytes.
   absl::StatusOr<HostTensor> Download(Lane& lane, const DeviceBuffer& src32,
                                       std::vector<int64_t> shape, DType dtype, float scale,
                                       const std::optional<GradientDestination>& to) {
