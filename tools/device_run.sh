@@ -60,15 +60,17 @@ fi
 if [ -z "$ARGS" ] || want bench; then
   shapes="${BENCH_SHAPES:-8192x4096x128256,8192x2304x256000,4096x4096x32000,32768x4096x128256}"
   echo "== flce_bench --backend=cuda --shapes=$shapes"
+  read -r -a bench_flags <<< "${BENCH_FLAGS:-}"
   "$bin/flce_bench" --backend=cuda --shapes="$shapes" --dtypes="${BENCH_DTYPES:-bf16}" \
     --modes="${BENCH_MODES:-store_grads,recompute}" --warmup="${BENCH_WARMUP:-20}" --iters=10 \
-    --cuda_chunk_bytes="${BENCH_CHUNK_BYTES:-0}" ${BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/bench.txt" || status=1
+    --cuda_chunk_bytes="${BENCH_CHUNK_BYTES:-0}" ${bench_flags[@]+"${bench_flags[@]}"} 2>&1 | tee -a "$OUT/bench.txt" || status=1
 fi
 if want gemms && [ -n "$ARGS" ]; then
   shapes="${BENCH_SHAPES:-8192x2304x256000}"
   echo "== gemm_algos --shapes=$shapes"
+  read -r -a gemm_flags <<< "${GEMM_FLAGS:-}"
   "$bin/gemm_algos" --shapes="$shapes" --chunk_rows="${GEMM_CHUNK_ROWS:-2048}" \
-    --algos="${GEMM_ALGOS:-24}" ${GEMM_FLAGS:-} 2>&1 | tee -a "$OUT/gemm_algos.txt" || status=1
+    --algos="${GEMM_ALGOS:-24}" ${gemm_flags[@]+"${gemm_flags[@]}"} 2>&1 | tee -a "$OUT/gemm_algos.txt" || status=1
 fi
 if want rpc && [ -n "$ARGS" ]; then
   echo "== rpc_bench --backend=cuda --shape=${RPC_SHAPE:-8192x4096x128256}"
