@@ -32,8 +32,9 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(
         "--max_sessions, --session_memory_bytes and their _per_principal forms must be >= 0");
   }
-  if (o.weight_memory_bytes < 0) {
-    return absl::InvalidArgumentError("--weight_memory_bytes must be >= 0");
+  if (o.weight_memory_bytes < 0 || o.weight_device_memory_bytes < 0) {
+    return absl::InvalidArgumentError(
+        "--weight_memory_bytes and --weight_device_memory_bytes must be >= 0");
   }
   if (o.sessions.ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -116,7 +117,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   s->auth_->set_use_client_certificates(!options.security.tls_client_ca_file.empty());
   s->engine_ = std::move(engine);
   s->sessions_ = std::make_unique<SessionStore>(options.sessions);
-  s->weights_ = std::make_unique<WeightRegistry>(options.weight_memory_bytes);
+  s->weights_ = std::make_unique<WeightRegistry>(options.weight_memory_bytes,
+                                                 options.weight_device_memory_bytes);
   s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get(),
                                         s->weights_.get());
   s->queue_ = std::make_unique<WorkQueue>(options.workers, options.max_queued_requests);
@@ -184,10 +186,11 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
               : !options.security.tls_client_ca_file.empty() ? "client-certificates"
                                                                : "none");
   SPDLOG_INFO(
-      "limits: max_sessions={} session_memory_bytes={} weight_memory_bytes={} session_ttl={} "
-      "workers={} max_queued_requests={} max_message_bytes={}",
+      "limits: max_sessions={} session_memory_bytes={} weight_memory_bytes={} "
+      "weight_device_memory_bytes={} session_ttl={} workers={} max_queued_requests={} "
+      "max_message_bytes={}",
       options.sessions.max_sessions, options.sessions.memory_budget_bytes,
-      options.weight_memory_bytes,
+      options.weight_memory_bytes, options.weight_device_memory_bytes,
       absl::FormatDuration(options.sessions.ttl), options.workers,
       options.max_queued_requests, options.max_message_bytes);
   return s;

@@ -51,6 +51,9 @@ struct ServerOptions {
   SessionLimits sessions;
   // Budget of the registered weights' bytes (latest versions).
   int64_t weight_memory_bytes = int64_t{32} << 30;
+  // Budget of the device copies and gradient sums registered weights keep
+  // on the engine's device (all versions alive); past it the host serves.
+  int64_t weight_device_memory_bytes = int64_t{32} << 30;
   // Accept tensors in same-host clients' POSIX shared memory.
   bool enable_shared_memory = false;
   int workers = 1;               // concurrent engine calls

@@ -26,6 +26,10 @@ ABSL_FLAG(int64_t, session_memory_bytes_per_principal, 0,
           "session memory of one principal (0: only --session_memory_bytes applies)");
 ABSL_FLAG(int64_t, weight_memory_bytes, int64_t{32} << 30,
           "memory budget for registered weights (PutWeight), in bytes");
+ABSL_FLAG(int64_t, weight_device_memory_bytes,
+          flce::ServerOptions().weight_device_memory_bytes,
+          "GPU memory for registered weights' device copies and fp32 gradient sums, in bytes "
+          "(CUDA backend); past it they are read and summed in host memory");
 ABSL_FLAG(bool, enable_shared_memory, false,
           "accept tensors in same-host clients' POSIX shared memory (RegisterSharedMemory)");
 ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
@@ -105,6 +109,7 @@ int main(int argc, char** argv) {
   options.sessions.memory_bytes_per_principal =
       absl::GetFlag(FLAGS_session_memory_bytes_per_principal);
   options.weight_memory_bytes = absl::GetFlag(FLAGS_weight_memory_bytes);
+  options.weight_device_memory_bytes = absl::GetFlag(FLAGS_weight_device_memory_bytes);
   options.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);

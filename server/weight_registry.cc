@@ -42,13 +42,36 @@ std::string Key(const std::string& principal, const std::string& name) {
 
 }  // namespace
 
+bool DeviceBudget::TryReserve(int64_t bytes) {
+  int64_t used = used_.load();
+  do {
+    if (bytes > limit_ - used) return false;
+  } while (!used_.compare_exchange_weak(used, used + bytes));
+  return true;
+}
+
 RegisteredWeight::RegisteredWeight(std::string name, int64_t version, std::string principal,
-                                   HostTensor weight, std::optional<HostTensor> bias)
+                                   HostTensor weight, std::optional<HostTensor> bias,
+                                   std::shared_ptr<DeviceBudget> device_budget)
     : name_(std::move(name)),
       version_(version),
       principal_(std::move(principal)),
       weight_(std::move(weight)),
-      bias_(std::move(bias)) {}
+      bias_(std::move(bias)),
+      device_budget_(std::move(device_budget)) {}
+
+RegisteredWeight::~RegisteredWeight() { ReleaseDevice(device_reserved_.load()); }
+
+bool RegisteredWeight::ReserveDevice(int64_t bytes) {
+  if (device_budget_ != nullptr && !device_budget_->TryReserve(bytes)) return false;
+  device_reserved_ += bytes;
+  return true;
+}
+
+void RegisteredWeight::ReleaseDevice(int64_t bytes) {
+  if (device_budget_ != nullptr) device_budget_->Release(bytes);
+  device_reserved_ -= bytes;
+}
 
 int64_t RegisteredWeight::bytes() const {
   return static_cast<int64_t>(weight_.data.size() + (bias_ ? bias_->data.size() : 0));
@@ -102,12 +125,15 @@ const void* RegisteredWeight::DeviceWeight(LossEngine& engine) {
   absl::MutexLock lock(&weight_mu_);
   if (device_weight_ == nullptr && !no_device_weight_) {
     const int64_t bytes = static_cast<int64_t>(weight_.data.size());
+    if (!ReserveDevice(bytes)) return nullptr;  // the budget is spent: the host copy serves
     absl::StatusOr<std::unique_ptr<ImportedMemory>> memory = engine.AllocateDeviceMemory(bytes);
     if (memory.ok() &&
         engine.CopyHostToDevice(weight_.data.data(), (*memory)->data(), bytes).ok()) {
       device_weight_ = *std::move(memory);
-    } else if (absl::IsUnimplemented(memory.status())) {
-      no_device_weight_ = true;  // e.g. the CPU engine: never ask again
+    } else {
+      ReleaseDevice(bytes);
+      // e.g. the CPU engine: never ask again
+      if (absl::IsUnimplemented(memory.status())) no_device_weight_ = true;
     }
   }
   return device_weight_ != nullptr ? device_weight_->data() : nullptr;
@@ -120,15 +146,21 @@ std::optional<RegisteredWeight::DeviceGrad> RegisteredWeight::LeaseDeviceGrad(
   device_mu_.Lock();
   if (device_dw_ == nullptr && !no_device_) {
     const int64_t v = weight_.shape[0], h = weight_.shape[1];
-    absl::StatusOr<std::unique_ptr<ImportedMemory>> dw = engine.AllocateDeviceMemory(v * h * 4);
-    absl::StatusOr<std::unique_ptr<ImportedMemory>> db = std::unique_ptr<ImportedMemory>();
-    if (dw.ok() && bias_) db = engine.AllocateDeviceMemory(v * 4);
-    if (dw.ok() && db.ok()) {
-      device_engine_ = &engine;
-      device_dw_ = *std::move(dw);
-      device_db_ = *std::move(db);
-    } else if (absl::IsUnimplemented(dw.status())) {
-      no_device_ = true;  // e.g. the CPU engine: never ask again
+    const int64_t bytes = v * h * 4 + (bias_ ? v * 4 : 0);
+    if (ReserveDevice(bytes)) {
+      absl::StatusOr<std::unique_ptr<ImportedMemory>> dw =
+          engine.AllocateDeviceMemory(v * h * 4);
+      absl::StatusOr<std::unique_ptr<ImportedMemory>> db = std::unique_ptr<ImportedMemory>();
+      if (dw.ok() && bias_) db = engine.AllocateDeviceMemory(v * 4);
+      if (dw.ok() && db.ok()) {
+        device_engine_ = &engine;
+        device_dw_ = *std::move(dw);
+        device_db_ = *std::move(db);
+      } else {
+        ReleaseDevice(bytes);
+        // e.g. the CPU engine: never ask again
+        if (absl::IsUnimplemented(dw.status())) no_device_ = true;
+      }
     }
   }
   if (device_dw_ == nullptr) {
@@ -172,7 +204,9 @@ int64_t RegisteredWeight::accumulated_backwards() const {
   return (grad_ ? grad_->backwards : 0) + device_backwards_.load();
 }
 
-WeightRegistry::WeightRegistry(int64_t memory_budget_bytes) : budget_(memory_budget_bytes) {}
+WeightRegistry::WeightRegistry(int64_t memory_budget_bytes, int64_t device_budget_bytes)
+    : budget_(memory_budget_bytes),
+      device_budget_(std::make_shared<DeviceBudget>(device_budget_bytes)) {}
 
 absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
     const std::string& name, const std::string& principal, HostTensor weight,
@@ -193,8 +227,8 @@ absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
         " of the budget of ", budget_, " bytes are in use"));
   }
   const int64_t version = ++last_version_[key];
-  auto registered = std::make_shared<RegisteredWeight>(name, version, principal,
-                                                       std::move(weight), std::move(bias));
+  auto registered = std::make_shared<RegisteredWeight>(
+      name, version, principal, std::move(weight), std::move(bias), device_budget_);
   bytes_ += bytes - replaced;
   latest_[key] = registered;
   return registered;

@@ -28,10 +28,32 @@
 
 namespace flce {
 
+// Bytes of device memory registered weights may hold on the engine's device
+// (W copies and gradient sums), shared by a registry and its weights (which
+// may outlive it).
+class DeviceBudget {
+ public:
+  explicit DeviceBudget(int64_t limit) : limit_(limit) {}
+  // Takes `bytes` of the budget; false (nothing taken) past the limit.
+  bool TryReserve(int64_t bytes);
+  void Release(int64_t bytes) { used_ -= bytes; }
+  int64_t used() const { return used_.load(); }
+  int64_t limit() const { return limit_; }
+
+ private:
+  const int64_t limit_;
+  std::atomic<int64_t> used_{0};
+};
+
 class RegisteredWeight {
  public:
+  // Device copies and sums are taken from `device_budget` (none without).
   RegisteredWeight(std::string name, int64_t version, std::string principal,
-                   HostTensor weight, std::optional<HostTensor> bias);
+                   HostTensor weight, std::optional<HostTensor> bias,
+                   std::shared_ptr<DeviceBudget> device_budget = nullptr);
+  ~RegisteredWeight();
+  RegisteredWeight(const RegisteredWeight&) = delete;
+  RegisteredWeight& operator=(const RegisteredWeight&) = delete;
 
   const std::string& name() const { return name_; }
   int64_t version() const { return version_; }
@@ -79,13 +101,13 @@ class RegisteredWeight {
     RegisteredWeight* weight_;
   };
   // W on the engine's device (a copy made on first use, freed with the
-  // version), or null when the engine has no device memory to give (the
-  // host copy serves then).
+  // version), or null when the engine has no device memory to give or the
+  // device budget is spent (the host copy serves then; asked again later).
   const void* DeviceWeight(LossEngine& engine);
 
   // The device accumulator, allocated from `engine` on first use; nullopt
-  // when the engine has no device memory to give (the host accumulator of
-  // AccumulateGrad serves then). TakeGrad includes what it holds.
+  // when the engine has no device memory to give or the device budget is
+  // spent (the host accumulator of AccumulateGrad serves then). TakeGrad includes what it holds.
   std::optional<DeviceGrad> LeaseDeviceGrad(LossEngine& engine);
 
  private:
@@ -96,6 +118,11 @@ class RegisteredWeight {
   const std::optional<HostTensor> bias_;
   mutable absl::Mutex mu_;
   std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<DeviceBudget> device_budget_;
+  std::atomic<int64_t> device_reserved_{0};  // of device_budget_, released when destroyed
+  // Takes `bytes` of the device budget (always, without one).
+  bool ReserveDevice(int64_t bytes);
+  void ReleaseDevice(int64_t bytes);
   absl::Mutex weight_mu_;
   std::unique_ptr<ImportedMemory> device_weight_ ABSL_GUARDED_BY(weight_mu_);
   bool no_device_weight_ ABSL_GUARDED_BY(weight_mu_) = false;
@@ -110,7 +137,11 @@ class RegisteredWeight {
 
 class WeightRegistry {
  public:
-  explicit WeightRegistry(int64_t memory_budget_bytes);
+  // memory_budget_bytes bounds the host copies (latest versions);
+  // device_budget_bytes the device copies and gradient sums of every
+  // version alive (RegisteredWeight::DeviceWeight, LeaseDeviceGrad).
+  explicit WeightRegistry(int64_t memory_budget_bytes,
+                          int64_t device_budget_bytes = int64_t{32} << 30);
 
   // Validates the name ([A-Za-z0-9_.-], 1-128 characters; INVALID_ARGUMENT)
   // and stores the weight as the name's next version.
@@ -129,11 +160,14 @@ class WeightRegistry {
 
   int64_t bytes_in_use() const;
   int64_t memory_budget_bytes() const { return budget_; }
+  // Device bytes the weights hold now.
+  int64_t device_bytes_in_use() const { return device_budget_->used(); }
   // Registered names (their latest versions).
   int64_t size() const;
 
  private:
   const int64_t budget_;
+  const std::shared_ptr<DeviceBudget> device_budget_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<RegisteredWeight>> latest_
       ABSL_GUARDED_BY(mu_);

@@ -248,5 +248,26 @@ TEST(WeightRegistryTest, WithoutDeviceMemoryTheHostServes) {
   EXPECT_EQ(none.allocations, 0);
 }
 
+// The device budget bounds the copies and sums of every version alive;
+// past it the host serves, and a version's bytes come back when it dies.
+TEST(WeightRegistryTest, DeviceBudgetBoundsCopiesAndSums) {
+  FakeDeviceEngine engine;
+  WeightRegistry registry(1 << 20, /*device_budget_bytes=*/40);
+  auto w = *registry.Put("w", "", Weight(2, 2, 1.0f), std::nullopt);  // 16 bytes each
+  EXPECT_NE(w->DeviceWeight(engine), nullptr);
+  EXPECT_TRUE(w->LeaseDeviceGrad(engine).has_value());
+  EXPECT_EQ(registry.device_bytes_in_use(), 32);
+  auto v = *registry.Put("v", "", Weight(2, 2, 2.0f), std::nullopt);
+  EXPECT_EQ(v->DeviceWeight(engine), nullptr);  // 48 > 40: the host copy serves
+  EXPECT_FALSE(v->LeaseDeviceGrad(engine).has_value());
+  EXPECT_EQ(registry.device_bytes_in_use(), 32);
+  // Replacing w and dropping the last reference frees its 32 bytes.
+  ASSERT_TRUE(registry.Put("w", "", Weight(2, 2, 3.0f), std::nullopt).ok());
+  w.reset();
+  EXPECT_EQ(registry.device_bytes_in_use(), 0);
+  EXPECT_NE(v->DeviceWeight(engine), nullptr);  // asked again, fits now
+  EXPECT_EQ(registry.device_bytes_in_use(), 16);
+}
+
 }  // namespace
 }  // namespace flce
