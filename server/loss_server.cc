@@ -220,6 +220,7 @@ MetricsSnapshot LossServer::Metrics() const {
   g.session_memory_bytes = sessions_->bytes_in_use();
   g.registered_weights = weights_->size();
   g.weight_memory_bytes = weights_->bytes_in_use();
+  g.weight_device_memory_bytes = weights_->device_bytes_in_use();
   g.shared_memory_regions = shared_memory_ ? shared_memory_->size() : 0;
   g.device_memory_bytes = engine_->device_memory_bytes();
   g.serving = serving_.load();

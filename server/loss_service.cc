@@ -971,6 +971,7 @@ grpc::ServerUnaryReactor* LossServiceImpl::GetStats(grpc::CallbackServerContext*
   response->set_weight_memory_bytes(g.weight_memory_bytes);
   response->set_shared_memory_regions(g.shared_memory_regions);
   response->set_device_memory_bytes(g.device_memory_bytes);
+  response->set_weight_device_memory_bytes(g.weight_device_memory_bytes);
   response->set_serving(g.serving);
   LogRpc(metrics_, "GetStats", "", absl::OkStatus(), start);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();

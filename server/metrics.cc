@@ -146,6 +146,9 @@ std::string PrometheusText(const MetricsSnapshot& s) {
               g.registered_weights);
   AppendGauge(&out, "flce_weight_memory_bytes", "Bytes held by registered weights.",
               g.weight_memory_bytes);
+  AppendGauge(&out, "flce_weight_device_memory_bytes",
+              "Device bytes of registered weights' copies and gradient sums (CUDA).",
+              g.weight_device_memory_bytes);
   AppendGauge(&out, "flce_shared_memory_regions", "Registered shared-memory regions.",
               g.shared_memory_regions);
   AppendGauge(&out, "flce_device_memory_bytes",

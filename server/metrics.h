@@ -34,6 +34,7 @@ struct Gauges {
   int64_t queued_requests = 0, running_requests = 0;
   int64_t live_sessions = 0, session_memory_bytes = 0;
   int64_t weight_memory_bytes = 0, registered_weights = 0;
+  int64_t weight_device_memory_bytes = 0;  // their device copies and sums
   int64_t shared_memory_regions = 0;
   int64_t device_memory_bytes = 0;  // the engine's device pool (0 on the CPU)
   bool serving = true;              // health SERVING

@@ -23,6 +23,7 @@ TEST(MetricsTest, CountsAndHistogramsInTheTextFormat) {
   g.live_sessions = 3;
   g.serving = false;
   g.sessions_expired = 7;
+  g.weight_device_memory_bytes = 48;
   const std::string text = PrometheusText(m.Snapshot(g));
   EXPECT_THAT(text, HasSubstr("# TYPE flce_requests_total counter\n"));
   EXPECT_THAT(text, HasSubstr("flce_requests_total{rpc=\"Forward\",code=\"OK\"} 2\n"));
@@ -45,6 +46,7 @@ TEST(MetricsTest, CountsAndHistogramsInTheTextFormat) {
   EXPECT_THAT(text, HasSubstr("flce_live_sessions 3\n"));
   EXPECT_THAT(text, HasSubstr("flce_serving 0\n"));
   EXPECT_THAT(text, HasSubstr("flce_sessions_expired_total 7\n"));
+  EXPECT_THAT(text, HasSubstr("flce_weight_device_memory_bytes 48\n"));
   // Every family is announced once, before its samples.
   EXPECT_THAT(text, HasSubstr("# HELP flce_serving "));
   EXPECT_THAT(text, Not(HasSubstr("nan")));

@@ -601,6 +601,15 @@ TEST_F(ServerTest, AccumulatingMicroBatchesEqualsOneConcatenatedBatch) {
       auto acc = SmallChunkClient(address_)->TakeWeightGrad(name);
       ASSERT_TRUE(acc.ok()) << acc.status();
       EXPECT_EQ(acc->accumulated_backwards, 3);
+      // The CUDA server keeps W and the sum on the GPU; the CPU one cannot.
+      grpc::ClientContext context;
+      v1::GetStatsResponse stats;
+      ASSERT_TRUE(stub_->GetStats(&context, v1::GetStatsRequest(), &stats).ok());
+      if (Backend() == "cuda") {
+        EXPECT_GT(stats.weight_device_memory_bytes(), 0);
+      } else {
+        EXPECT_EQ(stats.weight_device_memory_bytes(), 0);
+      }
       ForwardArgs args = Args(whole);
       args.mode = mode;
       auto fwd = client_->Forward(args);
