@@ -8,22 +8,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <type_traits>
 
 namespace flce {
 namespace internal_cuda {
 namespace {
-
-// The experiment's variant, from FLCE_ROW_VARIANT (bits as RowVariant; 8:
-// narrowing with two quads per thread).
-int RowVariantFromEnv() {
-  static const int variant = [] {
-    const char* v = std::getenv("FLCE_ROW_VARIANT");
-    return v == nullptr ? 0 : std::atoi(v);
-  }();
-  return variant;
-}
 
 constexpr int kRowThreads = 1024;
 constexpr int kWarps = kRowThreads / 32;
@@ -156,32 +144,22 @@ __device__ __forceinline__ float Gradient(const RowParams& p, float zp, int64_t 
   return d;
 }
 
-// Elements per 16-byte vector of T.
-template <typename T>
-constexpr int kPack = 16 / sizeof(T);
-
-// Experimental row-kernel variants (bits of kVariant; 0 is the kernel as
-// it was): 1 = L2 eviction hints (statistics pass keeps the row, gradient
-// pass and stores evict first), 2 = exp2 flushing subnormals, 4 = four loads
-// in flight per thread (more registers: one block per SM).
-template <int kVariant>
-struct RowVariant {
-  static constexpr bool kHints = (kVariant & 1) != 0;
-  static constexpr bool kFtz = (kVariant & 2) != 0;
-  static constexpr int kDepth = (kVariant & 4) != 0 ? 4 : 2;
-};
-
-__device__ __forceinline__ uint64_t EvictLastPolicy() {
+// L2 eviction priorities for the row kernels' 16-byte accesses. The
+// statistics pass marks what it reads evict-last when the gradient pass will
+// read it again, so other blocks' streaming traffic (their gradient passes'
+// reads and writes, marked evict-first) is evicted before it.
+__device__ __forceinline__ uint64_t L2EvictLast() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
-__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+__device__ __forceinline__ uint64_t L2EvictFirst() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
 
+// volatile keeps a pack's load before the store that overwrites it in place.
 __device__ __forceinline__ uint4 LoadWithPolicy(const void* ptr, uint64_t policy) {
   uint4 v;
   asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
@@ -196,25 +174,22 @@ __device__ __forceinline__ void StoreWithPolicy(void* ptr, uint4 v, uint64_t pol
                : "memory");
 }
 
+// Elements per 16-byte vector of T.
+template <typename T>
+constexpr int kPack = 16 / sizeof(T);
+
 // A thread's share of a row is packs of P consecutive elements: pack i
 // starts at (threadIdx.x + i·kRowThreads)·P. kVec: P = kPack<T>, 16-byte
-// loads (REQUIRES V % kPack<T> == 0, so every row starts 16-byte aligned);
-// else single elements.
-template <typename T, bool kVec, int kVariant = 0>
+// loads with an L2 eviction policy (REQUIRES V % kPack<T> == 0, so every row
+// starts 16-byte aligned); else single elements.
+template <typename T, bool kVec>
 struct RowPacks {
-  using V = RowVariant<kVariant>;
   static constexpr int P = kVec ? kPack<T> : 1;
   static constexpr int64_t kStride = int64_t{kRowThreads} * P;
-  static constexpr int kDepth = V::kDepth;
 
   __device__ static void Load(const T* z, int64_t base, float (&x)[P], uint64_t policy) {
     if constexpr (kVec) {
-      uint4 raw;
-      if constexpr (V::kHints) {
-        raw = LoadWithPolicy(z + base, policy);
-      } else {
-        raw = *reinterpret_cast<const uint4*>(z + base);
-      }
+      const uint4 raw = LoadWithPolicy(z + base, policy);
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int k = 0; k < P; ++k) x[k] = ToFloatDev(e[k]);
@@ -229,30 +204,27 @@ struct RowPacks {
       T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
       for (int k = 0; k < P; ++k) e[k] = FromFloatDev<T>(x[k]);
-      if constexpr (V::kHints) {
-        StoreWithPolicy(z + base, raw, policy);
-      } else {
-        *reinterpret_cast<uint4*>(z + base) = raw;
-      }
+      StoreWithPolicy(z + base, raw, policy);
     } else {
       z[base] = FromFloatDev<T>(x[0]);
     }
   }
 
   // f(first index, values) for each of this thread's packs, in increasing
-  // order, kDepth loads in flight at a time.
-  template <typename F>
+  // order, two loads in flight at a time. kKeep: the row is read again next
+  // (evict-last), else streamed (evict-first).
+  template <bool kKeep, typename F>
   __device__ static void ForEach(const T* z, int64_t vocab, F&& f) {
-    const uint64_t policy = V::kHints ? EvictLastPolicy() : 0;
+    const uint64_t policy = kKeep ? L2EvictLast() : L2EvictFirst();
     int64_t base = threadIdx.x * int64_t{P};
-    for (; base + (kDepth - 1) * kStride < vocab; base += kDepth * kStride) {
-      float x[kDepth][P];
-#pragma unroll
-      for (int d = 0; d < kDepth; ++d) Load(z, base + d * kStride, x[d], policy);
-#pragma unroll
-      for (int d = 0; d < kDepth; ++d) f(base + d * kStride, x[d]);
+    for (; base + kStride < vocab; base += 2 * kStride) {
+      float a[P], b[P];
+      Load(z, base, a, policy);
+      Load(z, base + kStride, b, policy);
+      f(base, a);
+      f(base + kStride, b);
     }
-    for (; base < vocab; base += kStride) {
+    if (base < vocab) {
       float a[P];
       Load(z, base, a, policy);
       f(base, a);
@@ -261,23 +233,24 @@ struct RowPacks {
 
   // Replaces each of this thread's packs by g(first index, values), last
   // pack first: the block read the row front to back just before, so its
-  // tail is what the L2 cache still holds.
+  // tail is what the L2 cache still holds. Reads and writes are evict-first:
+  // nothing reads the row again before the GEMMs stream the whole chunk.
   template <typename G>
   __device__ static void UpdateBackwards(T* z, int64_t vocab, G&& g) {
-    const uint64_t policy = V::kHints ? EvictFirstPolicy() : 0;
+    const uint64_t policy = L2EvictFirst();
     const int64_t first = threadIdx.x * int64_t{P};
     if (first >= vocab) return;
     int64_t last = first + (vocab - 1 - first) / kStride * kStride;
-    for (; last - (kDepth - 1) * kStride >= first; last -= kDepth * kStride) {
-      float x[kDepth][P];
-#pragma unroll
-      for (int d = 0; d < kDepth; ++d) Load(z, last - d * kStride, x[d], policy);
-#pragma unroll
-      for (int d = 0; d < kDepth; ++d) g(last - d * kStride, x[d]);
-#pragma unroll
-      for (int d = 0; d < kDepth; ++d) Store(z, last - d * kStride, x[d], policy);
+    for (; last - kStride >= first; last -= 2 * kStride) {
+      float a[P], b[P];
+      Load(z, last, a, policy);
+      Load(z, last - kStride, b, policy);
+      g(last, a);
+      g(last - kStride, b);
+      Store(z, last, a, policy);
+      Store(z, last - kStride, b, policy);
     }
-    for (; last >= first; last -= kStride) {
+    if (last >= first) {
       float a[P];
       Load(z, last, a, policy);
       g(last, a);
@@ -290,16 +263,15 @@ struct RowPacks {
 // row). Each element is read and written by the same thread.
 constexpr float kLog2e = 1.4426950408889634f;
 
-// exp(x) for x <= 0 as exp2: one multiply and the special-function unit.
-template <bool kFtz = false>
+// exp(x) for x <= 0 as exp2: one multiply and the special-function unit,
+// flushing subnormal results to zero (exp2f's subnormal path costs three
+// more instructions an element; a probability under 2^-126 is nothing
+// beside the row's sum, which is at least 1, and its gradient term is
+// under 2^-126 of the row's scale).
 __device__ __forceinline__ float ExpNonPositive(float x) {
-  if constexpr (kFtz) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
-    return y;
-  } else {
-    return exp2f(x * kLog2e);
-  }
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
+  return y;
 }
 
 // The target's position among the row's given columns, or -1.
@@ -312,11 +284,10 @@ __device__ __forceinline__ int64_t LocalColumn(const RowParams& p, int64_t t) {
 // written by the same thread. zt, the target's logit as read before the
 // call, is needed by thread 0 only, and only when the target is a given
 // column.
-template <typename T, bool kVec, bool kPlain, int kVariant = 0>
+template <typename T, bool kVec, bool kPlain>
 __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid, float wt,
                                  float lse, float scale, float zt) {
-  using Packs = RowPacks<T, kVec, kVariant>;
-  constexpr bool kFtz = RowVariant<kVariant>::kFtz;
+  using Packs = RowPacks<T, kVec>;
   if (!valid) {
     Packs::UpdateBackwards(z, p.cols, [](int64_t, float (&x)[Packs::P]) {
 #pragma unroll
@@ -332,12 +303,12 @@ __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid
     const float c = scale * (wt + zc);
     Packs::UpdateBackwards(z, p.cols, [&](int64_t, float (&x)[Packs::P]) {
 #pragma unroll
-      for (int k = 0; k < Packs::P; ++k) x[k] = c * ExpNonPositive<kFtz>(x[k] - lse);
+      for (int k = 0; k < Packs::P; ++k) x[k] = c * ExpNonPositive(x[k] - lse);
     });
     __syncthreads();
     const int64_t local_t = LocalColumn(p, t);
     if (threadIdx.x == 0 && local_t >= 0) {
-      const float prob = ExpNonPositive<kFtz>(zt - lse);
+      const float prob = ExpNonPositive(zt - lse);
       z[local_t] = FromFloatDev<T>(scale * (wt * (prob - 1.0f) + zc * prob));
     }
   } else {
@@ -353,8 +324,12 @@ __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid
 
 // One block per row: statistics, the row's loss outputs, and with
 // kWriteGrad the gradient in place. Reads the row twice, writes it once.
-template <typename T, bool kVec, bool kWriteGrad, bool kPlain, int kVariant = 0>
-__global__ void __launch_bounds__(kRowThreads)
+// Plain rows run two blocks per multiprocessor (32 registers a thread, so
+// enough loads stay in flight: one block per multiprocessor with more loads
+// each measured slower, bench/RESULTS.md); the options' kernels may take
+// more registers than that.
+template <typename T, bool kVec, bool kWriteGrad, bool kPlain>
+__global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
     ForwardRowsKernel(RowParams p, T* logits, const float* row_scale, RowOutputs out) {
   __shared__ SoftmaxState shared_state[kWarps];
   __shared__ float shared_sum[kWarps];
@@ -367,9 +342,8 @@ __global__ void __launch_bounds__(kRowThreads)
   SoftmaxState s{-CUDART_INF_F, 0.0f, INT64_MAX};
   float weighted_z = 0.0f;  // Σ w_j z'_j, for label smoothing
   bool nan = false;
-  using Packs = RowPacks<T, kVec, kVariant>;
-  constexpr bool kFtz = RowVariant<kVariant>::kFtz;
-  Packs::ForEach(z, p.vocab, [&](int64_t j0, float (&x)[Packs::P]) {
+  using Packs = RowPacks<T, kVec>;
+  Packs::template ForEach<kWriteGrad>(z, p.vocab, [&](int64_t j0, float (&x)[Packs::P]) {
     // The pack's maximum first (one rescale per pack); its index only when
     // it is a new running maximum (first index on ties), which is rare.
     float m = -CUDART_INF_F;
@@ -381,13 +355,13 @@ __global__ void __launch_bounds__(kRowThreads)
     if (m > s.max) {
       int k = 0;
       while (k + 1 < Packs::P && x[k] != m) ++k;
-      s.sum *= ExpNonPositive<kFtz>(s.max - m);
+      s.sum *= ExpNonPositive(s.max - m);
       s.max = m;
       s.argmax = j0 + k;
     }
     // A NaN or +inf logit turns the sum into NaN (below), which marks the row.
 #pragma unroll
-    for (int k = 0; k < Packs::P; ++k) s.sum += ExpNonPositive<kFtz>(x[k] - s.max);
+    for (int k = 0; k < Packs::P; ++k) s.sum += ExpNonPositive(x[k] - s.max);
     if (!kPlain && p.label_smoothing > 0.0f) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) {
@@ -423,12 +397,12 @@ __global__ void __launch_bounds__(kRowThreads)
   }
   if constexpr (kWriteGrad) {
     __syncthreads();  // thread 0 has read z[t]; the row is overwritten next
-    WriteGradientRow<T, kVec, kPlain, kVariant>(p, z, t, valid, wt, lse, row_scale[row], zt);
+    WriteGradientRow<T, kVec, kPlain>(p, z, t, valid, wt, lse, row_scale[row], zt);
   }
 }
 
-template <typename T, bool kVec, bool kPlain, int kVariant = 0>
-__global__ void __launch_bounds__(kRowThreads)
+template <typename T, bool kVec, bool kPlain>
+__global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
     GradientRowsKernel(RowParams p, T* logits, const float* lse, const float* row_scale) {
   const int64_t r = blockIdx.x;
   const int64_t row = p.row0 + r;
@@ -440,7 +414,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t local_t = LocalColumn(p, t);
   if (kPlain && valid && threadIdx.x == 0 && local_t >= 0) zt = ToFloatDev(z[local_t]);
   __syncthreads();  // read before the row is overwritten
-  WriteGradientRow<T, kVec, kPlain, kVariant>(p, z, t, valid, wt, lse[row], row_scale[row], zt);
+  WriteGradientRow<T, kVec, kPlain>(p, z, t, valid, wt, lse[row], row_scale[row], zt);
 }
 
 // ---------------------------------------------------------------------------
@@ -547,19 +521,25 @@ __device__ __forceinline__ Quad<Dst> ConvertQuad(const Quad<Src>& in, float scal
   return out;
 }
 
-// ConvertKernel four elements per thread, for aligned src and dst; kUnroll
-// quads in flight per thread.
-template <typename Src, typename Dst, int kUnroll>
+// Quads each thread of ConvertQuadsKernel has in flight: the narrowing is a
+// pure stream, and one 16-byte load per thread leaves DRAM underused.
+constexpr int kQuadsInFlight = 4;
+
+// ConvertKernel four elements at a time, for aligned src and dst: each
+// thread loads kQuadsInFlight quads a grid apart, then converts and stores.
+template <typename Src, typename Dst>
 __global__ void ConvertQuadsKernel(const Quad<Src>* src, Quad<Dst>* dst, int64_t quads,
                                    float scale) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  for (; i + (kUnroll - 1) * stride < quads; i += kUnroll * stride) {
-    Quad<Src> in[kUnroll];
+  for (; i + (kQuadsInFlight - 1) * stride < quads; i += kQuadsInFlight * stride) {
+    Quad<Src> in[kQuadsInFlight];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) in[u] = src[i + u * stride];
+    for (int u = 0; u < kQuadsInFlight; ++u) in[u] = src[i + u * stride];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[i + u * stride] = ConvertQuad<Src, Dst>(in[u], scale);
+    for (int u = 0; u < kQuadsInFlight; ++u) {
+      dst[i + u * stride] = ConvertQuad<Src, Dst>(in[u], scale);
+    }
   }
   for (; i < quads; i += stride) dst[i] = ConvertQuad<Src, Dst>(src[i], scale);
 }
@@ -608,15 +588,9 @@ void ConvertTo(const Src* src, Dst* dst, int64_t count, float scale, cudaStream_
       reinterpret_cast<uintptr_t>(dst) % sizeof(Quad<Dst>) == 0) {
     const int64_t quads = count / 4;
     if (quads > 0) {
-      if (RowVariantFromEnv() & 8) {
-        ConvertQuadsKernel<Src, Dst, 2><<<Blocks((quads + 1) / 2, 256), 256, 0, stream>>>(
-            reinterpret_cast<const Quad<Src>*>(src), reinterpret_cast<Quad<Dst>*>(dst), quads,
-            scale);
-      } else {
-        ConvertQuadsKernel<Src, Dst, 1><<<Blocks(quads, 256), 256, 0, stream>>>(
-            reinterpret_cast<const Quad<Src>*>(src), reinterpret_cast<Quad<Dst>*>(dst), quads,
-            scale);
-      }
+      ConvertQuadsKernel<<<Blocks(quads, 256 * kQuadsInFlight), 256, 0, stream>>>(
+          reinterpret_cast<const Quad<Src>*>(src), reinterpret_cast<Quad<Dst>*>(dst), quads,
+          scale);
     }
     done = quads * 4;
   }
@@ -652,30 +626,12 @@ cudaError_t LaunchRows(Kernel kernel, int64_t rows, cudaStream_t stream, Args...
   return cudaGetLastError();
 }
 
-template <typename T, bool kVec, bool kPlain, int kVariant>
-cudaError_t ForwardRowsVariant(const RowParams& p, T* z, bool write_grad, const float* row_scale,
-                               const RowOutputs& out, cudaStream_t stream) {
-  auto kernel = write_grad ? ForwardRowsKernel<T, kVec, true, kPlain, kVariant>
-                           : ForwardRowsKernel<T, kVec, false, kPlain, kVariant>;
-  return LaunchRows(kernel, p.rows, stream, p, z, row_scale, out);
-}
-
 template <typename T, bool kVec, bool kPlain>
 cudaError_t ForwardRowsWith(const RowParams& p, T* z, bool write_grad, const float* row_scale,
                             const RowOutputs& out, cudaStream_t stream) {
-  if constexpr (kVec && kPlain && std::is_same_v<T, __nv_bfloat16>) {
-    switch (RowVariantFromEnv() & 7) {
-      case 1: return ForwardRowsVariant<T, kVec, kPlain, 1>(p, z, write_grad, row_scale, out, stream);
-      case 2: return ForwardRowsVariant<T, kVec, kPlain, 2>(p, z, write_grad, row_scale, out, stream);
-      case 3: return ForwardRowsVariant<T, kVec, kPlain, 3>(p, z, write_grad, row_scale, out, stream);
-      case 4: return ForwardRowsVariant<T, kVec, kPlain, 4>(p, z, write_grad, row_scale, out, stream);
-      case 5: return ForwardRowsVariant<T, kVec, kPlain, 5>(p, z, write_grad, row_scale, out, stream);
-      case 6: return ForwardRowsVariant<T, kVec, kPlain, 6>(p, z, write_grad, row_scale, out, stream);
-      case 7: return ForwardRowsVariant<T, kVec, kPlain, 7>(p, z, write_grad, row_scale, out, stream);
-      default: break;
-    }
-  }
-  return ForwardRowsVariant<T, kVec, kPlain, 0>(p, z, write_grad, row_scale, out, stream);
+  auto kernel = write_grad ? ForwardRowsKernel<T, kVec, true, kPlain>
+                           : ForwardRowsKernel<T, kVec, false, kPlain>;
+  return LaunchRows(kernel, p.rows, stream, p, z, row_scale, out);
 }
 
 template <typename T>
@@ -695,16 +651,6 @@ cudaError_t GradientRowsFor(const RowParams& p, void* logits, const float* lse,
                             const float* row_scale, cudaStream_t stream) {
   T* z = static_cast<T*>(logits);
   const bool vec = p.cols % kPack<T> == 0;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (vec && IsPlain(p)) {
-      switch (RowVariantFromEnv() & 7) {
-        case 3: return LaunchRows(GradientRowsKernel<T, true, true, 3>, p.rows, stream, p, z, lse, row_scale);
-        case 5: return LaunchRows(GradientRowsKernel<T, true, true, 5>, p.rows, stream, p, z, lse, row_scale);
-        case 7: return LaunchRows(GradientRowsKernel<T, true, true, 7>, p.rows, stream, p, z, lse, row_scale);
-        default: break;
-      }
-    }
-  }
   auto kernel = vec ? (IsPlain(p) ? GradientRowsKernel<T, true, true>
                                   : GradientRowsKernel<T, true, false>)
                     : (IsPlain(p) ? GradientRowsKernel<T, false, true>
