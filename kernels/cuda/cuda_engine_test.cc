@@ -98,18 +98,24 @@ struct DeviceBytes {
   size_t size;
 };
 
+// The problem the gradient-destination tests run: bf16 with a bias, odd V.
+RandomProblemSpec DestinationSpec() {
+  RandomProblemSpec spec;
+  spec.rows = 150;
+  spec.hidden = 40;
+  spec.vocab = 3001;
+  spec.dtype = DType::kBFloat16;
+  spec.bias = true;
+  return spec;
+}
+
 // Gradients written straight into device memory (as CUDA IPC regions are
 // given) equal the ones copied to the host, bit for bit: both modes, both
 // RECOMPUTE layouts, dW in the input dtype and in fp32.
 TEST(CudaEngineSemanticsTest, DeviceDestinationsHoldTheHostResults) {
   for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
     FLCE_GET_ENGINE_OR_SKIP(engine, layout);
-    RandomProblemSpec spec;
-    spec.rows = 150;
-    spec.hidden = 40;
-    spec.vocab = 3001;
-    spec.dtype = DType::kBFloat16;
-    spec.bias = true;
+    RandomProblemSpec spec = DestinationSpec();
     const OwnedProblem p = MakeRandomProblem(spec);
     for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
       ForwardSpec fs;
@@ -149,12 +155,7 @@ TEST(CudaEngineSemanticsTest, DeviceDestinationsHoldTheHostResults) {
 TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
   for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
     FLCE_GET_ENGINE_OR_SKIP(engine, layout);
-    RandomProblemSpec spec;
-    spec.rows = 150;
-    spec.hidden = 40;
-    spec.vocab = 3001;
-    spec.dtype = DType::kBFloat16;
-    spec.bias = true;
+    RandomProblemSpec spec = DestinationSpec();
     spec.options.reduction = Reduction::kSum;
     const OwnedProblem p = MakeRandomProblem(spec);
     const int64_t dw_bytes = spec.vocab * spec.hidden * 4, db_bytes = spec.vocab * 4;
