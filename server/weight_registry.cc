@@ -77,15 +77,19 @@ int64_t RegisteredWeight::bytes() const {
   return static_cast<int64_t>(weight_.data.size() + (bias_ ? bias_->data.size() : 0));
 }
 
+void RegisteredWeight::MergeGrad(Grad grad) {
+  if (!grad_) {
+    grad_ = std::move(grad);
+    return;
+  }
+  AddInto(grad_->dw, grad.dw);
+  if (grad.db && grad_->db) AddInto(*grad_->db, *grad.db);
+  grad_->backwards += grad.backwards;
+}
+
 void RegisteredWeight::AccumulateGrad(HostTensor dw, std::optional<HostTensor> db) {
   absl::MutexLock lock(&mu_);
-  if (!grad_) {
-    grad_ = Grad{std::move(dw), std::move(db), 0};
-  } else {
-    AddInto(grad_->dw, dw);
-    if (db && grad_->db) AddInto(*grad_->db, *db);
-  }
-  ++grad_->backwards;
+  MergeGrad(Grad{std::move(dw), std::move(db), 1});
 }
 
 absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad() {
@@ -108,13 +112,7 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad() {
           static_cast<int64_t>(device.db->data.size())));
     }
     device_backwards_ = 0;  // the next Backward overwrites the device sums
-    if (!grad_) {
-      grad_ = std::move(device);
-    } else {
-      AddInto(grad_->dw, device.dw);
-      if (device.db && grad_->db) AddInto(*grad_->db, *device.db);
-      grad_->backwards += device.backwards;
-    }
+    MergeGrad(std::move(device));
   }
   Grad grad = std::move(*grad_);
   grad_.reset();
@@ -190,13 +188,7 @@ void RegisteredWeight::DeviceGrad::Added() { ++weight_->device_backwards_; }
 
 void RegisteredWeight::RestoreGrad(Grad grad) {
   absl::MutexLock lock(&mu_);
-  if (!grad_) {
-    grad_ = std::move(grad);
-    return;
-  }
-  AddInto(grad_->dw, grad.dw);
-  if (grad.db && grad_->db) AddInto(*grad_->db, *grad.db);
-  grad_->backwards += grad.backwards;
+  MergeGrad(std::move(grad));
 }
 
 int64_t RegisteredWeight::accumulated_backwards() const {

@@ -107,7 +107,8 @@ class RegisteredWeight {
 
   // The device accumulator, allocated from `engine` on first use; nullopt
   // when the engine has no device memory to give or the device budget is
-  // spent (the host accumulator of AccumulateGrad serves then). TakeGrad includes what it holds.
+  // spent (the host accumulator of AccumulateGrad serves then). TakeGrad
+  // includes what it holds.
   std::optional<DeviceGrad> LeaseDeviceGrad(LossEngine& engine);
 
  private:
@@ -118,6 +119,8 @@ class RegisteredWeight {
   const std::optional<HostTensor> bias_;
   mutable absl::Mutex mu_;
   std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
+  // grad_ += grad (or grad_ = grad when empty: no copy).
+  void MergeGrad(Grad grad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const std::shared_ptr<DeviceBudget> device_budget_;
   std::atomic<int64_t> device_reserved_{0};  // of device_budget_, released when destroyed
   // Takes `bytes` of the device budget (always, without one).

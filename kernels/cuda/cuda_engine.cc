@@ -5,10 +5,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
