@@ -56,6 +56,8 @@ ABSL_FLAG(bool, cuda_stages, false,
 ABSL_FLAG(bool, cuda_tune_gemms, true,
           "CUDA engine: tune each GEMM shape's algorithm (bit-identical to cuBLAS's default); "
           "the floor is then also timed with tuned algorithms, printed under the row");
+ABSL_FLAG(bool, cuda_one_pass_rows, true,
+          "CUDA engine: STORE_GRADS reads each logit once where it can (false: twice)");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
           "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
 
@@ -245,6 +247,7 @@ int RunCuda() {
     options.chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
   }
   options.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
+  options.one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
   auto engine = CudaEngine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());

@@ -17,6 +17,7 @@ absl::StatusOr<std::unique_ptr<LossEngine>> CreateCudaEngine(const EngineOptions
   cuda.lanes = options.cuda_lanes;
   cuda.chunk_bytes = options.cuda_chunk_bytes;
   cuda.tune_gemms = options.cuda_tune_gemms;
+  cuda.one_pass_rows = options.cuda_one_pass_rows;
   absl::StatusOr<std::unique_ptr<CudaEngine>> engine = CudaEngine::Create(cuda);
   if (!engine.ok()) return engine.status();
   return std::unique_ptr<LossEngine>(std::move(*engine));

@@ -16,6 +16,7 @@ struct EngineOptions {
   int cuda_lanes = 2;
   int64_t cuda_chunk_bytes = int64_t{1016} << 20;
   bool cuda_tune_gemms = true;
+  bool cuda_one_pass_rows = true;
 };
 
 // True if this build has the CUDA engine.

@@ -48,6 +48,9 @@ ABSL_FLAG(int64_t, cuda_chunk_bytes, flce::EngineOptions().cuda_chunk_bytes,
 ABSL_FLAG(bool, cuda_tune_gemms, flce::EngineOptions().cuda_tune_gemms,
           "CUDA engine: time each GEMM shape's cuBLASLt candidates on its first call and keep "
           "the fastest that gives cuBLAS's default bits (that call waits for the trials)");
+ABSL_FLAG(bool, cuda_one_pass_rows, flce::EngineOptions().cuda_one_pass_rows,
+          "CUDA engine: STORE_GRADS reads each logit once where the options allow (bf16/fp32 "
+          "without bias, softcap, class weights, smoothing); false: always twice");
 ABSL_FLAG(std::string, tls_cert_file, "",
           "PEM certificate chain of the server: serve TLS (with --tls_key_file)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
@@ -119,6 +122,7 @@ int main(int argc, char** argv) {
   options.engine.cuda_lanes = absl::GetFlag(FLAGS_cuda_lanes);
   options.engine.cuda_chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
   options.engine.cuda_tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
+  options.engine.cuda_one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
 
   absl::StatusOr<std::unique_ptr<flce::LossServer>> server =
       flce::LossServer::Start(options);

@@ -90,12 +90,19 @@ class RecomputeState : public SavedState {
 // Per-row forward outputs and the reduction scalars.
 struct RowBuffers {
   DeviceBuffer lse, loss, z_loss, correct, row_scale, denom, num_valid, totals;
+  // The one-pass row kernel's per-row gradient factors ([N] fp32) and its
+  // flag asking for the two-pass rerun (int32).
+  DeviceBuffer row_factor, redo;
   RowOutputs outputs() const {
     return {lse.as<float>(), loss.as<float>(), z_loss.as<float>(), correct.as<int32_t>()};
   }
 };
 
-enum class Pass { kLoss, kLossAndGrad, kGradFromLse };
+// What RunChunks computes: the loss; the loss and the gradients with the
+// two-pass row kernel (LaunchForwardRows) or the one-pass one
+// (LaunchOnePassRows, where EngineImpl::OnePassRows allows); the gradients
+// from a saved lse.
+enum class Pass { kLoss, kLossAndGrad, kLossAndGradOnePass, kGradFromLse };
 
 // A mapping of another process's allocation; closed when destroyed.
 class IpcMemory : public ImportedMemory {
@@ -247,6 +254,7 @@ class EngineImpl {
 
   const cudaDeviceProp& props() const { return props_; }
   const GemmRunner& gemms() const { return *gemms_; }
+  int64_t two_pass_reruns() const { return two_pass_reruns_.load(); }
   int device() const { return options_.device; }
 
   absl::Status health() const {
@@ -278,6 +286,12 @@ class EngineImpl {
       return 0;
     }
     return EvenPiece(vocab, by_budget, 16);
+  }
+
+  // Whether Forward's STORE_GRADS chunks read each logit once
+  // (CudaEngineOptions::one_pass_rows and LaunchOnePassRows's conditions).
+  bool OnePassRows(const DeviceInputs& in) const {
+    return options_.one_pass_rows && OnePassRowsSupported(in.Params(0, in.n), in.dtype);
   }
 
   // Holds one lane for a call.
@@ -401,6 +415,8 @@ class EngineImpl {
     FLCE_ASSIGN_OR_RETURN(b.denom, DeviceBuffer::Allocate(8, s));
     FLCE_ASSIGN_OR_RETURN(b.num_valid, DeviceBuffer::Allocate(8, s));
     FLCE_ASSIGN_OR_RETURN(b.totals, DeviceBuffer::Allocate(3 * 8, s));
+    FLCE_ASSIGN_OR_RETURN(b.row_factor, DeviceBuffer::Allocate(n * 4, s));
+    FLCE_ASSIGN_OR_RETURN(b.redo, DeviceBuffer::Allocate(4, s));
     return b;
   }
 
@@ -426,12 +442,27 @@ class EngineImpl {
   // the row kernel does (measured: two half-size buffers alternating so the
   // row kernels overlapped the neighbouring GEMMs ran 4-16% slower than one
   // buffer; bench/RESULTS.md).
+  //
+  // kLossAndGradOnePass reads each logit once: the row kernel leaves
+  // unnormalised exponentials and per-row factors, the chunk's X rows scaled
+  // by them (into its dX rows, which the dX GEMM overwrites after) feed the
+  // dW GEMM, and the dX rows are scaled after theirs. rows.redo then says
+  // whether the results must be thrown away and the call run again with
+  // kLossAndGrad (LaunchOnePassRows).
   absl::Status RunChunks(Lane& lane, const DeviceInputs& in, Pass pass, const RowBuffers& rows,
                          const float* lse_in, float* dx, float* dw, float* db,
                          const CancelFn& cancelled, StageClock* clock = nullptr) {
     cudaStream_t s = lane.stream.get();
     const bool grad = pass != Pass::kLoss;
     const int64_t chunk = ChunkRows(in.n, in.v, in.dtype);
+    const bool one_pass = pass == Pass::kLossAndGradOnePass;
+    if (one_pass && !OnePassRows(in)) {
+      return absl::InternalError("one-pass rows asked for rows that need two passes");
+    }
+    float* row_factor = one_pass ? rows.row_factor.as<float>() : nullptr;
+    if (one_pass) {
+      FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(rows.redo.data(), 0, 4, s), "clear redo"));
+    }
     if (grad && in.n == 0) {
       FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(dw, 0, in.v * in.h * 4, s), "zero dW"));
       if (db) FLCE_RETURN_IF_ERROR(Check(cudaMemsetAsync(db, 0, in.v * 4, s), "zero db"));
@@ -455,6 +486,11 @@ class EngineImpl {
         FLCE_RETURN_IF_ERROR(Check(LaunchGradientRows(params, logits.data(), in.dtype, lse_in,
                                                       rows.row_scale.as<float>(), s),
                                    "gradient rows"));
+      } else if (one_pass) {
+        FLCE_RETURN_IF_ERROR(Check(
+            LaunchOnePassRows(params, logits.data(), in.dtype, rows.row_scale.as<float>(),
+                              rows.outputs(), row_factor, rows.redo.as<int32_t>(), s),
+            "one-pass rows"));
       } else {
         FLCE_RETURN_IF_ERROR(Check(LaunchForwardRows(params, logits.data(), in.dtype, grad,
                                                      rows.row_scale.as<float>(), rows.outputs(),
@@ -463,23 +499,28 @@ class EngineImpl {
       }
       Mark(clock, "row kernel");
       if (!grad) continue;
-      // dX_c[count, H] (row-major, fp32) = dZ · W. Column-major view:
-      // dX_cᵀ (H×count, ld H) = A·B with
-      //   A = W as column-major H×V (ld H), op N;
-      //   B = dZ, stored row-major [count, V] = column-major V×count (ld V), op N.
-      FLCE_RETURN_IF_ERROR(Gemm(lane, false, CUBLAS_OP_N, CUBLAS_OP_N, in.h, count, in.v,
-                                in.weight.data(), in.dtype, in.h, logits.data(), in.dtype, in.v,
-                                0.0f, dx + r0 * in.h, DType::kFloat32, in.h));
-      Mark(clock, "dX GEMM");
-      // dW[V, H] (row-major, fp32) (+)= dZᵀ · X_c. Column-major view:
-      // dWᵀ (H×V, ld H) = A·op(B) with
-      //   A = X_c as column-major H×count (ld H), op N;
-      //   B = dZ as column-major V×count (ld V), op T → count×V.
-      // The first chunk overwrites (beta 0): dW needs no zeroing pass.
-      FLCE_RETURN_IF_ERROR(Gemm(lane, true, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count,
-                                in.x_row(r0), in.dtype, in.h, logits.data(), in.dtype, in.v,
-                                r0 == 0 ? 0.0f : 1.0f, dw, DType::kFloat32, in.h));
-      Mark(clock, r0 == 0 ? "dW GEMM, fp32, beta 0" : "dW GEMM, fp32, beta 1");
+      float* dx_c = dx + r0 * in.h;
+      if (one_pass) {
+        // Each row holds its gradient over its factor: the dW GEMM takes X_c's
+        // rows times their factors, rounded to the input dtype, from the
+        // chunk's dX rows (fp32, so large enough; the dX GEMM overwrites them
+        // next), and dX's rows are scaled after their GEMM. No bias here.
+        FLCE_RETURN_IF_ERROR(Check(LaunchScaleRows(in.x_row(r0), dx_c, in.dtype,
+                                                   row_factor + r0, count, in.h, s),
+                                   "scale X rows"));
+        Mark(clock, "scale X rows");
+        FLCE_RETURN_IF_ERROR(
+            ChunkDw(lane, in, dx_c, count, logits.data(), r0 == 0, dw, clock));
+        FLCE_RETURN_IF_ERROR(ChunkDx(lane, in, count, logits.data(), dx_c, clock));
+        FLCE_RETURN_IF_ERROR(Check(
+            LaunchScaleRows(dx_c, dx_c, DType::kFloat32, row_factor + r0, count, in.h, s),
+            "scale dX rows"));
+        Mark(clock, "scale dX rows");
+        continue;
+      }
+      FLCE_RETURN_IF_ERROR(ChunkDx(lane, in, count, logits.data(), dx_c, clock));
+      FLCE_RETURN_IF_ERROR(
+          ChunkDw(lane, in, in.x_row(r0), count, logits.data(), r0 == 0, dw, clock));
       if (db) {
         FLCE_RETURN_IF_ERROR(Check(
             LaunchColumnSums(logits.data(), in.dtype, count, in.v, in.v, r0 > 0, db, s),
@@ -487,6 +528,34 @@ class EngineImpl {
         Mark(clock, "bias gradient");
       }
     }
+    return absl::OkStatus();
+  }
+
+  // dX_c[count, H] (row-major, fp32) = dZ · W for a chunk's gradient dz
+  // [count, V]. Column-major view: dX_cᵀ (H×count, ld H) = A·B with
+  //   A = W as column-major H×V (ld H), op N;
+  //   B = dZ, stored row-major [count, V] = column-major V×count (ld V), op N.
+  absl::Status ChunkDx(Lane& lane, const DeviceInputs& in, int64_t count, const void* dz,
+                       float* dx_c, StageClock* clock) {
+    FLCE_RETURN_IF_ERROR(Gemm(lane, false, CUBLAS_OP_N, CUBLAS_OP_N, in.h, count, in.v,
+                              in.weight.data(), in.dtype, in.h, dz, in.dtype, in.v, 0.0f, dx_c,
+                              DType::kFloat32, in.h));
+    Mark(clock, "dX GEMM");
+    return absl::OkStatus();
+  }
+
+  // dW[V, H] (row-major, fp32) (+)= dZᵀ · X_c for a chunk of `count` rows
+  // of X at x (input dtype) and their gradient dz [count, V]. Column-major
+  // view: dWᵀ (H×V, ld H) = A·op(B) with
+  //   A = X_c as column-major H×count (ld H), op N;
+  //   B = dZ as column-major V×count (ld V), op T → count×V.
+  // The first chunk overwrites (beta 0): dW needs no zeroing pass.
+  absl::Status ChunkDw(Lane& lane, const DeviceInputs& in, const void* x, int64_t count,
+                       const void* dz, bool first, float* dw, StageClock* clock) {
+    FLCE_RETURN_IF_ERROR(Gemm(lane, true, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count, x,
+                              in.dtype, in.h, dz, in.dtype, in.v, first ? 0.0f : 1.0f, dw,
+                              DType::kFloat32, in.h));
+    Mark(clock, first ? "dW GEMM, fp32, beta 0" : "dW GEMM, fp32, beta 1");
     return absl::OkStatus();
   }
 
@@ -686,42 +755,62 @@ class EngineImpl {
         FLCE_ASSIGN_OR_RETURN(grads->db, DeviceBuffer::Allocate(in.v * 4, s));
       }
     }
-    FLCE_RETURN_IF_ERROR(RunChunks(
-        *lane, in, store ? Pass::kLossAndGrad : Pass::kLoss, rows, nullptr,
-        store ? grads->dx.as<float>() : nullptr, store ? grads->dw.as<float>() : nullptr,
-        store && grads->db.bytes() > 0 ? grads->db.as<float>() : nullptr, cancelled));
     const bool divide = in.options.reduction == Reduction::kMean;
-    FLCE_RETURN_IF_ERROR(Check(LaunchReduceRows(rows.outputs(), n, rows.denom.as<double>(),
-                                                divide, rows.totals.as<double>(), s),
-                               "reduce rows"));
     double totals[3];
     int64_t num_valid = 0;
-    FLCE_RETURN_IF_ERROR(Check(cudaMemcpyAsync(totals, rows.totals.data(), sizeof(totals),
-                                               cudaMemcpyDeviceToHost, s),
-                               "download totals"));
-    FLCE_RETURN_IF_ERROR(Check(cudaMemcpyAsync(&num_valid, rows.num_valid.data(), 8,
-                                               cudaMemcpyDeviceToHost, s),
-                               "download totals"));
+    int32_t redo = 0;
     ForwardResult result;
-    auto download_rows = [&](const DeviceBuffer& src, HostTensor& dst) -> absl::Status {
-      dst = HostTensor(DType::kFloat32, {n});
-      if (n == 0) return absl::OkStatus();
-      return Check(cudaMemcpyAsync(&dst.data[0], src.data(), n * 4, cudaMemcpyDeviceToHost, s),
-                   "download rows");
+    // The chunks, the totals and the per-row results the spec asks for,
+    // downloaded; waits for them.
+    auto run = [&](Pass pass) -> absl::Status {
+      FLCE_RETURN_IF_ERROR(RunChunks(
+          *lane, in, pass, rows, nullptr, store ? grads->dx.as<float>() : nullptr,
+          store ? grads->dw.as<float>() : nullptr,
+          store && grads->db.bytes() > 0 ? grads->db.as<float>() : nullptr, cancelled));
+      FLCE_RETURN_IF_ERROR(Check(LaunchReduceRows(rows.outputs(), n, rows.denom.as<double>(),
+                                                  divide, rows.totals.as<double>(), s),
+                                 "reduce rows"));
+      FLCE_RETURN_IF_ERROR(Check(cudaMemcpyAsync(totals, rows.totals.data(), sizeof(totals),
+                                                 cudaMemcpyDeviceToHost, s),
+                                 "download totals"));
+      FLCE_RETURN_IF_ERROR(Check(cudaMemcpyAsync(&num_valid, rows.num_valid.data(), 8,
+                                                 cudaMemcpyDeviceToHost, s),
+                                 "download totals"));
+      if (pass == Pass::kLossAndGradOnePass) {
+        FLCE_RETURN_IF_ERROR(Check(
+            cudaMemcpyAsync(&redo, rows.redo.data(), 4, cudaMemcpyDeviceToHost, s), "redo"));
+      }
+      auto download_rows = [&](const DeviceBuffer& src, HostTensor& dst) -> absl::Status {
+        dst = HostTensor(DType::kFloat32, {n});
+        if (n == 0) return absl::OkStatus();
+        return Check(
+            cudaMemcpyAsync(&dst.data[0], src.data(), n * 4, cudaMemcpyDeviceToHost, s),
+            "download rows");
+      };
+      if (in.options.reduction == Reduction::kNone) {
+        FLCE_RETURN_IF_ERROR(download_rows(rows.loss, result.loss));
+        FLCE_RETURN_IF_ERROR(download_rows(rows.z_loss, result.z_loss));
+      }
+      if (spec.want_lse) {
+        result.lse.emplace();
+        FLCE_RETURN_IF_ERROR(download_rows(rows.lse, *result.lse));
+      }
+      if (spec.want_per_row_loss) {
+        result.per_row_loss.emplace();
+        FLCE_RETURN_IF_ERROR(download_rows(rows.loss, *result.per_row_loss));
+      }
+      return Check(cudaStreamSynchronize(s), "Forward");
     };
-    if (in.options.reduction == Reduction::kNone) {
-      FLCE_RETURN_IF_ERROR(download_rows(rows.loss, result.loss));
-      FLCE_RETURN_IF_ERROR(download_rows(rows.z_loss, result.z_loss));
+    const Pass pass = !store               ? Pass::kLoss
+                      : OnePassRows(in)    ? Pass::kLossAndGradOnePass
+                                           : Pass::kLossAndGrad;
+    FLCE_RETURN_IF_ERROR(run(pass));
+    if (redo != 0) {
+      // A row out of the one-pass kernel's range: every result again with
+      // two passes (they overwrite all of them).
+      two_pass_reruns_.fetch_add(1);
+      FLCE_RETURN_IF_ERROR(run(Pass::kLossAndGrad));
     }
-    if (spec.want_lse) {
-      result.lse.emplace();
-      FLCE_RETURN_IF_ERROR(download_rows(rows.lse, *result.lse));
-    }
-    if (spec.want_per_row_loss) {
-      result.per_row_loss.emplace();
-      FLCE_RETURN_IF_ERROR(download_rows(rows.loss, *result.per_row_loss));
-    }
-    FLCE_RETURN_IF_ERROR(Check(cudaStreamSynchronize(s), "Forward"));
     if (in.options.reduction != Reduction::kNone) {
       result.loss = HostTensor(DType::kFloat32, {});
       result.z_loss = HostTensor(DType::kFloat32, {});
@@ -943,9 +1032,24 @@ class EngineImpl {
         FLCE_RETURN_IF_ERROR(impl_->RowScales(*lane, in_, nullptr, 0, rows_));
         Mark(clock, "row scales and reductions");
         if (mode_ == BackwardMode::kStoreGrads) {
-          FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLossAndGrad, rows_, nullptr,
+          // As Forward: one pass where possible, and when a row asks for
+          // it (never on the benchmark's data), again with two.
+          const Pass pass =
+              impl_->OnePassRows(in_) ? Pass::kLossAndGradOnePass : Pass::kLossAndGrad;
+          FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, pass, rows_, nullptr,
                                                 dx_.as<float>(), dw_.as<float>(), nullptr,
                                                 nullptr, clock));
+          if (pass == Pass::kLossAndGradOnePass) {
+            int32_t redo = 0;
+            FLCE_RETURN_IF_ERROR(impl_->Check(
+                cudaMemcpyAsync(&redo, rows_.redo.data(), 4, cudaMemcpyDeviceToHost, s), "redo"));
+            FLCE_RETURN_IF_ERROR(impl_->Check(cudaStreamSynchronize(s), "redo"));
+            if (redo != 0) {
+              FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLossAndGrad, rows_,
+                                                    nullptr, dx_.as<float>(), dw_.as<float>(),
+                                                    nullptr, nullptr, clock));
+            }
+          }
         } else {
           FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLoss, rows_, nullptr, nullptr,
                                                 nullptr, nullptr, nullptr, clock));
@@ -995,6 +1099,8 @@ class EngineImpl {
   mutable absl::Mutex mu_;
   std::vector<Lane*> free_lanes_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> healthy_{true};
+  // Forward calls whose one-pass rows asked for the two-pass rerun.
+  std::atomic<int64_t> two_pass_reruns_{0};
   // Bytes of AllocateDeviceMemory's allocations alive.
   const std::shared_ptr<std::atomic<int64_t>> allocated_ =
       std::make_shared<std::atomic<int64_t>>(0);
@@ -1047,6 +1153,8 @@ std::vector<DeviceInfo> CudaEngine::devices() const {
 absl::Status CudaEngine::health() const { return impl_->health(); }
 
 int CudaEngine::tuned_gemm_shapes() const { return impl_->gemms().counts().tuned; }
+
+int64_t CudaEngine::two_pass_reruns() const { return impl_->two_pass_reruns(); }
 
 int64_t CudaEngine::device_memory_bytes() const {
   // The stream-ordered pool's reservation (freed workspace stays in it) and

@@ -31,6 +31,11 @@ struct CudaEngineOptions {
   // is bit-identical to the default's (GemmRunner): results never change,
   // the first call of a shape waits for the trials.
   bool tune_gemms = true;
+  // STORE_GRADS Forward reads each logit once where the rows allow it
+  // (plain rows, bf16 or fp32: LaunchOnePassRows), else twice. A call whose
+  // rows fall outside the one-pass kernel's range runs again with two
+  // passes (two_pass_reruns()). Off: always two passes (benchmarks compare).
+  bool one_pass_rows = true;
 };
 
 namespace internal_cuda {
@@ -75,6 +80,8 @@ class CudaEngine : public LossEngine {
 
   // GEMM shapes whose algorithm has been tuned so far (tune_gemms).
   int tuned_gemm_shapes() const;
+  // Forward calls run again with two-pass rows (one_pass_rows) so far.
+  int64_t two_pass_reruns() const;
 
   // For benchmarks: `problem` uploaded once, then each Run() does the
   // device work of Forward(need_backward, mode) + Backward(grad_output 1)

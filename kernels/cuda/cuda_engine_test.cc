@@ -11,9 +11,11 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_engine.h"
+#include "kernels/dtype.h"
 #include "kernels/engine_conformance.h"
 #include "kernels/reference/random_problem.h"
 
@@ -300,6 +302,96 @@ TEST(CudaEngineSemanticsTest, TunedGemmsChangeNoBit) {
     ASSERT_EQ(got.size(), 6u);
     for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(want[i] == got[i]) << "result " << i;
   }
+}
+
+// The one-pass rows (STORE_GRADS, plain bf16/fp32 rows, V a multiple of
+// the 16-byte pack) against the fp64 reference: rows of several tiles,
+// flat to peaked softmaxes, z-loss, ignored rows, both reductions
+// STORE_GRADS takes. None of them leaves the kernel's range, so none runs
+// again with two passes: the one-pass results are what was judged.
+TEST(CudaEngineSemanticsTest, OnePassRowsMeetTheBar) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  const int64_t reruns = engine->two_pass_reruns();
+  for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    for (double scale : {0.1, 2.0, 30.0}) {
+      for (Reduction reduction : {Reduction::kMean, Reduction::kSum}) {
+        ConformanceCase c = MakeCase("one pass, logit scale " + std::to_string(scale), 67, 24,
+                                     20008, dtype, reduction, BackwardMode::kStoreGrads);
+        c.spec.logit_scale = scale;
+        c.spec.ignore_fraction = 0.2;
+        c.spec.options.z_loss_scale = 1e-3f;
+        RunConformanceCase(*engine, c);
+      }
+    }
+  }
+  EXPECT_EQ(engine->two_pass_reruns(), reruns);
+}
+
+// Forward (STORE_GRADS) and Backward of `p`: the loss, per-row loss, lse,
+// dX and dW bits.
+std::vector<std::string> StoreGradsBits(CudaEngine& engine, const OwnedProblem& p) {
+  ForwardSpec fs;
+  fs.need_backward = true;
+  fs.want_lse = true;
+  fs.want_per_row_loss = true;
+  auto fwd = engine.Forward(p.view(), fs, nullptr);
+  EXPECT_TRUE(fwd.ok()) << fwd.status();
+  if (!fwd.ok()) return {};
+  auto grads = engine.Backward(*fwd->saved, {}, nullptr);
+  EXPECT_TRUE(grads.ok()) << grads.status();
+  if (!grads.ok()) return {};
+  return {fwd->loss.data, fwd->per_row_loss->data, fwd->lse->data, grads->grad_hidden.data,
+          grads->grad_weight.data};
+}
+
+// A row whose largest logit lies far above the maximum of its first tile
+// (here ~300 nats past the first 8192 columns), or holds a NaN, is outside
+// the one-pass kernel's range: Forward runs again with two passes, and its
+// results are those of an engine that always reads twice, bit for bit.
+TEST(CudaEngineSemanticsTest, RowsOutOfOnePassRangeRunAgainWithTwoPasses) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  CudaEngineOptions options;
+  options.chunk_bytes = 64 << 10;
+  options.one_pass_rows = false;
+  auto two_pass = CudaEngine::Create(options);
+  ASSERT_TRUE(two_pass.ok()) << two_pass.status();
+  RandomProblemSpec spec;
+  spec.rows = 40;
+  spec.hidden = 16;
+  spec.vocab = 12000;
+  spec.dtype = DType::kBFloat16;
+  spec.options.z_loss_scale = 1e-4f;
+  const OwnedProblem plain = MakeRandomProblem(spec);
+
+  // W's last row along X's row 3: that logit is 300, the others a few units.
+  OwnedProblem far = MakeRandomProblem(spec);
+  const int64_t h = spec.hidden, v = spec.vocab;
+  std::vector<float> x3(h), w(v * h);
+  ToFloat(spec.dtype, far.hidden.data.data() + 3 * h * 2, h, x3.data());
+  double norm2 = 0;
+  for (float e : x3) norm2 += double{e} * e;
+  for (int64_t j = 0; j < h; ++j) w[j] = static_cast<float>(300.0 * x3[j] / norm2);
+  FromFloat(spec.dtype, w.data(), h, far.weight.data.data() + (v - 1) * h * 2);
+
+  OwnedProblem nan = MakeRandomProblem(spec);
+  const float not_a_number = std::nanf("");
+  FromFloat(spec.dtype, &not_a_number, 1, nan.hidden.data.data() + 5 * h * 2);
+
+  const int64_t reruns = engine->two_pass_reruns();
+  const std::vector<std::string> ok = StoreGradsBits(*engine, plain);
+  EXPECT_EQ(engine->two_pass_reruns(), reruns) << "in-range rows ran again";
+  for (const OwnedProblem* p : {&far, &nan}) {
+    SCOPED_TRACE(p == &far ? "a logit far above its first tile" : "a NaN");
+    const int64_t before = engine->two_pass_reruns();
+    const std::vector<std::string> got = StoreGradsBits(*engine, *p);
+    const std::vector<std::string> want = StoreGradsBits(**two_pass, *p);
+    EXPECT_EQ(engine->two_pass_reruns(), before + 1);
+    ASSERT_EQ(got.size(), 5u);
+    ASSERT_EQ(want.size(), 5u);
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(got[i] == want[i]) << "result " << i;
+  }
+  EXPECT_EQ((*two_pass)->two_pass_reruns(), 0);
+  EXPECT_TRUE(engine->health().ok());
 }
 
 TEST(CudaEngineSemanticsTest, AgreesWithTheCpuEngine) {

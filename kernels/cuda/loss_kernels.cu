@@ -44,6 +44,9 @@ struct SoftmaxState {
   int64_t argmax;
 };
 
+// kRescale: each state's sum is relative to its own max (online softmax);
+// else every sum is relative to one common offset and sums just add.
+template <bool kRescale>
 __device__ __forceinline__ SoftmaxState Combine(SoftmaxState a, SoftmaxState b) {
   if (b.max > a.max || (b.max == a.max && b.argmax < a.argmax)) {
     SoftmaxState t = a;
@@ -51,30 +54,36 @@ __device__ __forceinline__ SoftmaxState Combine(SoftmaxState a, SoftmaxState b) 
     b = t;
   }
   // a.max >= b.max here.
-  if (b.max == -CUDART_INF_F) return a;
-  a.sum += b.sum * expf(b.max - a.max);
+  if constexpr (kRescale) {
+    if (b.max == -CUDART_INF_F) return a;
+    a.sum += b.sum * expf(b.max - a.max);
+  } else {
+    a.sum += b.sum;
+  }
   return a;
 }
 
+template <bool kRescale>
 __device__ __forceinline__ SoftmaxState WarpCombine(SoftmaxState s) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     SoftmaxState o;
     o.max = __shfl_xor_sync(0xffffffffu, s.max, offset);
     o.sum = __shfl_xor_sync(0xffffffffu, s.sum, offset);
     o.argmax = __shfl_xor_sync(0xffffffffu, s.argmax, offset);
-    s = Combine(s, o);
+    s = Combine<kRescale>(s, o);
   }
   return s;
 }
 
+template <bool kRescale>
 __device__ SoftmaxState BlockCombine(SoftmaxState s, SoftmaxState* shared) {
-  s = WarpCombine(s);
+  s = WarpCombine<kRescale>(s);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) shared[warp] = s;
   __syncthreads();
   if (warp == 0) {
-    s = WarpCombine(lane < kWarps ? shared[lane]
-                                  : SoftmaxState{-CUDART_INF_F, 0.0f, INT64_MAX});
+    s = WarpCombine<kRescale>(lane < kWarps ? shared[lane]
+                                            : SoftmaxState{-CUDART_INF_F, 0.0f, INT64_MAX});
     if (lane == 0) shared[0] = s;
   }
   __syncthreads();
@@ -83,20 +92,35 @@ __device__ SoftmaxState BlockCombine(SoftmaxState s, SoftmaxState* shared) {
   return result;
 }
 
-__device__ float BlockSum(float v, float* shared) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+// op(v) over the block's threads; every thread gets the result.
+template <typename Op>
+__device__ float BlockReduce(float v, float* shared, float identity, Op op) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < kWarps ? shared[lane] : 0.0f;
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    v = lane < kWarps ? shared[lane] : identity;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
     if (lane == 0) shared[0] = v;
   }
   __syncthreads();
   const float result = shared[0];
   __syncthreads();
   return result;
+}
+
+__device__ float BlockSum(float v, float* shared) {
+  return BlockReduce(v, shared, 0.0f, [](float a, float b) { return a + b; });
+}
+
+// The maximum, ignoring NaNs (fmaxf).
+__device__ float BlockMax(float v, float* shared) {
+  return BlockReduce(v, shared, -CUDART_INF_F, [](float a, float b) { return fmaxf(a, b); });
 }
 
 __device__ __forceinline__ bool BlockAny(bool v) { return __syncthreads_or(v ? 1 : 0) != 0; }
@@ -231,47 +255,59 @@ struct RowPacks {
     }
   }
 
-  // Replaces each of this thread's packs by g(first index, values), last
-  // pack first: the block read the row front to back just before, so its
-  // tail is what the L2 cache still holds. Reads and writes are evict-first:
-  // nothing reads the row again before the GEMMs stream the whole chunk.
-  template <typename G>
-  __device__ static void UpdateBackwards(T* z, int64_t vocab, G&& g) {
+  // Replaces each of this thread's packs by g(first index, values), two
+  // packs in flight at a time; kReverse: last pack first (after a pass that
+  // read the row front to back, its tail is what the L2 cache still holds),
+  // else in increasing order. Reads and writes are evict-first: nothing
+  // reads the row again before the GEMMs stream the whole chunk.
+  template <bool kReverse, typename G>
+  __device__ static void Update(T* z, int64_t vocab, G&& g) {
     const uint64_t policy = L2EvictFirst();
     const int64_t first = threadIdx.x * int64_t{P};
     if (first >= vocab) return;
-    int64_t last = first + (vocab - 1 - first) / kStride * kStride;
-    for (; last - kStride >= first; last -= 2 * kStride) {
+    const int64_t last = first + (vocab - 1 - first) / kStride * kStride;
+    const int64_t step = kReverse ? -kStride : kStride;
+    int64_t pos = kReverse ? last : first;
+    int64_t packs = (last - first) / kStride + 1;
+    for (; packs >= 2; packs -= 2, pos += 2 * step) {
       float a[P], b[P];
-      Load(z, last, a, policy);
-      Load(z, last - kStride, b, policy);
-      g(last, a);
-      g(last - kStride, b);
-      Store(z, last, a, policy);
-      Store(z, last - kStride, b, policy);
+      Load(z, pos, a, policy);
+      Load(z, pos + step, b, policy);
+      g(pos, a);
+      g(pos + step, b);
+      Store(z, pos, a, policy);
+      Store(z, pos + step, b, policy);
     }
-    if (last >= first) {
+    if (packs == 1) {
       float a[P];
-      Load(z, last, a, policy);
-      g(last, a);
-      Store(z, last, a, policy);
+      Load(z, pos, a, policy);
+      g(pos, a);
+      Store(z, pos, a, policy);
     }
   }
 };
 
-// Overwrites a row of logits with its scaled gradient (zeros for an ignored
-// row). Each element is read and written by the same thread.
 constexpr float kLog2e = 1.4426950408889634f;
 
-// exp(x) for x <= 0 as exp2: one multiply and the special-function unit,
-// flushing subnormal results to zero (exp2f's subnormal path costs three
-// more instructions an element; a probability under 2^-126 is nothing
-// beside the row's sum, which is at least 1, and its gradient term is
-// under 2^-126 of the row's scale).
-__device__ __forceinline__ float ExpNonPositive(float x) {
+// exp(x) as exp2: one multiply and the special-function unit, flushing
+// subnormal results to zero (exp2f's subnormal path costs three more
+// instructions an element). The two-pass kernels take x <= 0: a probability
+// under 2^-126 is nothing beside the row's sum, which is at least 1, and its
+// gradient term is under 2^-126 of the row's scale. The one-pass kernel
+// also takes x up to its guard (OnePassRowsKernel), where the result is as
+// accurate.
+__device__ __forceinline__ float FastExp2(float x) {
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+__device__ __forceinline__ float FastExp(float x) { return FastExp2(x * kLog2e); }
+
+// exp(x − offset) given offset_log2 = offset·log2(e), in one FMA and the
+// special-function unit (the rounding of offset_log2 scales every result of
+// a row by the same factor, within 2⁻²² for offsets under 64).
+__device__ __forceinline__ float FastExpFrom(float x, float offset_log2) {
+  return FastExp2(fmaf(x, kLog2e, -offset_log2));
 }
 
 // The target's position among the row's given columns, or -1.
@@ -289,7 +325,7 @@ __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid
                                  float lse, float scale, float zt) {
   using Packs = RowPacks<T, kVec>;
   if (!valid) {
-    Packs::UpdateBackwards(z, p.cols, [](int64_t, float (&x)[Packs::P]) {
+    Packs::template Update<true>(z, p.cols, [](int64_t, float (&x)[Packs::P]) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) x[k] = 0.0f;
     });
@@ -301,18 +337,18 @@ __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid
     // as there, is written by thread 0 once the block is done.
     const float zc = 2.0f * p.z_loss_scale * lse;
     const float c = scale * (wt + zc);
-    Packs::UpdateBackwards(z, p.cols, [&](int64_t, float (&x)[Packs::P]) {
+    Packs::template Update<true>(z, p.cols, [&](int64_t, float (&x)[Packs::P]) {
 #pragma unroll
-      for (int k = 0; k < Packs::P; ++k) x[k] = c * ExpNonPositive(x[k] - lse);
+      for (int k = 0; k < Packs::P; ++k) x[k] = c * FastExp(x[k] - lse);
     });
     __syncthreads();
     const int64_t local_t = LocalColumn(p, t);
     if (threadIdx.x == 0 && local_t >= 0) {
-      const float prob = ExpNonPositive(zt - lse);
+      const float prob = FastExp(zt - lse);
       z[local_t] = FromFloatDev<T>(scale * (wt * (prob - 1.0f) + zc * prob));
     }
   } else {
-    Packs::UpdateBackwards(z, p.cols, [&](int64_t j0, float (&x)[Packs::P]) {
+    Packs::template Update<true>(z, p.cols, [&](int64_t j0, float (&x)[Packs::P]) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) {
         const int64_t j = p.col0 + j0 + k;
@@ -355,13 +391,13 @@ __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
     if (m > s.max) {
       int k = 0;
       while (k + 1 < Packs::P && x[k] != m) ++k;
-      s.sum *= ExpNonPositive(s.max - m);
+      s.sum *= FastExp(s.max - m);
       s.max = m;
       s.argmax = j0 + k;
     }
     // A NaN or +inf logit turns the sum into NaN (below), which marks the row.
 #pragma unroll
-    for (int k = 0; k < Packs::P; ++k) s.sum += ExpNonPositive(x[k] - s.max);
+    for (int k = 0; k < Packs::P; ++k) s.sum += FastExp(x[k] - s.max);
     if (!kPlain && p.label_smoothing > 0.0f) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) {
@@ -370,7 +406,7 @@ __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
     }
   });
   nan = isnan(s.sum);
-  s = BlockCombine(s, shared_state);
+  s = BlockCombine<true>(s, shared_state);
   if (p.label_smoothing > 0.0f) weighted_z = BlockSum(weighted_z, shared_sum);
   nan = BlockAny(nan);
   const float lse = nan ? CUDART_NAN_F : s.max + logf(s.sum);
@@ -415,6 +451,120 @@ __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
   if (kPlain && valid && threadIdx.x == 0 && local_t >= 0) zt = ToFloatDev(z[local_t]);
   __syncthreads();  // read before the row is overwritten
   WriteGradientRow<T, kVec, kPlain>(p, z, t, valid, wt, lse[row], row_scale[row], zt);
+}
+
+// ---------------------------------------------------------------------------
+// The one-pass row kernel (deferred normalisation).
+
+// The guard on the one-pass row sum S = Σ exp(z − m̂): at most 2^64, so
+// every written u ≤ S, the dX GEMM's fp32 sums of u·w and the row factor
+// a = scale·(w_t + 2·s·lse)/S stay far from fp32's range limits.
+constexpr float kMaxOnePassSum = 0x1p64f;
+
+// One block per plain row, each logit read once. The block first takes m̂,
+// the maximum of the row's first tile (each thread's first pack; the pass
+// reads it again from L2), then streams the row once: u_j = exp(z_j − m̂)
+// in place of z_j, S = Σ u_j, the true maximum and its first index. Then
+// lse = m̂ + log S and the row's loss outputs as ForwardRowsKernel gives
+// them. The gradient is a·u_j off the target, with the row factor
+//   a = scale·(1 + 2·s·lse) / S        (s: the z-loss scale)
+// written to row_factor[row] (0 for an ignored row, whose logits become
+// zeros) for the chunk's GEMMs to apply: dX rows are scaled after the dX
+// GEMM, X rows before the dW GEMM. The target element is rewritten as
+// g_t / a = u_t − S/(1 + 2·s·lse), formed in fp32 (p_t − 1 without
+// cancellation in the input dtype). Since m̂ ≤ max z, u's largest value is
+// at least 1 and nothing the row's sum would notice underflows (bf16 has
+// fp32's exponent range; fp16's is too narrow, so fp16 stays two-pass). A
+// row whose sum exceeds kMaxOnePassSum (a logit ~44 nats above its first
+// tile's maximum) or is not finite (NaN or inf logits), or whose factor is
+// zero or not finite, sets *redo: the caller runs the whole call again
+// with the two-pass kernel.
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads, 2)
+    OnePassRowsKernel(RowParams p, T* logits, const float* row_scale, RowOutputs out,
+                      float* row_factor, int32_t* redo) {
+  __shared__ SoftmaxState shared_state[kWarps];
+  __shared__ float shared_max[kWarps];
+  const int64_t r = blockIdx.x;
+  const int64_t row = p.row0 + r;
+  T* z = logits + r * p.vocab;
+  const int64_t t = p.target[row];
+  const bool valid = t != p.ignore_index;
+  using Packs = RowPacks<T, true>;
+
+  float zt = 0.0f;  // the target's logit, on thread 0
+  if (threadIdx.x == 0 && valid) zt = ToFloatDev(z[t]);
+  float m = -CUDART_INF_F;
+  const int64_t first = threadIdx.x * int64_t{Packs::P};
+  if (first < p.vocab) {
+    float x[Packs::P];
+    Packs::Load(z, first, x, L2EvictLast());
+#pragma unroll
+    for (int k = 0; k < Packs::P; ++k) m = fmaxf(m, x[k]);
+  }
+  // Its barriers also order thread 0's read of z[t] before any store.
+  const float offset = BlockMax(m, shared_max);
+  const float offset_log2 = offset * kLog2e;
+
+  SoftmaxState s{-CUDART_INF_F, 0.0f, INT64_MAX};  // sum relative to offset
+  Packs::template Update<false>(z, p.vocab, [&](int64_t j0, float (&x)[Packs::P]) {
+    // Each element is used once, as soon as it is converted.
+    float pm = -CUDART_INF_F;
+    int pk = 0;
+#pragma unroll
+    for (int k = 0; k < Packs::P; ++k) {
+      if (x[k] > pm) {
+        pm = x[k];
+        pk = k;
+      }
+      const float u = FastExpFrom(x[k], offset_log2);
+      s.sum += u;
+      x[k] = valid ? u : 0.0f;
+    }
+    if (pm > s.max) {
+      s.max = pm;
+      s.argmax = j0 + pk;
+    }
+  });
+  s = BlockCombine<false>(s, shared_state);
+  const float lse = offset + logf(s.sum);
+  const float zc = 2.0f * p.z_loss_scale * lse;
+  if (threadIdx.x == 0) {
+    out.lse[row] = lse;
+    bool ok = s.sum <= kMaxOnePassSum;  // false for NaN
+    if (valid) {
+      const float z_row = p.z_loss_scale * lse * lse;
+      out.loss[row] = (lse - zt) + z_row;
+      out.z_loss[row] = z_row;
+      out.correct[row] = s.argmax == t ? 1 : 0;
+      const float factor = row_scale[row] * (1.0f + zc) / s.sum;
+      ok = ok && factor != 0.0f && isfinite(factor);
+      row_factor[row] = factor;
+    } else {
+      out.loss[row] = 0.0f;
+      out.z_loss[row] = 0.0f;
+      out.correct[row] = 0;
+      row_factor[row] = 0.0f;
+    }
+    if (!ok) *redo = 1;
+  }
+  if (valid) {
+    __syncthreads();  // every thread's packs are written
+    if (threadIdx.x == 0) {
+      z[t] = FromFloatDev<T>(FastExpFrom(zt, offset_log2) - s.sum / (1.0f + zc));
+    }
+  }
+}
+
+// dst[r, c] = factor[r] × src[r, c] for a row-major rows × cols matrix,
+// rounded once to T; dst may be src. One block per row.
+template <typename T>
+__global__ void ScaleRowsKernel(const T* src, T* dst, const float* factor, int64_t cols) {
+  const int64_t base = blockIdx.x * cols;
+  const float f = factor[blockIdx.x];
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    dst[base + c] = FromFloatDev<T>(f * ToFloatDev(src[base + c]));
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -691,6 +841,55 @@ cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, co
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+bool OnePassRowsSupported(const RowParams& p, DType dtype) {
+  if (p.col0 != 0 || p.cols != p.vocab || !IsPlain(p)) return false;
+  switch (dtype) {
+    case DType::kFloat32:
+      return p.vocab % kPack<float> == 0;
+    case DType::kBFloat16:
+      return p.vocab % kPack<__nv_bfloat16> == 0;
+    default:
+      return false;
+  }
+}
+
+cudaError_t LaunchOnePassRows(const RowParams& p, void* logits, DType dtype,
+                              const float* row_scale, const RowOutputs& out, float* row_factor,
+                              int32_t* redo, cudaStream_t stream) {
+  if (!OnePassRowsSupported(p, dtype)) return cudaErrorInvalidValue;
+  if (p.rows == 0) return cudaSuccess;
+  if (dtype == DType::kFloat32) {
+    return LaunchRows(OnePassRowsKernel<float>, p.rows, stream, p, static_cast<float*>(logits),
+                      row_scale, out, row_factor, redo);
+  }
+  return LaunchRows(OnePassRowsKernel<__nv_bfloat16>, p.rows, stream, p,
+                    static_cast<__nv_bfloat16*>(logits), row_scale, out, row_factor, redo);
+}
+
+cudaError_t LaunchScaleRows(const void* src, void* dst, DType dtype, const float* factor,
+                            int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  if (rows > INT32_MAX) return cudaErrorInvalidValue;
+  const unsigned int blocks = static_cast<unsigned int>(rows);
+  switch (dtype) {
+    case DType::kFloat32:
+      ScaleRowsKernel<<<blocks, 256, 0, stream>>>(static_cast<const float*>(src),
+                                                  static_cast<float*>(dst), factor, cols);
+      break;
+    case DType::kFloat16:
+      ScaleRowsKernel<<<blocks, 256, 0, stream>>>(static_cast<const __half*>(src),
+                                                  static_cast<__half*>(dst), factor, cols);
+      break;
+    case DType::kBFloat16:
+      ScaleRowsKernel<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(src),
+                                                  static_cast<__nv_bfloat16*>(dst), factor, cols);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchRowScales(const int64_t* target, int64_t n, int64_t ignore_index,

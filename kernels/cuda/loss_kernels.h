@@ -61,6 +61,30 @@ cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, boo
 cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, const float* lse,
                                const float* row_scale, cudaStream_t stream);
 
+// Whether LaunchOnePassRows takes these rows: whole rows, plain (no bias,
+// softcap, class weights or label smoothing; z-loss allowed), bf16 or fp32,
+// V a multiple of the 16-byte pack.
+bool OnePassRowsSupported(const RowParams& p, DType dtype);
+
+// LaunchForwardRows with write_grad, reading each logit once (deferred
+// normalisation): writes u = exp(z − m̂) over the logits, m̂ the maximum of
+// each row's first 16-byte pack per thread, with the target element
+// rewritten so that row_factor[row] × (the row) is the scaled gradient; the
+// caller applies row_factor (dX rows after the dX GEMM, X rows before the
+// dW GEMM). Sets *redo to 1 (never to 0) when a row's sum leaves the range
+// where that is exact to fp32 (a logit ~44 nats over m̂, a non-finite
+// logit, a zero z-loss factor): the results are then not to be used and the
+// call is to be run again with LaunchForwardRows. Same per-row outputs.
+// Traffic: reads the chunk once, writes it once.
+cudaError_t LaunchOnePassRows(const RowParams& p, void* logits, DType dtype,
+                              const float* row_scale, const RowOutputs& out, float* row_factor,
+                              int32_t* redo, cudaStream_t stream);
+
+// dst[r, c] = factor[r] × src[r, c] over a row-major rows × cols matrix of
+// `dtype`, rounded once; dst may equal src.
+cudaError_t LaunchScaleRows(const void* src, void* dst, DType dtype, const float* factor,
+                            int64_t rows, int64_t cols, cudaStream_t stream);
+
 // Reduction divisor and per-row gradient scale, on the device:
 //   denom = Σ_{valid rows} class_weight[t] (mean) or 1 (sum, none);
 //   row_scale[i] = g_i / denom, with g_i = grad_output[0] (count 1),
