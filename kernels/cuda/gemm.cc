@@ -46,6 +46,18 @@ constexpr int kRounds = 5;
 // A candidate replaces the default only when this much faster.
 constexpr float kMinGain = 0.02f;
 
+// cuBLASLt's heuristic assumes operands aligned to this many bytes (its
+// default minimum alignment preference); a GEMM on pointers with less runs
+// the default, which takes any (same bits: the tuned choice gives them).
+constexpr uintptr_t kLtAlignment = 256;
+
+bool LtAligned(const void* a, const void* b, const void* c) {
+  return (reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
+          reinterpret_cast<uintptr_t>(c)) %
+             kLtAlignment ==
+         0;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(const GemmShape& g) {
@@ -145,7 +157,8 @@ GemmRunner::Counts GemmRunner::counts() const {
 absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const GemmShape& g,
                              const void* a, const void* b, float beta, void* c, bool tune) {
   if (g.m == 0 || g.n == 0) return absl::OkStatus();
-  if (!tuning_.enabled || !tune || 2.0 * g.m * g.n * g.k < tuning_.min_flop) {
+  if (!tuning_.enabled || !tune || 2.0 * g.m * g.n * g.k < tuning_.min_flop ||
+      !LtAligned(a, b, c)) {
     return RunDefault(blas, g, a, b, beta, c);
   }
   std::shared_ptr<const Choice> choice;

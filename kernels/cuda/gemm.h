@@ -89,8 +89,9 @@ struct GemmTuning {
 // the default by 2%. That call waits for the trials (host synchronisation,
 // once per shape); later calls of the shape (beta 0 or 1) run the choice
 // without any. C holds the result when the call returns. Calls of an
-// untuned shape with beta 1, and every call with tuning off, run the
-// default. Thread-safe.
+// untuned shape with beta 1, calls with an operand not 256-byte aligned
+// (cuBLASLt's heuristic assumes that alignment), and every call with
+// tuning off, run the default. Thread-safe.
 //
 // Trials time a GEMM alone, back to back; inside a pipeline an algorithm
 // can rank differently (the engine says which of its GEMMs may be tuned).

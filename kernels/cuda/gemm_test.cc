@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -172,6 +173,37 @@ TEST_F(GemmRunnerTest, SmallShapesAndShapesBeyondTheCapAreNotTuned) {
   EXPECT_EQ((*runner)->counts().tuned, 2);  // the cap
   ASSERT_TRUE(run(300).ok());               // a remembered shape runs its choice
   EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+}
+
+// An operand off cuBLASLt's 256-byte alignment runs the default, whether
+// the shape is tuned yet or not: no error, the default's bits, and no
+// trials (an unaligned first call tunes nothing).
+TEST_F(GemmRunnerTest, OperandsOffTheLtAlignmentRunTheDefault) {
+  cudaStream_t s = this->s();
+  GemmTuning off;
+  off.enabled = false;
+  auto plain = GemmRunner::Create(off);
+  auto tuned = GemmRunner::Create(GemmTuning{});
+  ASSERT_TRUE(plain.ok() && tuned.ok());
+  const int64_t m = 32000, n = 2048, k = 1024;
+  const GemmShape shape{CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, DType::kBFloat16, k,
+                        DType::kBFloat16, k, DType::kBFloat16, m};
+  DeviceBuffer a = RandomBuffer(m * k, DType::kBFloat16, 1, s);
+  DeviceBuffer b = RandomBuffer(k * n + 8, DType::kBFloat16, 2, s);
+  auto expected = DeviceBuffer::Allocate(m * n * 2, s);
+  auto got = DeviceBuffer::Allocate(m * n * 2, s);
+  ASSERT_TRUE(expected.ok() && got.ok());
+  const void* shifted = b.as<const char>() + 2;  // one bf16 on: 2-byte aligned
+  // Shifted before the shape is tuned, aligned (tunes it), shifted after.
+  const std::pair<const void*, int> calls[] = {{shifted, 0}, {b.data(), 1}, {shifted, 1}};
+  for (const auto& [b_ptr, tuned_after] : calls) {
+    SCOPED_TRACE(b_ptr == shifted ? "shifted" : "aligned");
+    ASSERT_TRUE((*plain)->Run(blas(), s, shape, a.data(), b_ptr, 0.0f, expected->data()).ok());
+    ASSERT_TRUE((*tuned)->Run(blas(), s, shape, a.data(), b_ptr, 0.0f, got->data()).ok());
+    const std::vector<char> want = Download(*expected, s), have = Download(*got, s);
+    EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
+    EXPECT_EQ((*tuned)->counts().tuned, tuned_after);
+  }
 }
 
 }  // namespace
