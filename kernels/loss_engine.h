@@ -184,6 +184,11 @@ class LossEngine {
   // engines without a device.
   virtual int64_t device_memory_bytes() const { return 0; }
 
+  // Forward calls the engine ran a second time on its exact, slower path
+  // because the data left its fast path's range (the CUDA engine's
+  // one-pass rows); 0 for engines without one.
+  virtual int64_t forward_reruns() const { return 0; }
+
   // OK while the engine can serve; UNAVAILABLE after an unrecoverable
   // device failure, after which every call fails with it.
   virtual absl::Status health() const { return absl::OkStatus(); }

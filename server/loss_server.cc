@@ -225,6 +225,7 @@ MetricsSnapshot LossServer::Metrics() const {
   g.device_memory_bytes = engine_->device_memory_bytes();
   g.serving = serving_.load();
   g.sessions_expired = sessions_->expired_total();
+  g.engine_forward_reruns = engine_->forward_reruns();
   return metrics_.Snapshot(g);
 }
 

@@ -962,6 +962,7 @@ grpc::ServerUnaryReactor* LossServiceImpl::GetStats(grpc::CallbackServerContext*
   for (const auto& [rpc, b] : s.received_bytes) (*response->mutable_received_bytes())[rpc] = b;
   for (const auto& [rpc, b] : s.sent_bytes) (*response->mutable_sent_bytes())[rpc] = b;
   response->set_sessions_expired(s.gauges.sessions_expired);
+  response->set_engine_forward_reruns(s.gauges.engine_forward_reruns);
   const Gauges& g = s.gauges;
   response->set_queued_requests(g.queued_requests);
   response->set_running_requests(g.running_requests);

@@ -135,6 +135,11 @@ std::string PrometheusText(const MetricsSnapshot& s) {
   Family(&out, "flce_sessions_expired_total", "counter",
          "Sessions freed after their idle TTL (the server never evicts live sessions).");
   absl::StrAppend(&out, "flce_sessions_expired_total ", s.gauges.sessions_expired, "\n");
+  Family(&out, "flce_engine_forward_reruns_total", "counter",
+         "Forward calls the engine ran again on its exact, slower path (data out of its fast "
+         "path's range: the CUDA engine's one-pass rows).");
+  absl::StrAppend(&out, "flce_engine_forward_reruns_total ", s.gauges.engine_forward_reruns,
+                  "\n");
   const Gauges& g = s.gauges;
   AppendGauge(&out, "flce_queued_requests", "Engine tasks waiting for a worker.",
               g.queued_requests);

@@ -38,8 +38,10 @@ struct Gauges {
   int64_t shared_memory_regions = 0;
   int64_t device_memory_bytes = 0;  // the engine's device pool (0 on the CPU)
   bool serving = true;              // health SERVING
-  // A counter kept by the session store, read like the gauges.
+  // Counters kept by the session store and the engine, read like the
+  // gauges.
   int64_t sessions_expired = 0;
+  int64_t engine_forward_reruns = 0;
 };
 
 struct MetricsSnapshot {

@@ -23,6 +23,7 @@ TEST(MetricsTest, CountsAndHistogramsInTheTextFormat) {
   g.live_sessions = 3;
   g.serving = false;
   g.sessions_expired = 7;
+  g.engine_forward_reruns = 3;
   g.weight_device_memory_bytes = 48;
   const std::string text = PrometheusText(m.Snapshot(g));
   EXPECT_THAT(text, HasSubstr("# TYPE flce_requests_total counter\n"));
@@ -46,6 +47,7 @@ TEST(MetricsTest, CountsAndHistogramsInTheTextFormat) {
   EXPECT_THAT(text, HasSubstr("flce_live_sessions 3\n"));
   EXPECT_THAT(text, HasSubstr("flce_serving 0\n"));
   EXPECT_THAT(text, HasSubstr("flce_sessions_expired_total 7\n"));
+  EXPECT_THAT(text, HasSubstr("flce_engine_forward_reruns_total 3\n"));
   EXPECT_THAT(text, HasSubstr("flce_weight_device_memory_bytes 48\n"));
   // Every family is announced once, before its samples.
   EXPECT_THAT(text, HasSubstr("# HELP flce_serving "));

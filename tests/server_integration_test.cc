@@ -13,10 +13,12 @@
 #include <cstring>
 #include <cstdlib>
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "client/loss_client.h"
 #include "gmock/gmock.h"
@@ -882,6 +884,35 @@ TEST_F(ServerTest, MetricsEndpointAndGetStatsCountRequests) {
   EXPECT_GT(stats.received_bytes().at("Forward"), static_cast<int64_t>(p.hidden.data.size()));
   EXPECT_TRUE(stats.serving());
   EXPECT_EQ(stats.live_sessions(), 0);
+}
+
+// A NaN in X makes its row's logits NaN: the loss is NaN and the call
+// succeeds. On the CUDA server that row is out of the one-pass rows' range
+// (fp32, V a multiple of 4, STORE_GRADS): Forward runs again with two
+// passes and GetStats and /metrics count it; the CPU engine has no such
+// path.
+TEST_F(ServerTest, NonFiniteLogitsAreServedAndCountedAsForwardReruns) {
+  server_.reset();
+  ServerOptions o = TestOptions();
+  o.metrics_address = "127.0.0.1:0";
+  StartServer(o);
+  OwnedProblem p = Problem(9, 7, 32);
+  p.hidden.mutable_data<float>()[7 * 3] = std::nanf("");  // row 3
+  p.target.mutable_data<int64_t>()[3] = 5;                 // not ignored
+  auto fwd = client_->Forward(Args(p, true, BackwardMode::kStoreGrads));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_TRUE(std::isnan(fwd->loss.data_as<float>()[0]));
+  BackwardArgs back;
+  back.session_id = fwd->session_id;
+  ASSERT_TRUE(client_->Backward(back).ok());
+  const int64_t reruns = Backend() == "cuda" ? 1 : 0;
+  grpc::ClientContext context;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(stub_->GetStats(&context, v1::GetStatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.engine_forward_reruns(), reruns);
+  EXPECT_THAT(HttpGet(server_->metrics_port(), "/metrics"),
+              HasSubstr(absl::StrCat("flce_engine_forward_reruns_total ", reruns, "\n")));
+  EXPECT_TRUE(stats.serving());
 }
 
 TEST_F(ServerTest, DrainRefusesNewWorkButServesExistingSessions) {

@@ -254,7 +254,7 @@ class EngineImpl {
 
   const cudaDeviceProp& props() const { return props_; }
   const GemmRunner& gemms() const { return *gemms_; }
-  int64_t two_pass_reruns() const { return two_pass_reruns_.load(); }
+  int64_t forward_reruns() const { return forward_reruns_.load(); }
   int device() const { return options_.device; }
 
   absl::Status health() const {
@@ -808,7 +808,7 @@ class EngineImpl {
     if (redo != 0) {
       // A row out of the one-pass kernel's range: every result again with
       // two passes (they overwrite all of them).
-      two_pass_reruns_.fetch_add(1);
+      forward_reruns_.fetch_add(1);
       FLCE_RETURN_IF_ERROR(run(Pass::kLossAndGrad));
     }
     if (in.options.reduction != Reduction::kNone) {
@@ -1100,7 +1100,7 @@ class EngineImpl {
   std::vector<Lane*> free_lanes_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> healthy_{true};
   // Forward calls whose one-pass rows asked for the two-pass rerun.
-  std::atomic<int64_t> two_pass_reruns_{0};
+  std::atomic<int64_t> forward_reruns_{0};
   // Bytes of AllocateDeviceMemory's allocations alive.
   const std::shared_ptr<std::atomic<int64_t>> allocated_ =
       std::make_shared<std::atomic<int64_t>>(0);
@@ -1154,7 +1154,7 @@ absl::Status CudaEngine::health() const { return impl_->health(); }
 
 int CudaEngine::tuned_gemm_shapes() const { return impl_->gemms().counts().tuned; }
 
-int64_t CudaEngine::two_pass_reruns() const { return impl_->two_pass_reruns(); }
+int64_t CudaEngine::forward_reruns() const { return impl_->forward_reruns(); }
 
 int64_t CudaEngine::device_memory_bytes() const {
   // The stream-ordered pool's reservation (freed workspace stays in it) and

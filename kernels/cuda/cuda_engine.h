@@ -34,7 +34,7 @@ struct CudaEngineOptions {
   // STORE_GRADS Forward reads each logit once where the rows allow it
   // (plain rows, bf16 or fp32: LaunchOnePassRows), else twice. A call whose
   // rows fall outside the one-pass kernel's range runs again with two
-  // passes (two_pass_reruns()). Off: always two passes (benchmarks compare).
+  // passes (forward_reruns()). Off: always two passes (benchmarks compare).
   bool one_pass_rows = true;
 };
 
@@ -70,6 +70,7 @@ class CudaEngine : public LossEngine {
   std::vector<DeviceInfo> devices() const override;
   absl::Status health() const override;
   int64_t device_memory_bytes() const override;
+  int64_t forward_reruns() const override;
   int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;
   absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
                                         const CancelFn& cancelled) override;
@@ -83,8 +84,6 @@ class CudaEngine : public LossEngine {
 
   // GEMM shapes whose algorithm has been tuned so far (tune_gemms).
   int tuned_gemm_shapes() const;
-  // Forward calls run again with two-pass rows (one_pass_rows) so far.
-  int64_t two_pass_reruns() const;
 
   // For benchmarks: `problem` uploaded once, then each Run() does the
   // device work of Forward(need_backward, mode) + Backward(grad_output 1)

@@ -311,7 +311,7 @@ TEST(CudaEngineSemanticsTest, TunedGemmsChangeNoBit) {
 // again with two passes: the one-pass results are what was judged.
 TEST(CudaEngineSemanticsTest, OnePassRowsMeetTheBar) {
   FLCE_GET_ENGINE_OR_SKIP(engine);
-  const int64_t reruns = engine->two_pass_reruns();
+  const int64_t reruns = engine->forward_reruns();
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
     for (double scale : {0.1, 2.0, 30.0}) {
       for (Reduction reduction : {Reduction::kMean, Reduction::kSum}) {
@@ -324,7 +324,7 @@ TEST(CudaEngineSemanticsTest, OnePassRowsMeetTheBar) {
       }
     }
   }
-  EXPECT_EQ(engine->two_pass_reruns(), reruns);
+  EXPECT_EQ(engine->forward_reruns(), reruns);
 }
 
 // Forward (STORE_GRADS) and Backward of `p`: the loss, per-row loss, lse,
@@ -377,20 +377,20 @@ TEST(CudaEngineSemanticsTest, RowsOutOfOnePassRangeRunAgainWithTwoPasses) {
   const float not_a_number = std::nanf("");
   FromFloat(spec.dtype, &not_a_number, 1, nan.hidden.data.data() + 5 * h * 2);
 
-  const int64_t reruns = engine->two_pass_reruns();
+  const int64_t reruns = engine->forward_reruns();
   const std::vector<std::string> ok = StoreGradsBits(*engine, plain);
-  EXPECT_EQ(engine->two_pass_reruns(), reruns) << "in-range rows ran again";
+  EXPECT_EQ(engine->forward_reruns(), reruns) << "in-range rows ran again";
   for (const OwnedProblem* p : {&far, &nan}) {
     SCOPED_TRACE(p == &far ? "a logit far above its first tile" : "a NaN");
-    const int64_t before = engine->two_pass_reruns();
+    const int64_t before = engine->forward_reruns();
     const std::vector<std::string> got = StoreGradsBits(*engine, *p);
     const std::vector<std::string> want = StoreGradsBits(**two_pass, *p);
-    EXPECT_EQ(engine->two_pass_reruns(), before + 1);
+    EXPECT_EQ(engine->forward_reruns(), before + 1);
     ASSERT_EQ(got.size(), 5u);
     ASSERT_EQ(want.size(), 5u);
     for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(got[i] == want[i]) << "result " << i;
   }
-  EXPECT_EQ((*two_pass)->two_pass_reruns(), 0);
+  EXPECT_EQ((*two_pass)->forward_reruns(), 0);
   EXPECT_TRUE(engine->health().ok());
 }
 
