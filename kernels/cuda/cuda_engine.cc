@@ -294,6 +294,12 @@ class EngineImpl {
     return options_.one_pass_rows && OnePassRowsSupported(in.Params(0, in.n), in.dtype);
   }
 
+  // STORE_GRADS Forward's first try: one pass where the rows allow it. When
+  // it sets rows.redo, the call runs again with Pass::kLossAndGrad.
+  Pass StoreGradsPass(const DeviceInputs& in) const {
+    return OnePassRows(in) ? Pass::kLossAndGradOnePass : Pass::kLossAndGrad;
+  }
+
   // Holds one lane for a call.
   class LaneLease {
    public:
@@ -801,10 +807,7 @@ class EngineImpl {
       }
       return Check(cudaStreamSynchronize(s), "Forward");
     };
-    const Pass pass = !store               ? Pass::kLoss
-                      : OnePassRows(in)    ? Pass::kLossAndGradOnePass
-                                           : Pass::kLossAndGrad;
-    FLCE_RETURN_IF_ERROR(run(pass));
+    FLCE_RETURN_IF_ERROR(run(store ? StoreGradsPass(in) : Pass::kLoss));
     if (redo != 0) {
       // A row out of the one-pass kernel's range: every result again with
       // two passes (they overwrite all of them).
@@ -1034,8 +1037,7 @@ class EngineImpl {
         if (mode_ == BackwardMode::kStoreGrads) {
           // As Forward: one pass where possible, and when a row asks for
           // it (never on the benchmark's data), again with two.
-          const Pass pass =
-              impl_->OnePassRows(in_) ? Pass::kLossAndGradOnePass : Pass::kLossAndGrad;
+          const Pass pass = impl_->StoreGradsPass(in_);
           FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, pass, rows_, nullptr,
                                                 dx_.as<float>(), dw_.as<float>(), nullptr,
                                                 nullptr, clock));
