@@ -50,6 +50,11 @@ ABSL_FLAG(int, iters, 10, "timed runs (median reported)");
 ABSL_FLAG(std::string, check_shape, "257x128x4099",
           "NxHxV of the accuracy check against fp64 (0 to skip)");
 ABSL_FLAG(bool, json, false, "print JSON lines instead of a table");
+ABSL_FLAG(bool, bias, false, "problems with a bias");
+ABSL_FLAG(bool, class_weight, false, "problems with class weights");
+ABSL_FLAG(float, softcap, 0.0f, "logit softcap (0: none)");
+ABSL_FLAG(float, z_loss, 0.0f, "z-loss scale");
+ABSL_FLAG(float, label_smoothing, 0.0f, "label smoothing");
 ABSL_FLAG(bool, cuda_stages, false,
           "CUDA engine: after the timed runs, one more with CUDA events between its stages; "
           "prints device ms per stage under the row");
@@ -132,6 +137,17 @@ absl::StatusOr<Gradients> RunOnce(LossEngine& engine, const LossProblem& p,
   return grads;
 }
 
+// The loss options the flags ask for.
+void ApplyOptionFlags(RandomProblemSpec& spec) {
+  spec.bias = absl::GetFlag(FLAGS_bias);
+  spec.class_weight = absl::GetFlag(FLAGS_class_weight);
+  if (absl::GetFlag(FLAGS_softcap) > 0.0f) {
+    spec.options.logit_softcap = absl::GetFlag(FLAGS_softcap);
+  }
+  spec.options.z_loss_scale = absl::GetFlag(FLAGS_z_loss);
+  spec.options.label_smoothing = absl::GetFlag(FLAGS_label_smoothing);
+}
+
 std::string CheckAccuracyOf(LossEngine& engine, DType dtype, BackwardMode mode) {
   // Run through the engine's host API, as the service calls it.
   const Shape s = ParseShape(absl::GetFlag(FLAGS_check_shape));
@@ -142,6 +158,7 @@ std::string CheckAccuracyOf(LossEngine& engine, DType dtype, BackwardMode mode) 
   spec.vocab = s.v;
   spec.dtype = dtype;
   spec.ignore_fraction = 0.05;
+  ApplyOptionFlags(spec);
   const OwnedProblem p = MakeRandomProblem(spec);
   ForwardResult fwd;
   absl::StatusOr<Gradients> grads = RunOnce(engine, p.view(), mode, &fwd);
@@ -162,6 +179,7 @@ RandomProblemSpec SpecFor(const Shape& s, DType dtype) {
   spec.vocab = s.v;
   spec.dtype = dtype;
   spec.fast_fill = true;
+  ApplyOptionFlags(spec);
   return spec;
 }
 

@@ -49,8 +49,8 @@ ABSL_FLAG(bool, cuda_tune_gemms, flce::EngineOptions().cuda_tune_gemms,
           "CUDA engine: time each GEMM shape's cuBLASLt candidates on its first call and keep "
           "the fastest that gives cuBLAS's default bits (that call waits for the trials)");
 ABSL_FLAG(bool, cuda_one_pass_rows, flce::EngineOptions().cuda_one_pass_rows,
-          "CUDA engine: STORE_GRADS reads each logit once where the options allow (bf16/fp32 "
-          "without bias, softcap, class weights, smoothing); false: always twice");
+          "CUDA engine: STORE_GRADS reads each logit once where it can (bf16/fp32 without "
+          "label smoothing); false: always twice");
 ABSL_FLAG(std::string, tls_cert_file, "",
           "PEM certificate chain of the server: serve TLS (with --tls_key_file)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");

@@ -52,11 +52,14 @@ if [ -z "$ARGS" ] || want smoke; then
   for _ in $(seq 100); do "$bin/flce" health > /dev/null 2>&1 && break; sleep 0.1; done
   "$bin/flce" info
   "$bin/flce" smoke --matrix --n=257 --h=129 --v=8191 > "$OUT/smoke.log" 2>&1 || status=1
-  # Plain rows with V a multiple of 8 over 8192: STORE_GRADS's one-pass rows.
+  # No label smoothing, V a multiple of 8 over 8192: STORE_GRADS's one-pass rows.
   for dtype in bf16 fp32; do
     for reduction in mean sum; do
-      "$bin/flce" smoke --dtype=$dtype --reduction=$reduction --mode=store_grads --n=257 \
-        --h=129 --v=20008 --z_loss=1e-3 >> "$OUT/smoke.log" 2>&1 || status=1
+      for options in "" "--bias --class_weight --softcap=30"; do
+        # shellcheck disable=SC2086
+        "$bin/flce" smoke --dtype=$dtype --reduction=$reduction --mode=store_grads --n=257 \
+          --h=129 --v=20008 --z_loss=1e-3 $options >> "$OUT/smoke.log" 2>&1 || status=1
+      done
     done
   done
   grep -E '^(PASS|FAIL)' "$OUT/smoke.log"

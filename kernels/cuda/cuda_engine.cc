@@ -510,7 +510,8 @@ class EngineImpl {
         // Each row holds its gradient over its factor: the dW GEMM takes X_c's
         // rows times their factors, rounded to the input dtype, from the
         // chunk's dX rows (fp32, so large enough; the dX GEMM overwrites them
-        // next), and dX's rows are scaled after their GEMM. No bias here.
+        // next), dX's rows are scaled after their GEMM, and the bias column
+        // sums weigh each row by its factor.
         FLCE_RETURN_IF_ERROR(Check(LaunchScaleRows(in.x_row(r0), dx_c, in.dtype,
                                                    row_factor + r0, count, in.h, s),
                                    "scale X rows"));
@@ -522,15 +523,16 @@ class EngineImpl {
             LaunchScaleRows(dx_c, dx_c, DType::kFloat32, row_factor + r0, count, in.h, s),
             "scale dX rows"));
         Mark(clock, "scale dX rows");
-        continue;
+      } else {
+        FLCE_RETURN_IF_ERROR(ChunkDx(lane, in, count, logits.data(), dx_c, clock));
+        FLCE_RETURN_IF_ERROR(
+            ChunkDw(lane, in, in.x_row(r0), count, logits.data(), r0 == 0, dw, clock));
       }
-      FLCE_RETURN_IF_ERROR(ChunkDx(lane, in, count, logits.data(), dx_c, clock));
-      FLCE_RETURN_IF_ERROR(
-          ChunkDw(lane, in, in.x_row(r0), count, logits.data(), r0 == 0, dw, clock));
       if (db) {
-        FLCE_RETURN_IF_ERROR(Check(
-            LaunchColumnSums(logits.data(), in.dtype, count, in.v, in.v, r0 > 0, db, s),
-            "bias gradient"));
+        FLCE_RETURN_IF_ERROR(Check(LaunchColumnSums(logits.data(), in.dtype, count, in.v, in.v,
+                                                    one_pass ? row_factor + r0 : nullptr,
+                                                    r0 > 0, db, s),
+                                   "bias gradient"));
         Mark(clock, "bias gradient");
       }
     }
@@ -636,7 +638,8 @@ class EngineImpl {
       Mark(clock, "dW GEMM, final dtype");
       if (db) {
         FLCE_RETURN_IF_ERROR(Check(
-            LaunchColumnSums(logits.data(), in.dtype, in.n, cols, cols, false, db + c0, s),
+            LaunchColumnSums(logits.data(), in.dtype, in.n, cols, cols, nullptr, false, db + c0,
+                             s),
             "bias gradient"));
         Mark(clock, "bias gradient");
       }
@@ -1006,6 +1009,9 @@ class EngineImpl {
       // the input dtype (Backward's default).
       const int64_t dw_elem = mode_ == BackwardMode::kStoreGrads ? 4 : DTypeSize(in_.dtype);
       FLCE_ASSIGN_OR_RETURN(dw_, DeviceBuffer::Allocate(in_.v * in_.h * dw_elem, s));
+      if (in_.bias.bytes() > 0) {
+        FLCE_ASSIGN_OR_RETURN(db_, DeviceBuffer::Allocate(in_.v * 4, s));
+      }
       return impl_->Check(cudaStreamSynchronize(s), "prepare");
     }
 
@@ -1039,7 +1045,7 @@ class EngineImpl {
           // it (never on the benchmark's data), again with two.
           const Pass pass = impl_->StoreGradsPass(in_);
           FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, pass, rows_, nullptr,
-                                                dx_.as<float>(), dw_.as<float>(), nullptr,
+                                                dx_.as<float>(), dw_.as<float>(), db(),
                                                 nullptr, clock));
           if (pass == Pass::kLossAndGradOnePass) {
             int32_t redo = 0;
@@ -1049,7 +1055,7 @@ class EngineImpl {
             if (redo != 0) {
               FLCE_RETURN_IF_ERROR(impl_->RunChunks(*lane, in_, Pass::kLossAndGrad, rows_,
                                                     nullptr, dx_.as<float>(), dw_.as<float>(),
-                                                    nullptr, nullptr, clock));
+                                                    db(), nullptr, clock));
             }
           }
         } else {
@@ -1057,7 +1063,7 @@ class EngineImpl {
                                                 nullptr, nullptr, nullptr, clock));
           FLCE_RETURN_IF_ERROR(impl_->RecomputeGradients(
               *lane, in_, rows_, rows_.lse.as<float>(), dx_.as<float>(), dw_.data(), in_.dtype,
-              nullptr, nullptr, clock));
+              db(), nullptr, clock));
         }
         FLCE_RETURN_IF_ERROR(impl_->Check(
             LaunchReduceRows(rows_.outputs(), in_.n, rows_.denom.as<double>(), true,
@@ -1090,7 +1096,9 @@ class EngineImpl {
     BackwardMode mode_;
     DeviceInputs in_;
     RowBuffers rows_;
-    DeviceBuffer dx_, dw_;
+    float* db() const { return db_.bytes() > 0 ? db_.as<float>() : nullptr; }
+
+    DeviceBuffer dx_, dw_, db_;  // db_ with a bias only
   };
 
  private:

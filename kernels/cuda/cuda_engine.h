@@ -32,7 +32,7 @@ struct CudaEngineOptions {
   // the first call of a shape waits for the trials.
   bool tune_gemms = true;
   // STORE_GRADS Forward reads each logit once where the rows allow it
-  // (plain rows, bf16 or fp32: LaunchOnePassRows), else twice. A call whose
+  // (no label smoothing, bf16 or fp32: LaunchOnePassRows), else twice. A call whose
   // rows fall outside the one-pass kernel's range runs again with two
   // passes (forward_reruns()). Off: always two passes (benchmarks compare).
   bool one_pass_rows = true;
@@ -48,10 +48,10 @@ class EngineImpl;
 // (online max/sum-exp, loss, lse, z-loss, softcap, smoothing, class weights,
 // ignore_index, accuracy, all in fp32) that writes the gradient in place over
 // the logits; then dX = dZ·W and dW += dZᵀ·X (fp32 across chunks), db
-// likewise. Plain bf16/fp32 rows in STORE_GRADS read each logit once
-// instead (one_pass_rows: unnormalised exponentials in place, per-row
-// factors applied to X's rows before the dW GEMM and to dX's rows after
-// theirs). The RECOMPUTE backward instead slices the vocabulary, all rows
+// likewise. bf16/fp32 rows without label smoothing read each logit once
+// in STORE_GRADS instead (one_pass_rows: unnormalised exponentials in
+// place, per-row factors applied to X's rows before the dW GEMM, to dX's
+// rows after theirs and to db's column sums). The RECOMPUTE backward instead slices the vocabulary, all rows
 // at once where the budget allows: per slice dX += dZ_s·W_s (fp32) and
 // dW_s = dZ_sᵀ·X in one GEMM, written in its final dtype. No host
 // synchronisation inside the chunk loop.

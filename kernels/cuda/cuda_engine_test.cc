@@ -17,6 +17,7 @@
 #include "kernels/cpu/cpu_engine.h"
 #include "kernels/dtype.h"
 #include "kernels/engine_conformance.h"
+#include "kernels/reference/accuracy.h"
 #include "kernels/reference/random_problem.h"
 
 namespace flce {
@@ -304,26 +305,66 @@ TEST(CudaEngineSemanticsTest, TunedGemmsChangeNoBit) {
   }
 }
 
-// The one-pass rows (STORE_GRADS, plain bf16/fp32 rows, V a multiple of
-// the 16-byte pack) against the fp64 reference: rows of several tiles,
-// flat to peaked softmaxes, z-loss, ignored rows, both reductions
-// STORE_GRADS takes. None of them leaves the kernel's range, so none runs
-// again with two passes: the one-pass results are what was judged.
+// The one-pass rows (STORE_GRADS, bf16/fp32 rows without label smoothing,
+// V a multiple of the 16-byte pack) against the fp64 reference: rows of
+// several tiles, flat to peaked softmaxes, z-loss, ignored rows, both
+// reductions STORE_GRADS takes, then bias, class weights and softcap alone
+// and together. None of them leaves the kernel's range, so none runs again
+// with two passes: the one-pass results are what was judged.
 TEST(CudaEngineSemanticsTest, OnePassRowsMeetTheBar) {
   FLCE_GET_ENGINE_OR_SKIP(engine);
   const int64_t reruns = engine->forward_reruns();
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    auto one_pass = [&](const std::string& name, Reduction reduction) {
+      ConformanceCase c = MakeCase("one pass, " + name, 67, 24, 20008, dtype, reduction,
+                                   BackwardMode::kStoreGrads);
+      c.spec.ignore_fraction = 0.2;
+      c.spec.options.z_loss_scale = 1e-3f;
+      return c;
+    };
     for (double scale : {0.1, 2.0, 30.0}) {
       for (Reduction reduction : {Reduction::kMean, Reduction::kSum}) {
-        ConformanceCase c = MakeCase("one pass, logit scale " + std::to_string(scale), 67, 24,
-                                     20008, dtype, reduction, BackwardMode::kStoreGrads);
+        ConformanceCase c = one_pass("logit scale " + std::to_string(scale), reduction);
         c.spec.logit_scale = scale;
-        c.spec.ignore_fraction = 0.2;
-        c.spec.options.z_loss_scale = 1e-3f;
         RunConformanceCase(*engine, c);
       }
     }
+    for (int options = 1; options < 8; ++options) {
+      ConformanceCase c = one_pass("options " + std::to_string(options), Reduction::kMean);
+      c.spec.bias = (options & 1) != 0;
+      c.spec.class_weight = (options & 2) != 0;
+      if ((options & 4) != 0) c.spec.options.logit_softcap = 5.0f;
+      RunConformanceCase(*engine, c);
+    }
   }
+  EXPECT_EQ(engine->forward_reruns(), reruns);
+}
+
+// A target whose class weight is 0 (no z-loss) has an all-zero gradient
+// row: the one-pass rows give it a zero factor without a rerun, and the
+// results meet the bar.
+TEST(CudaEngineSemanticsTest, ZeroClassWeightRowsStayOnePass) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  RandomProblemSpec spec;
+  spec.rows = 50;
+  spec.hidden = 24;
+  spec.vocab = 9000;
+  spec.dtype = DType::kBFloat16;
+  spec.class_weight = true;
+  OwnedProblem p = MakeRandomProblem(spec);
+  const int64_t* target = p.target.data_as<int64_t>();
+  for (int i = 0; i < 10; ++i) p.class_weight->mutable_data<float>()[target[i]] = 0.0f;
+  const int64_t reruns = engine->forward_reruns();
+  ForwardSpec fs;
+  fs.need_backward = true;
+  fs.want_lse = true;
+  fs.want_per_row_loss = true;
+  auto fwd = engine->Forward(p.view(), fs, nullptr);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  auto grads = engine->Backward(*fwd->saved, {}, nullptr);
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  const AccuracyReport report = CheckAccuracy(p.view(), {}, CollectOutputs(*fwd, &*grads));
+  EXPECT_TRUE(report.ok()) << report.ToString();
   EXPECT_EQ(engine->forward_reruns(), reruns);
 }
 

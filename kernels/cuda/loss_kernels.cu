@@ -456,31 +456,38 @@ __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
 // ---------------------------------------------------------------------------
 // The one-pass row kernel (deferred normalisation).
 
-// The guard on the one-pass row sum S = Σ exp(z − m̂): at most 2^64, so
+// The guard on the one-pass row sum S = Σ exp(z' − m̂): at most 2^64, so
 // every written u ≤ S, the dX GEMM's fp32 sums of u·w and the row factor
 // a = scale·(w_t + 2·s·lse)/S stay far from fp32's range limits.
 constexpr float kMaxOnePassSum = 0x1p64f;
 
-// One block per plain row, each logit read once. The block first takes m̂,
-// the maximum of the row's first tile (each thread's first pack; the pass
-// reads it again from L2), then streams the row once: u_j = exp(z_j − m̂)
-// in place of z_j, S = Σ u_j, the true maximum and its first index. Then
-// lse = m̂ + log S and the row's loss outputs as ForwardRowsKernel gives
-// them. The gradient is a·u_j off the target, with the row factor
-//   a = scale·(1 + 2·s·lse) / S        (s: the z-loss scale)
+// One block per row without label smoothing, each logit read once. With
+// z' = softcap(z + b) (ForwardRowsKernel's Transform), the block first
+// takes m̂, the maximum of z' over the row's first tile (each thread's
+// first pack; the pass reads it again from L2), then streams the row once:
+// u_j = exp(z'_j − m̂), S = Σ u_j, the true maximum and its first index,
+// and in place of z_j the value u_j·d_j, d_j = 1 − (z'_j/c)² the softcap's
+// chain factor (1 without one). Then lse = m̂ + log S and the row's loss
+// outputs as ForwardRowsKernel gives them. The gradient is a·u_j·d_j off the
+// target, with the row factor
+//   a = scale·(w_t + 2·s·lse) / S
+// (w_t: the target's class weight; s: the z-loss scale)
 // written to row_factor[row] (0 for an ignored row, whose logits become
 // zeros) for the chunk's GEMMs to apply: dX rows are scaled after the dX
-// GEMM, X rows before the dW GEMM. The target element is rewritten as
-// g_t / a = u_t − S/(1 + 2·s·lse), formed in fp32 (p_t − 1 without
-// cancellation in the input dtype). Since m̂ ≤ max z, u's largest value is
-// at least 1 and nothing the row's sum would notice underflows (bf16 has
-// fp32's exponent range; fp16's is too narrow, so fp16 stays two-pass). A
-// row whose sum exceeds kMaxOnePassSum (a logit ~44 nats above its first
-// tile's maximum) or is not finite (NaN or inf logits), or whose factor is
-// zero or not finite, sets *redo: the caller runs the whole call again
-// with the two-pass kernel.
-template <typename T>
-__global__ void __launch_bounds__(kRowThreads, 2)
+// GEMM, X rows before the dW GEMM, bias gradient terms in the weighted
+// column sums. The target element is rewritten as
+// g_t / a = d_t·(u_t − w_t·S/(w_t + 2·s·lse)), formed in fp32 (p_t − 1
+// without cancellation in the input dtype). Since m̂ ≤ max z', u's largest
+// value is at least 1 and nothing the row's sum would notice underflows
+// (bf16 has fp32's exponent range; fp16's is too narrow, so fp16 stays
+// two-pass). A row whose sum exceeds kMaxOnePassSum (a logit ~44 nats above
+// its first tile's maximum) or is not finite (NaN or inf logits), or whose
+// factor is not finite or is zero while its target term is not, sets
+// *redo: the caller runs the whole call again with the two-pass kernel.
+// kPlain: no bias, softcap or class weights (compiled without their
+// per-element work, two blocks per multiprocessor as the two-pass kernels).
+template <typename T, bool kPlain>
+__global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
     OnePassRowsKernel(RowParams p, T* logits, const float* row_scale, RowOutputs out,
                       float* row_factor, int32_t* redo) {
   __shared__ SoftmaxState shared_state[kWarps];
@@ -490,17 +497,18 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   T* z = logits + r * p.vocab;
   const int64_t t = p.target[row];
   const bool valid = t != p.ignore_index;
+  const bool softcap = !kPlain && p.softcap > 0.0f;
   using Packs = RowPacks<T, true>;
 
-  float zt = 0.0f;  // the target's logit, on thread 0
-  if (threadIdx.x == 0 && valid) zt = ToFloatDev(z[t]);
+  float zt = 0.0f;  // the target's z', on thread 0
+  if (threadIdx.x == 0 && valid) zt = Transform<kPlain>(p, ToFloatDev(z[t]), t);
   float m = -CUDART_INF_F;
   const int64_t first = threadIdx.x * int64_t{Packs::P};
   if (first < p.vocab) {
     float x[Packs::P];
     Packs::Load(z, first, x, L2EvictLast());
 #pragma unroll
-    for (int k = 0; k < Packs::P; ++k) m = fmaxf(m, x[k]);
+    for (int k = 0; k < Packs::P; ++k) m = fmaxf(m, Transform<kPlain>(p, x[k], first + k));
   }
   // Its barriers also order thread 0's read of z[t] before any store.
   const float offset = BlockMax(m, shared_max);
@@ -513,12 +521,17 @@ __global__ void __launch_bounds__(kRowThreads, 2)
     int pk = 0;
 #pragma unroll
     for (int k = 0; k < Packs::P; ++k) {
-      if (x[k] > pm) {
-        pm = x[k];
+      const float zp = Transform<kPlain>(p, x[k], j0 + k);
+      if (zp > pm) {
+        pm = zp;
         pk = k;
       }
-      const float u = FastExpFrom(x[k], offset_log2);
+      float u = FastExpFrom(zp, offset_log2);
       s.sum += u;
+      if (softcap) {
+        const float q = zp / p.softcap;
+        u *= 1.0f - q * q;
+      }
       x[k] = valid ? u : 0.0f;
     }
     if (pm > s.max) {
@@ -529,16 +542,18 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   s = BlockCombine<false>(s, shared_state);
   const float lse = offset + logf(s.sum);
   const float zc = 2.0f * p.z_loss_scale * lse;
+  const float wt = valid ? (!kPlain && p.class_weight != nullptr ? p.class_weight[t] : 1.0f)
+                         : 0.0f;
   if (threadIdx.x == 0) {
     out.lse[row] = lse;
     bool ok = s.sum <= kMaxOnePassSum;  // false for NaN
     if (valid) {
       const float z_row = p.z_loss_scale * lse * lse;
-      out.loss[row] = (lse - zt) + z_row;
+      out.loss[row] = wt * (lse - zt) + z_row;
       out.z_loss[row] = z_row;
       out.correct[row] = s.argmax == t ? 1 : 0;
-      const float factor = row_scale[row] * (1.0f + zc) / s.sum;
-      ok = ok && factor != 0.0f && isfinite(factor);
+      const float factor = row_scale[row] * (wt + zc) / s.sum;
+      ok = ok && isfinite(factor) && (factor != 0.0f || wt == 0.0f);
       row_factor[row] = factor;
     } else {
       out.loss[row] = 0.0f;
@@ -548,10 +563,15 @@ __global__ void __launch_bounds__(kRowThreads, 2)
     }
     if (!ok) *redo = 1;
   }
-  if (valid) {
+  if (valid && wt != 0.0f) {
     __syncthreads();  // every thread's packs are written
     if (threadIdx.x == 0) {
-      z[t] = FromFloatDev<T>(FastExpFrom(zt, offset_log2) - s.sum / (1.0f + zc));
+      float target = FastExpFrom(zt, offset_log2) - wt * s.sum / (wt + zc);
+      if (softcap) {
+        const float q = zt / p.softcap;
+        target *= 1.0f - q * q;
+      }
+      z[t] = FromFloatDev<T>(target);
     }
   }
 }
@@ -641,11 +661,14 @@ __global__ void __launch_bounds__(kReduceThreads)
 
 template <typename GradT>
 __global__ void ColumnSumsKernel(const GradT* grad, int64_t rows, int64_t vocab, int64_t ld,
-                                 bool accumulate, float* db) {
+                                 const float* row_weight, bool accumulate, float* db) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= vocab) return;
   float sum = 0.0f;
-  for (int64_t r = 0; r < rows; ++r) sum += ToFloatDev(grad[r * ld + j]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float g = ToFloatDev(grad[r * ld + j]);
+    sum += row_weight != nullptr ? row_weight[r] * g : g;
+  }
   db[j] = accumulate ? db[j] + sum : sum;
 }
 
@@ -844,7 +867,7 @@ cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, co
 }
 
 bool OnePassRowsSupported(const RowParams& p, DType dtype) {
-  if (p.col0 != 0 || p.cols != p.vocab || !IsPlain(p)) return false;
+  if (p.col0 != 0 || p.cols != p.vocab || p.label_smoothing != 0.0f) return false;
   switch (dtype) {
     case DType::kFloat32:
       return p.vocab % kPack<float> == 0;
@@ -855,17 +878,24 @@ bool OnePassRowsSupported(const RowParams& p, DType dtype) {
   }
 }
 
+template <typename T>
+cudaError_t OnePassRowsFor(const RowParams& p, void* logits, const float* row_scale,
+                           const RowOutputs& out, float* row_factor, int32_t* redo,
+                           cudaStream_t stream) {
+  auto kernel = IsPlain(p) ? OnePassRowsKernel<T, true> : OnePassRowsKernel<T, false>;
+  return LaunchRows(kernel, p.rows, stream, p, static_cast<T*>(logits), row_scale, out,
+                    row_factor, redo);
+}
+
 cudaError_t LaunchOnePassRows(const RowParams& p, void* logits, DType dtype,
                               const float* row_scale, const RowOutputs& out, float* row_factor,
                               int32_t* redo, cudaStream_t stream) {
   if (!OnePassRowsSupported(p, dtype)) return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
   if (dtype == DType::kFloat32) {
-    return LaunchRows(OnePassRowsKernel<float>, p.rows, stream, p, static_cast<float*>(logits),
-                      row_scale, out, row_factor, redo);
+    return OnePassRowsFor<float>(p, logits, row_scale, out, row_factor, redo, stream);
   }
-  return LaunchRows(OnePassRowsKernel<__nv_bfloat16>, p.rows, stream, p,
-                    static_cast<__nv_bfloat16*>(logits), row_scale, out, row_factor, redo);
+  return OnePassRowsFor<__nv_bfloat16>(p, logits, row_scale, out, row_factor, redo, stream);
 }
 
 cudaError_t LaunchScaleRows(const void* src, void* dst, DType dtype, const float* factor,
@@ -912,20 +942,21 @@ cudaError_t LaunchReduceRows(const RowOutputs& rows, int64_t n, const double* de
 }
 
 cudaError_t LaunchColumnSums(const void* grad, DType grad_dtype, int64_t rows, int64_t vocab,
-                             int64_t ld, bool accumulate, float* db, cudaStream_t stream) {
+                             int64_t ld, const float* row_weight, bool accumulate, float* db,
+                             cudaStream_t stream) {
   const unsigned int blocks = Blocks(vocab, 256);
   switch (grad_dtype) {
     case DType::kFloat32:
       ColumnSumsKernel<<<blocks, 256, 0, stream>>>(static_cast<const float*>(grad), rows, vocab,
-                                                   ld, accumulate, db);
+                                                   ld, row_weight, accumulate, db);
       break;
     case DType::kFloat16:
       ColumnSumsKernel<<<blocks, 256, 0, stream>>>(static_cast<const __half*>(grad), rows,
-                                                   vocab, ld, accumulate, db);
+                                                   vocab, ld, row_weight, accumulate, db);
       break;
     case DType::kBFloat16:
       ColumnSumsKernel<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(grad),
-                                                   rows, vocab, ld, accumulate, db);
+                                                   rows, vocab, ld, row_weight, accumulate, db);
       break;
     default:
       return cudaErrorInvalidValue;

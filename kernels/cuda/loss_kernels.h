@@ -61,21 +61,22 @@ cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, boo
 cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, const float* lse,
                                const float* row_scale, cudaStream_t stream);
 
-// Whether LaunchOnePassRows takes these rows: whole rows, plain (no bias,
-// softcap, class weights or label smoothing; z-loss allowed), bf16 or fp32,
-// V a multiple of the 16-byte pack.
+// Whether LaunchOnePassRows takes these rows: whole rows without label
+// smoothing (bias, softcap, class weights and z-loss allowed), bf16 or
+// fp32, V a multiple of the 16-byte pack.
 bool OnePassRowsSupported(const RowParams& p, DType dtype);
 
 // LaunchForwardRows with write_grad, reading each logit once (deferred
-// normalisation): writes u = exp(z − m̂) over the logits, m̂ the maximum of
-// each row's first 16-byte pack per thread, with the target element
-// rewritten so that row_factor[row] × (the row) is the scaled gradient; the
-// caller applies row_factor (dX rows after the dX GEMM, X rows before the
-// dW GEMM). Sets *redo to 1 (never to 0) when a row's sum leaves the range
-// where that is exact to fp32 (a logit ~44 nats over m̂, a non-finite
-// logit, a zero z-loss factor): the results are then not to be used and the
-// call is to be run again with LaunchForwardRows. Same per-row outputs.
-// Traffic: reads the chunk once, writes it once.
+// normalisation): writes u = exp(z' − m̂) (times the softcap's chain factor)
+// over the logits, m̂ the maximum of each row's first 16-byte pack per
+// thread, with the target element rewritten so that row_factor[row] × (the
+// row) is the scaled gradient; the caller applies row_factor (dX rows after
+// the dX GEMM, X rows before the dW GEMM, rows of the bias column sums).
+// Sets *redo to 1 (never to 0) when a row's sum leaves the range where that
+// is exact to fp32 (a logit ~44 nats over m̂, a non-finite logit, a zero
+// factor beside a non-zero target term): the results are then not to be
+// used and the call is to be run again with LaunchForwardRows. Same per-row
+// outputs. Traffic: reads the chunk once, writes it once.
 cudaError_t LaunchOnePassRows(const RowParams& p, void* logits, DType dtype,
                               const float* row_scale, const RowOutputs& out, float* row_factor,
                               int32_t* redo, cudaStream_t stream);
@@ -102,11 +103,12 @@ cudaError_t LaunchRowScales(const int64_t* target, int64_t n, int64_t ignore_ind
 cudaError_t LaunchReduceRows(const RowOutputs& rows, int64_t n, const double* denom,
                              bool divide, double* totals, cudaStream_t stream);
 
-// db[j] (+)= Σ_r grad[r, j] over a chunk's gradient (grad_dtype, leading
-// dimension ld elements). accumulate = false overwrites db.
+// db[j] (+)= Σ_r row_weight[r]·grad[r, j] over a chunk's gradient
+// (grad_dtype, leading dimension ld elements; row_weight null: all 1, else
+// `rows` fp32 device values). accumulate = false overwrites db.
 cudaError_t LaunchColumnSums(const void* grad, DType grad_dtype, int64_t rows,
-                             int64_t vocab, int64_t ld, bool accumulate, float* db,
-                             cudaStream_t stream);
+                             int64_t vocab, int64_t ld, const float* row_weight,
+                             bool accumulate, float* db, cudaStream_t stream);
 
 // dst[i] = src[i] × scale converted from src_dtype to dst_dtype (floating
 // dtypes), rounded once. dst may equal src only when the element sizes match.
