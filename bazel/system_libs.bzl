@@ -55,7 +55,7 @@ system_library = repository_rule(
 )
 
 def flce_system_libs():
-    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas and @openssl."""
+    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas, @microhttpd and @openssl."""
     system_library(
         name = "protobuf",
         target = "protobuf",
@@ -109,6 +109,13 @@ def flce_system_libs():
         modules = ["openblas"],
         headers = ["x86_64-linux-gnu/cblas.h"],
         packages = ["libopenblas-dev"],
+    )
+    system_library(
+        name = "microhttpd",
+        target = "microhttpd",
+        modules = ["libmicrohttpd"],
+        headers = ["microhttpd.h"],
+        packages = ["libmicrohttpd-dev"],
     )
     system_library(
         name = "openssl",

@@ -42,6 +42,10 @@ class SliceResolver {
   // bytes do not lie inside it.
   virtual absl::StatusOr<SliceMemory> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
                                               const std::string& field) const = 0;
+  // After a call: OK unless memory resolved by this resolver was taken
+  // away under it (a client shrank its shared-memory object), in which case
+  // what the call read or wrote there is void.
+  virtual absl::Status CheckIntact() const { return absl::OkStatus(); }
 };
 
 // The bytes a wire tensor's dtype and shape call for. INVALID_ARGUMENT

@@ -48,6 +48,9 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     }
   }
   FLCE_ASSIGN_OR_RETURN(outcome.result, engine_->Forward(problem, spec, cancelled));
+  // A shared-memory region its owner shrank under the call was read as
+  // zeros: the result is void.
+  if (call.shm != nullptr) FLCE_RETURN_IF_ERROR(call.shm->CheckIntact());
   if (call.need_backward) {
     SessionInfo info;
     info.reduction = call.problem.options.reduction;
@@ -64,20 +67,52 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
   return outcome;
 }
 
+namespace {
+
+bool SameGradOutput(const std::optional<HostTensor>& a, const std::optional<HostTensor>& b) {
+  auto is_one = [](const std::optional<HostTensor>& g) {
+    if (!g) return true;
+    const float* v = g->data_as<float>();
+    for (int64_t i = 0; i < g->num_elements(); ++i) {
+      if (v[i] != 1.0f) return false;
+    }
+    return true;
+  };
+  if (!a || !b) return is_one(a) && is_one(b);
+  return a->num_elements() == b->num_elements() && a->data == b->data;
+}
+
+}  // namespace
+
 absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
                                                    const std::string& principal,
                                                    const CancelFn& cancelled) {
   FLCE_ASSIGN_OR_RETURN(SessionLease lease,
                         sessions_->Acquire(call.session_id, principal));
+  const std::string short_id = call.session_id.substr(0, 8);
   absl::Status status = CheckGradOutput(call, lease.info);
   if (status.ok() && call.accumulate_weight_grad && lease.info.weight == nullptr) {
     status = absl::FailedPreconditionError(absl::StrCat(
-        "accumulate_weight_grad: session ", call.session_id.substr(0, 8),
+        "accumulate_weight_grad: session ", short_id,
         "… was made from a weight tensor, not a weight_ref; there is no accumulator"));
+  }
+  // A retry of an accumulating Backward whose dX was lost: dW is in the
+  // accumulator already.
+  const bool retry = lease.undelivered.has_value();
+  if (status.ok() && retry &&
+      !(call.accumulate_weight_grad &&
+        SameGradOutput(call.grad_output, lease.undelivered->grad_output))) {
+    status = absl::FailedPreconditionError(absl::StrCat(
+        "session_id ", short_id, "…: its last Backward added dW into weight ",
+        lease.info.weight->name(), " but its dX did not reach the client; only a retry of "
+        "that call (accumulate_weight_grad, the same grad_output) may run, and returns dX"));
   }
   // Shared-memory destinations are checked before any compute.
   const DType out_dtype = call.grad_dtype.value_or(lease.info.dtype);
   const int64_t elem = DTypeSize(out_dtype);
+  const int64_t dx_bytes = lease.info.rows * lease.info.hidden * elem;
+  const int64_t dw_bytes = lease.info.vocab * lease.info.hidden * elem;
+  const int64_t db_bytes = lease.info.has_bias ? lease.info.vocab * elem : 0;
   BackwardSpec spec;
   auto resolve = [&](const std::optional<v1::SharedMemorySlice>& slice, int64_t bytes,
                      const char* field, std::optional<GradientDestination>* to) -> absl::Status {
@@ -86,27 +121,39 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
     *to = GradientDestination{memory.data, memory.space};
     return absl::OkStatus();
   };
-  status = resolve(call.grad_hidden_out, lease.info.rows * lease.info.hidden * elem,
-                   "grad_hidden_out", &spec.grad_hidden_to);
+  status = resolve(call.grad_hidden_out, dx_bytes, "grad_hidden_out", &spec.grad_hidden_to);
   if (!call.accumulate_weight_grad) {
-    status = resolve(call.grad_weight_out, lease.info.vocab * lease.info.hidden * elem,
-                     "grad_weight_out", &spec.grad_weight_to);
+    status = resolve(call.grad_weight_out, dw_bytes, "grad_weight_out", &spec.grad_weight_to);
     if (status.ok() && call.grad_bias_out && !lease.info.has_bias) {
       status = absl::InvalidArgumentError("grad_bias_out: the session has no bias");
     }
-    status = resolve(call.grad_bias_out, lease.info.vocab * elem, "grad_bias_out",
-                     &spec.grad_bias_to);
+    status = resolve(call.grad_bias_out, db_bytes, "grad_bias_out", &spec.grad_bias_to);
+  }
+  if (status.ok() && call.max_response_bytes > 0) {
+    int64_t inline_bytes = spec.grad_hidden_to ? 0 : dx_bytes;
+    if (!call.accumulate_weight_grad) {
+      inline_bytes += (spec.grad_weight_to ? 0 : dw_bytes) + (spec.grad_bias_to ? 0 : db_bytes);
+    }
+    // Room for the message's framing and shapes.
+    if (inline_bytes > call.max_response_bytes - 4096) {
+      status = absl::ResourceExhaustedError(absl::StrCat(
+          "Backward: the gradients take ", inline_bytes,
+          " bytes, over the server's message limit of ", call.max_response_bytes,
+          " (--max_message_bytes); call BackwardStream (the clients switch by themselves)"));
+    }
   }
   if (!status.ok()) {
-    sessions_->Finish(lease, /*consume=*/false);
+    sessions_->Finish(lease, /*consume=*/false, lease.undelivered);
     return status;
   }
   if (call.grad_output) spec.grad_output = call.grad_output->view();
   spec.grad_dtype = call.grad_dtype;
   // The accumulator sums fp32 gradients: on the engine's device when it has
-  // one (the engine adds them there), else here on the host.
+  // one (the engine adds them there), else here on the host. A retry only
+  // recomputes dX: its dW is in the sum already and is dropped.
   std::optional<RegisteredWeight::DeviceGrad> device_grad =
-      call.accumulate_weight_grad ? lease.info.weight->LeaseDeviceGrad(*engine_) : std::nullopt;
+      call.accumulate_weight_grad && !retry ? lease.info.weight->LeaseDeviceGrad(*engine_)
+                                            : std::nullopt;
   if (call.accumulate_weight_grad) {
     spec.weight_grad_dtype = DType::kFloat32;
     if (device_grad) {
@@ -114,18 +161,33 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
       spec.grad_bias_to = device_grad->db();
     }
   }
-  spec.last_use = !call.keep_session;
+  // The state must survive an undelivered answer: never handed over.
+  spec.last_use = false;
   absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
-  sessions_->Finish(lease, /*consume=*/grads.ok() && !call.keep_session);
-  if (!grads.ok()) return grads.status();
-  if (device_grad) device_grad->Added();
+  if (grads.ok() && call.shm != nullptr) {
+    absl::Status intact = call.shm->CheckIntact();
+    if (!intact.ok()) grads = intact;
+  }
+  if (!grads.ok()) {
+    // A device accumulation that went wrong leaves the sum undefined only
+    // on a sticky device error, after which the engine serves no more.
+    sessions_->Finish(lease, /*consume=*/false, lease.undelivered);
+    return grads.status();
+  }
   BackwardOutcome outcome;
+  if (device_grad) {
+    device_grad->Added();
+    outcome.accumulated = UndeliveredAccumulation{call.grad_output};
+  } else if (retry) {
+    outcome.accumulated = lease.undelivered;
+  }
   outcome.grad_hidden = std::move(grads->grad_hidden);
   outcome.grad_hidden_in_shm = spec.grad_hidden_to.has_value();
   if (call.accumulate_weight_grad) {
-    if (!device_grad) {
+    if (!device_grad && !retry) {
       lease.info.weight->AccumulateGrad(std::move(grads->grad_weight),
                                         std::move(grads->grad_bias));
+      outcome.accumulated = UndeliveredAccumulation{call.grad_output};
     }
   } else {
     outcome.grad_weight = std::move(grads->grad_weight);
@@ -133,7 +195,21 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
     outcome.grad_weight_in_shm = spec.grad_weight_to.has_value();
     outcome.grad_bias_in_shm = spec.grad_bias_to.has_value();
   }
+  outcome.keep_session = call.keep_session;
+  sessions_->MarkDelivering(lease);
+  outcome.lease = std::move(lease);
   return outcome;
+}
+
+void LossCore::Settle(BackwardOutcome& outcome, bool delivered) {
+  if (!outcome.lease) return;
+  SessionLease lease = std::move(*outcome.lease);
+  outcome.lease.reset();
+  if (delivered) {
+    sessions_->Finish(lease, /*consume=*/!outcome.keep_session);
+  } else {
+    sessions_->Finish(lease, /*consume=*/false, std::move(outcome.accumulated));
+  }
 }
 
 bool LossCore::Release(const std::string& session_id, const std::string& principal) {

@@ -21,6 +21,8 @@ struct ForwardOutcome {
   BackwardMode mode = BackwardMode::kAuto;  // resolved; kAuto without a session
 };
 
+// A computed Backward. Its session stays held until LossCore::Settle says
+// whether the gradients reached the client.
 struct BackwardOutcome {
   HostTensor grad_hidden;
   // Absent when they were added into the registered weight's accumulator.
@@ -28,6 +30,13 @@ struct BackwardOutcome {
   // Gradients written into the caller's shared memory instead (their
   // tensors above then keep dtype and shape but no bytes).
   bool grad_hidden_in_shm = false, grad_weight_in_shm = false, grad_bias_in_shm = false;
+
+  // For Settle.
+  std::optional<SessionLease> lease;
+  bool keep_session = false;
+  // With accumulate_weight_grad: the record of the accumulation, kept on the
+  // session if the answer is not delivered.
+  std::optional<UndeliveredAccumulation> accumulated;
 };
 
 class LossCore {
@@ -43,12 +52,21 @@ class LossCore {
                                          const std::string& principal,
                                          const CancelFn& cancelled);
 
-  // On success the session is consumed unless keep_session; on failure it
-  // stays as it was. With accumulate_weight_grad, dW and db go into the
-  // session's registered weight (FAILED_PRECONDITION without one).
+  // On failure the session stays as it was. On success it stays held by
+  // the outcome until Settle. With accumulate_weight_grad, dW and db go into
+  // the session's registered weight (FAILED_PRECONDITION without one).
+  // RESOURCE_EXHAUSTED, before any compute, when the gradients returned as
+  // bytes would exceed call.max_response_bytes (> 0).
   absl::StatusOr<BackwardOutcome> Backward(const BackwardCall& call,
                                      const std::string& principal,
                                      const CancelFn& cancelled);
+
+  // Ends a computed Backward. Delivered: the session is consumed (unless
+  // keep_session). Not delivered: the session stays as it was, except that
+  // a dW added into the weight's accumulator is remembered, so that only a
+  // retry of the call (which returns dX and adds nothing) runs next
+  // (SessionStore's UndeliveredAccumulation).
+  void Settle(BackwardOutcome& outcome, bool delivered);
 
   bool Release(const std::string& session_id, const std::string& principal);
 

@@ -1,5 +1,7 @@
 #include "server/loss_core.h"
 
+#include <cstring>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_engine.h"
@@ -93,10 +95,79 @@ TEST_F(LossCoreTest, BadGradOutputLeavesTheSessionUsable) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("grad_output")));
   call.grad_output = HostTensor(DType::kFloat32, {9});
   for (int64_t i = 0; i < 9; ++i) call.grad_output->mutable_data<float>()[i] = 1.0f;
-  EXPECT_TRUE(core_->Backward(call, "", nullptr).ok());
+  auto grads = core_->Backward(call, "", nullptr);
+  ASSERT_TRUE(grads.ok());
+  core_->Settle(*grads, /*delivered=*/true);
   EXPECT_THAT(core_->Backward(call, "", nullptr),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("consumed")));
   EXPECT_EQ(sessions_->bytes_in_use(), 0);
+}
+
+// Gradients that never reached the client leave the session as it was: the
+// same Backward runs again and gives the same bits.
+TEST_F(LossCoreTest, AnUndeliveredBackwardLeavesTheSessionAsItWas) {
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    auto outcome = core_->Forward(Call(Reduction::kSum, mode), "", nullptr);
+    ASSERT_TRUE(outcome.ok());
+    BackwardCall call;
+    call.session_id = outcome->session_id;
+    auto lost = core_->Backward(call, "", nullptr);
+    ASSERT_TRUE(lost.ok());
+    const std::string first = lost->grad_weight->data;
+    core_->Settle(*lost, /*delivered=*/false);
+    EXPECT_EQ(sessions_->live_sessions(), 1);
+    auto again = core_->Backward(call, "", nullptr);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->grad_weight->data, first);
+    core_->Settle(*again, /*delivered=*/true);
+    EXPECT_EQ(sessions_->live_sessions(), 0);
+  }
+}
+
+// An accumulating Backward whose dX was lost added its dW already: only its
+// retry may run, which returns the same dX and adds nothing.
+TEST_F(LossCoreTest, AnUndeliveredAccumulationIsRetriedNotAddedTwice) {
+  RandomProblemSpec spec;
+  spec.rows = 9;
+  spec.hidden = 8;
+  spec.vocab = 50;
+  spec.options.reduction = Reduction::kSum;
+  OwnedProblem p = MakeRandomProblem(spec);
+  HostTensor w(DType::kFloat32, {50, 8});
+  std::memcpy(w.mutable_data<float>(), p.view().weight.data, w.data.size());
+  auto weight = *weights_.Put("head", "", std::move(w), std::nullopt);
+  ForwardCall forward;
+  forward.problem = p.view();
+  forward.problem.weight = weight->weight().view();
+  forward.weight_ref = weight;
+  forward.need_backward = true;
+  auto session = core_->Forward(forward, "", nullptr);
+  ASSERT_TRUE(session.ok()) << session.status();
+  BackwardCall call;
+  call.session_id = session->session_id;
+  call.accumulate_weight_grad = true;
+  call.grad_output = HostTensor(DType::kFloat32, {});
+  call.grad_output->mutable_data<float>()[0] = 0.5f;
+  auto lost = core_->Backward(call, "", nullptr);
+  ASSERT_TRUE(lost.ok()) << lost.status();
+  const std::string dx = lost->grad_hidden.data;
+  core_->Settle(*lost, /*delivered=*/false);
+  EXPECT_EQ(weight->accumulated_backwards(), 1);
+  // Anything but the same call is refused.
+  BackwardCall other = call;
+  other.grad_output->mutable_data<float>()[0] = 1.0f;
+  EXPECT_THAT(core_->Backward(other, "", nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("retry of that call")));
+  BackwardCall plain = call;
+  plain.accumulate_weight_grad = false;
+  EXPECT_THAT(core_->Backward(plain, "", nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("did not reach")));
+  auto retry = core_->Backward(call, "", nullptr);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->grad_hidden.data, dx);
+  core_->Settle(*retry, /*delivered=*/true);
+  EXPECT_EQ(weight->accumulated_backwards(), 1);
+  EXPECT_EQ(sessions_->live_sessions(), 0);
 }
 
 TEST_F(LossCoreTest, CancelledForwardKeepsNoSession) {

@@ -1,5 +1,6 @@
 #include "server/loss_server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <sstream>
@@ -7,9 +8,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/status_macros.h"
 #include "server/engine_factory.h"
+#include "server/sigbus_guard.h"
 #include "server/version.h"
 #include "spdlog/spdlog.h"
 
@@ -40,10 +43,25 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--session_ttl: ", absl::FormatDuration(o.sessions.ttl), "; expected > 0"));
   }
-  if (o.max_message_bytes < 1024 || o.max_message_bytes > (int64_t{2} << 30) - 1) {
+  if (o.max_message_bytes < (int64_t{64} << 10) || o.max_message_bytes > (int64_t{2} << 30) - 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_message_bytes: ", o.max_message_bytes,
-        "; expected between 1024 and 2147483647 (protobuf's ceiling)"));
+        "; expected between 65536 and 2147483647 (protobuf's ceiling)"));
+  }
+  const StreamLimits& st = o.streams;
+  if (st.max_streams < 1 || st.memory_bytes < 0 || st.max_streams_per_principal < 0 ||
+      st.memory_bytes_per_principal < 0 || st.idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--max_streams must be >= 1, --stream_idle_timeout > 0, and --stream_memory_bytes "
+        "and the _per_principal forms >= 0");
+  }
+  const SharedMemoryLimits& shm = o.shared_memory;
+  if (shm.max_regions < 1 || shm.max_regions > SigbusGuard::kCapacity ||
+      shm.max_regions_per_principal < 0 || shm.max_bytes < 0 ||
+      shm.max_bytes_per_principal < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_shared_memory_regions must be in [1, ", SigbusGuard::kCapacity,
+        "], --shared_memory_bytes and the _per_principal forms >= 0"));
   }
   return absl::OkStatus();
 }
@@ -58,6 +76,37 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
   }
   return text.str();
 }
+
+// Removes the reflection plugin (InitProtoReflectionServerBuilderPlugin adds
+// it to every builder) from one builder.
+class WithoutReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+                                    return dynamic_cast<grpc::reflection::ProtoServerReflectionPlugin*>(
+                                               p.get()) != nullptr;
+                                  }),
+                   plugins->end());
+  }
+};
+
+// Every method of the health-only port but grpc.health.v1's.
+class HealthOnly : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
+    class Refuse : public grpc::ServerGenericBidiReactor {
+     public:
+      Refuse() {
+        Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                            "this port serves only grpc.health.v1 (--health_address)"));
+      }
+      void OnDone() override { delete this; }
+    };
+    return new Refuse;
+  }
+};
 
 // TLS (and mutual TLS) from the options, or plaintext when asked for.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const SecurityOptions& o) {
@@ -123,17 +172,26 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
                                         s->weights_.get());
   s->queue_ = std::make_unique<WorkQueue>(options.workers, options.max_queued_requests);
   if (options.enable_shared_memory) {
-    s->shared_memory_ = std::make_unique<SharedMemoryRegistry>();
+    s->shared_memory_ = std::make_unique<SharedMemoryRegistry>(options.shared_memory);
   }
+  s->streams_ = std::make_unique<StreamAdmission>(options.streams);
   LossServer* raw = s.get();
+  ServiceLimits limits;
+  limits.max_message_bytes = options.max_message_bytes;
   s->service_ = std::make_unique<LossServiceImpl>(
-      s->core_.get(), s->queue_.get(), ServiceLimits{options.max_message_bytes},
-      s->shared_memory_.get(), s->auth_.get(), &s->metrics_,
-      [raw] { return raw->Metrics().gauges; }, [raw] { raw->MarkUnhealthy(); });
+      s->core_.get(), s->queue_.get(), limits, s->streams_.get(), s->shared_memory_.get(),
+      s->auth_.get(), &s->metrics_, [raw] { return raw->Metrics().gauges; },
+      [raw] { raw->MarkUnhealthy(); });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // Reflection answers without a token (gRPC serves it outside the
+  // handlers that authenticate): with tokens it is off.
+  if (s->auth_->uses_tokens()) builder.SetOption(std::make_unique<WithoutReflection>());
+  // A port another process holds is refused, not shared (gRPC's default
+  // SO_REUSEPORT would let two servers split the connections).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options.listen_address, credentials, &s->port_);
   // Engine calls can run for minutes: let clients keep idle connections
   // alive with pings every 10 s or more, and ping them every minute.
@@ -155,6 +213,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
     // server with no other service): for kubelet's gRPC probes, which do
     // not speak TLS.
     grpc::ServerBuilder health_builder;
+    health_builder.SetOption(std::make_unique<WithoutReflection>());
+    s->health_only_ = std::make_unique<HealthOnly>();
+    health_builder.RegisterCallbackGenericService(s->health_only_.get());
+    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     health_builder.AddListeningPort(options.health_address, grpc::InsecureServerCredentials(),
                                     &s->health_port_);
     s->health_server_ = health_builder.BuildAndStart();
@@ -188,11 +250,16 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   SPDLOG_INFO(
       "limits: max_sessions={} session_memory_bytes={} weight_memory_bytes={} "
       "weight_device_memory_bytes={} session_ttl={} workers={} max_queued_requests={} "
-      "max_message_bytes={}",
+      "max_message_bytes={} max_streams={} stream_memory_bytes={} stream_idle_timeout={}{}",
       options.sessions.max_sessions, options.sessions.memory_budget_bytes,
       options.weight_memory_bytes, options.weight_device_memory_bytes,
       absl::FormatDuration(options.sessions.ttl), options.workers,
-      options.max_queued_requests, options.max_message_bytes);
+      options.max_queued_requests, options.max_message_bytes, options.streams.max_streams,
+      options.streams.memory_bytes, absl::FormatDuration(options.streams.idle_timeout),
+      options.enable_shared_memory
+          ? absl::StrCat(" max_shared_memory_regions=", options.shared_memory.max_regions,
+                         " shared_memory_bytes=", options.shared_memory.max_bytes)
+          : std::string());
   return s;
 }
 
@@ -222,6 +289,10 @@ MetricsSnapshot LossServer::Metrics() const {
   g.weight_memory_bytes = weights_->bytes_in_use();
   g.weight_device_memory_bytes = weights_->device_bytes_in_use();
   g.shared_memory_regions = shared_memory_ ? shared_memory_->size() : 0;
+  g.shared_memory_bytes = shared_memory_ ? shared_memory_->bytes() : 0;
+  g.open_streams = streams_->open_streams();
+  g.stream_memory_bytes = streams_->bytes_in_use();
+  g.stream_idle_timeouts = streams_->idle_timeouts();
   g.device_memory_bytes = engine_->device_memory_bytes();
   g.serving = serving_.load();
   g.sessions_expired = sessions_->expired_total();

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/loss_engine.h"
 #include "server/auth.h"
@@ -22,6 +23,7 @@
 #include "server/metrics_http.h"
 #include "server/session_store.h"
 #include "server/shared_memory.h"
+#include "server/stream_admission.h"
 #include "server/weight_registry.h"
 #include "server/work_queue.h"
 
@@ -56,6 +58,9 @@ struct ServerOptions {
   int64_t weight_device_memory_bytes = int64_t{32} << 30;
   // Accept tensors in same-host clients' POSIX shared memory.
   bool enable_shared_memory = false;
+  SharedMemoryLimits shared_memory;
+  // Client-streaming RPCs: open streams, ForwardStream bytes, idle timeout.
+  StreamLimits streams;
   int workers = 1;               // concurrent engine calls
   int max_queued_requests = 64;  // waiting beyond the running ones
   int64_t max_message_bytes = int64_t{256} << 20;
@@ -116,6 +121,7 @@ class LossServer {
   std::unique_ptr<SessionStore> sessions_;
   std::unique_ptr<WeightRegistry> weights_;
   std::unique_ptr<SharedMemoryRegistry> shared_memory_;
+  std::unique_ptr<StreamAdmission> streams_;
   std::unique_ptr<LossCore> core_;
   std::unique_ptr<WorkQueue> queue_;
   std::unique_ptr<LossServiceImpl> service_;
@@ -123,6 +129,7 @@ class LossServer {
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::atomic<bool> serving_{true};
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::CallbackGenericService> health_only_;
   std::unique_ptr<grpc::Server> health_server_;
   int port_ = 0;
   int health_port_ = 0;

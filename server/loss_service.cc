@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <new>
 #include <memory>
 #include <string>
 #include <utility>
@@ -11,11 +10,12 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kernels/status_macros.h"
 #include "proto/codec.h"
 #include "proto/crc32c.h"
-#include "kernels/status_macros.h"
 #include "server/version.h"
 #include "spdlog/spdlog.h"
 
@@ -31,11 +31,9 @@ CancelFn CancelFor(const grpc::CallbackServerContext* context) {
 }
 
 // CANCELLED / DEADLINE_EXCEEDED if the caller is gone, else OK.
-absl::Status CheckAlive(const grpc::CallbackServerContext* context,
-                        const char* where) {
+absl::Status CheckAlive(const grpc::CallbackServerContext* context, const char* where) {
   if (DeadlinePassed(context)) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("deadline exceeded ", where));
+    return absl::DeadlineExceededError(absl::StrCat("deadline exceeded ", where));
   }
   if (context->IsCancelled()) {
     return absl::CancelledError(absl::StrCat("cancelled by the client ", where));
@@ -60,76 +58,59 @@ double MillisSince(absl::Time start) {
   return absl::ToDoubleMilliseconds(absl::Now() - start);
 }
 
-// One access-log line per finished RPC, and its count and latency.
-void LogRpc(ServiceMetrics* metrics, const char* rpc, const std::string& detail,
-            const absl::Status& status, absl::Time start) {
-  const double ms = MillisSince(start);
-  SPDLOG_INFO("rpc={} {}code={} ms={:.1f}", rpc, detail,
-              absl::StatusCodeToString(status.code()), ms);
-  if (metrics != nullptr) metrics->RecordRpc(rpc, status.code(), ms / 1e3);
-}
-
-// Finishes a unary call that failed authentication.
-grpc::ServerUnaryReactor* Refuse(ServiceMetrics* metrics, grpc::CallbackServerContext* context,
-                                 const char* rpc, const absl::Status& status) {
-  LogRpc(metrics, rpc, "", status, absl::Now());
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
 std::string ProblemDetail(const LossProblem& p) {
   return absl::StrCat("n=", p.rows(), " h=", p.hidden_size(), " v=", p.vocab(),
                       " dtype=", DTypeName(p.hidden.dtype), " ");
 }
 
 std::string SessionDetail(const std::string& id) {
-  return id.empty() ? "" : absl::StrCat("session=", id.substr(0, 8), " ");
+  return id.empty() ? "" : absl::StrCat("session=", LogSafe(id, 8), " ");
 }
 
-// Queues `work` (returning the RPC's status), then calls finish(status) on
-// the worker; at once if the queue refuses.
-template <typename Work>
-void Run(ServiceMetrics* metrics, grpc::CallbackServerContext* context, WorkQueue* queue,
-         const char* rpc,
-         std::shared_ptr<std::string> detail, Work work,
-         std::function<void(const absl::Status&)> finish) {
-  const absl::Time start = absl::Now();
-  absl::Status submitted = queue->Submit([=]() mutable {
-    absl::Status status = CheckAlive(context, "while queued");
-    if (status.ok()) status = work(start);
-    LogRpc(metrics, rpc, *detail, status, start);
-    finish(status);
-  });
-  if (!submitted.ok()) {
-    LogRpc(metrics, rpc, *detail, submitted, start);
-    finish(submitted);
-  }
+// Bytes a Forward response takes beyond its framing: the per-row tensors.
+int64_t ForwardResponseBytes(const ForwardCall& call) {
+  const int64_t rows = call.problem.rows();
+  int64_t tensors = static_cast<int64_t>(call.want_lse) + call.want_per_row_loss;
+  if (call.problem.options.reduction == Reduction::kNone) tensors += 2;  // loss, z_loss
+  return tensors * rows * 4;
 }
 
 }  // namespace
 
+int64_t ServiceLimits::stream_chunk_bytes() const {
+  // Room for a chunk's header (a WeightInfo, a BackwardResponse's shapes).
+  return std::max<int64_t>(4096, std::min<int64_t>(int64_t{4} << 20,
+                                                   max_message_bytes - (int64_t{16} << 10)));
+}
+
 LossServiceImpl::LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
-                                 SharedMemoryRegistry* shared_memory, const Authenticator* auth,
-                                 ServiceMetrics* metrics, std::function<Gauges()> gauges,
+                                 StreamAdmission* streams, SharedMemoryRegistry* shared_memory,
+                                 const Authenticator* auth, ServiceMetrics* metrics,
+                                 std::function<Gauges()> gauges,
                                  std::function<void()> on_engine_unhealthy)
     : core_(core),
       queue_(queue),
       limits_(limits),
+      streams_(streams),
       shared_memory_(shared_memory),
       auth_(auth),
       metrics_(metrics),
       gauges_(std::move(gauges)),
       on_engine_unhealthy_(std::move(on_engine_unhealthy)) {}
 
-absl::StatusOr<std::string> LossServiceImpl::Authenticate(
-    const grpc::CallbackServerContext* context) const {
+template <typename Request, typename Response>
+UnaryCall<Request, Response>* LossServiceImpl::NewUnary(Context* context, const Bytes* in,
+                                                        Bytes* out, const char* rpc) {
+  return new UnaryCall<Request, Response>(context, in, out, metrics_, rpc,
+                                          limits_.max_message_bytes);
+}
+
+absl::StatusOr<std::string> LossServiceImpl::Authenticate(const Context* context) const {
   if (auth_ == nullptr) return std::string();
   return auth_->Authenticate(*context);
 }
 
-absl::StatusOr<std::string> LossServiceImpl::Admit(
-    const grpc::CallbackServerContext* context) const {
+absl::StatusOr<std::string> LossServiceImpl::Admit(const Context* context) const {
   absl::StatusOr<std::string> principal = Authenticate(context);
   if (principal.ok() && draining_) {
     return absl::UnavailableError(
@@ -143,8 +124,7 @@ std::shared_ptr<SliceResolver> LossServiceImpl::ResolverFor(const std::string& p
   return shared_memory_ ? shared_memory_->ResolverFor(principal) : nullptr;
 }
 
-absl::Status LossServiceImpl::Explain(absl::Status status,
-                                      const grpc::CallbackServerContext* context) {
+absl::Status LossServiceImpl::Explain(absl::Status status, const Context* context) {
   // The engine stops with CANCELLED when the cancel hook fires; say which.
   if (status.code() == absl::StatusCode::kCancelled && DeadlinePassed(context)) {
     return absl::DeadlineExceededError("deadline exceeded while computing");
@@ -158,25 +138,37 @@ absl::Status LossServiceImpl::Explain(absl::Status status,
   return status;
 }
 
-absl::Status LossServiceImpl::ComputeForward(grpc::CallbackServerContext* context,
-                                             const std::string& principal,
-                                             const ForwardCall& call,
-                                             v1::ForwardResponse* response, absl::Time start,
-                                             std::string* detail) {
+void LossServiceImpl::Run(Call* call, std::function<absl::Status(absl::Time)> work,
+                          std::function<void(const absl::Status&)> done) {
+  const absl::Time queued = absl::Now();
+  Context* context = call->context();
+  const char* rpc = call->record().rpc();
+  absl::Status submitted = queue_->Submit([=]() {
+    absl::Status status = CheckAlive(context, "while queued");
+    if (status.ok()) status = GuardMemory([&] { return work(queued); }, rpc);
+    done(status);
+  });
+  if (!submitted.ok()) done(submitted);
+}
+
+// --- Forward ---------------------------------------------------------------
+
+absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& principal,
+                                             const ForwardCall& forward,
+                                             v1::ForwardResponse* response, absl::Time queued) {
+  Context* context = call->context();
   const absl::Time engine_start = absl::Now();
-  absl::StatusOr<ForwardOutcome> outcome =
-      core_->Forward(call, principal, CancelFor(context));
-  metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - start));
-  metrics_->RecordEngine("Forward", absl::ToDoubleSeconds(absl::Now() - engine_start));
+  absl::StatusOr<ForwardOutcome> outcome = core_->Forward(forward, principal, CancelFor(context));
+  metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
+  metrics_->RecordEngine(call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start));
   if (!outcome.ok()) return Explain(outcome.status(), context);
+  // The session lives only if the client learns its id.
   if (!outcome->session_id.empty()) {
-    // Nobody will learn this id if the caller is gone: free it.
-    absl::Status alive = CheckAlive(context, "while computing");
-    if (!alive.ok()) {
-      core_->Release(outcome->session_id, principal);
-      return alive;
-    }
+    call->WhenOver([this, id = outcome->session_id, principal](bool delivered) {
+      if (!delivered) core_->Release(id, principal);
+    });
   }
+  FLCE_RETURN_IF_ERROR(CheckAlive(context, "while computing"));
   ForwardResult& r = outcome->result;
   MoveToProto(std::move(r.loss), response->mutable_loss());
   MoveToProto(std::move(r.z_loss), response->mutable_z_loss());
@@ -186,442 +178,130 @@ absl::Status LossServiceImpl::ComputeForward(grpc::CallbackServerContext* contex
   response->set_num_correct(r.num_correct);
   response->set_session_id(outcome->session_id);
   response->set_backward_mode(ToProto(outcome->mode));
-  response->mutable_stats()->set_queue_ms(absl::ToDoubleMilliseconds(engine_start - start));
+  response->mutable_stats()->set_queue_ms(absl::ToDoubleMilliseconds(engine_start - queued));
   response->mutable_stats()->set_engine_ms(MillisSince(engine_start));
-  *detail = SessionDetail(outcome->session_id) + *detail;
+  call->record().PrependDetail(SessionDetail(outcome->session_id));
   return absl::OkStatus();
 }
 
-void LossServiceImpl::StartForward(grpc::CallbackServerContext* context,
-                                   const std::string& principal,
+void LossServiceImpl::StartForward(Call* call, const std::string& principal,
                                    const v1::ForwardRequest* request,
-                                   v1::ForwardResponse* response, const char* rpc,
-                                   std::function<void(const absl::Status&)> finish) {
-  absl::StatusOr<ForwardCall> call =
-      DecodeForward(*request, core_->weights(), principal, ResolverFor(principal));
-  if (!call.ok()) {
-    LogRpc(metrics_, rpc, "", call.status(), absl::Now());
-    finish(call.status());
+                                   v1::ForwardResponse* response) {
+  absl::StatusOr<ForwardCall> decoded = GuardMemory(
+      [&]() -> absl::StatusOr<ForwardCall> {
+        return DecodeForward(*request, core_->weights(), principal, ResolverFor(principal));
+      },
+      call->record().rpc());
+  if (!decoded.ok()) {
+    call->Reply(decoded.status());
     return;
   }
-  auto detail = std::make_shared<std::string>(ProblemDetail(call->problem));
-  const int64_t received = static_cast<int64_t>(request->ByteSizeLong());
-  Run(metrics_, context, queue_, rpc, detail,
-      [=, call = *std::move(call)](absl::Time start) {
-        return ComputeForward(context, principal, call, response, start, detail.get());
+  call->record().SetDetail(ProblemDetail(decoded->problem));
+  // Refused before any compute rather than computed and then undeliverable.
+  const int64_t response_bytes = ForwardResponseBytes(*decoded);
+  if (response_bytes > limits_.max_message_bytes - 4096) {
+    call->Reply(absl::ResourceExhaustedError(absl::StrCat(
+        "Forward: the response's per-row outputs take ", response_bytes,
+        " bytes, over the server's message limit of ", limits_.max_message_bytes,
+        " (--max_message_bytes); ask for fewer outputs or split the batch")));
+    return;
+  }
+  auto forward = std::make_shared<ForwardCall>(*std::move(decoded));
+  Run(
+      call,
+      [=](absl::Time queued) {
+        return ComputeForward(call, principal, *forward, response, queued);
       },
-      [=, finish = std::move(finish)](const absl::Status& status) {
-        metrics_->AddBytes(rpc, received,
-                           status.ok() ? static_cast<int64_t>(response->ByteSizeLong()) : 0);
-        finish(status);
-      });
+      [call](const absl::Status& status) { call->Reply(status); });
 }
 
-grpc::ServerUnaryReactor* LossServiceImpl::Forward(grpc::CallbackServerContext* context,
-                                                   const v1::ForwardRequest* request,
-                                                   v1::ForwardResponse* response) {
+LossServiceImpl::Unary* LossServiceImpl::Forward(Context* context, const Bytes* in, Bytes* out) {
+  auto* call = NewUnary<v1::ForwardRequest, v1::ForwardResponse>(context, in, out, "Forward");
   absl::StatusOr<std::string> principal = Admit(context);
-  if (!principal.ok()) return Refuse(metrics_, context, "Forward", principal.status());
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  StartForward(context, *principal, request, response, "Forward",
-               [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); });
-  return reactor;
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+  } else if (call->Parse()) {
+    StartForward(call, *principal, &call->request(), call->response());
+  }
+  return call;
 }
 
-void LossServiceImpl::StartBackward(grpc::CallbackServerContext* context,
-                                    const std::string& principal,
-                                    const v1::BackwardRequest* request, const char* rpc,
+// --- Backward --------------------------------------------------------------
+
+void LossServiceImpl::StartBackward(Call* call, const std::string& principal,
+                                    const v1::BackwardRequest* request,
+                                    int64_t max_response_bytes,
                                     std::shared_ptr<BackwardOutcome> outcome,
                                     std::shared_ptr<CallStats> stats,
-                                    std::function<void(const absl::Status&)> finish) {
-  absl::StatusOr<BackwardCall> call = DecodeBackward(*request, ResolverFor(principal));
-  if (!call.ok()) {
-    LogRpc(metrics_, rpc, "", call.status(), absl::Now());
-    finish(call.status());
+                                    std::function<void(const absl::Status&)> done) {
+  absl::StatusOr<BackwardCall> decoded = GuardMemory(
+      [&]() -> absl::StatusOr<BackwardCall> {
+        return DecodeBackward(*request, ResolverFor(principal));
+      },
+      call->record().rpc());
+  if (!decoded.ok()) {
+    done(decoded.status());
     return;
   }
-  auto detail = std::make_shared<std::string>(SessionDetail(call->session_id));
-  Run(metrics_, context, queue_, rpc, detail,
-      [=, call = *std::move(call)](absl::Time start) -> absl::Status {
+  decoded->max_response_bytes = max_response_bytes;
+  call->record().SetDetail(SessionDetail(decoded->session_id));
+  // The session is consumed only once the gradients reached the client.
+  call->WhenOver([this, outcome](bool delivered) { core_->Settle(*outcome, delivered); });
+  auto backward = std::make_shared<BackwardCall>(*std::move(decoded));
+  Run(
+      call,
+      [=](absl::Time queued) -> absl::Status {
+        Context* context = call->context();
         const absl::Time engine_start = absl::Now();
         absl::StatusOr<BackwardOutcome> grads =
-            core_->Backward(call, principal, CancelFor(context));
-        metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - start));
-        metrics_->RecordEngine("Backward", absl::ToDoubleSeconds(absl::Now() - engine_start));
+            core_->Backward(*backward, principal, CancelFor(context));
+        metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
+        metrics_->RecordEngine(call->record().rpc(),
+                               absl::ToDoubleSeconds(absl::Now() - engine_start));
         if (!grads.ok()) return Explain(grads.status(), context);
         *outcome = *std::move(grads);
-        stats->queue_ms = absl::ToDoubleMilliseconds(engine_start - start);
+        stats->queue_ms = absl::ToDoubleMilliseconds(engine_start - queued);
         stats->engine_ms = MillisSince(engine_start);
         return absl::OkStatus();
       },
-      std::move(finish));
+      std::move(done));
 }
 
-grpc::ServerUnaryReactor* LossServiceImpl::Backward(grpc::CallbackServerContext* context,
-                                                    const v1::BackwardRequest* request,
-                                                    v1::BackwardResponse* response) {
+LossServiceImpl::Unary* LossServiceImpl::Backward(Context* context, const Bytes* in, Bytes* out) {
+  auto* call = NewUnary<v1::BackwardRequest, v1::BackwardResponse>(context, in, out, "Backward");
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(metrics_, context, "Backward", principal.status());
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+    return call;
+  }
+  if (!call->Parse()) return call;
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
-  StartBackward(context, *principal, request, "Backward", outcome, stats,
-                [=](const absl::Status& status) {
+  StartBackward(call, *principal, &call->request(), limits_.max_message_bytes, outcome, stats,
+                [call, outcome, stats](const absl::Status& status) {
                   if (status.ok()) {
-                    EncodeGradient(std::move(outcome->grad_hidden), outcome->grad_hidden_in_shm,
-                                   request->grad_hidden_out(), response->mutable_grad_hidden());
-                    if (outcome->grad_weight) {
-                      EncodeGradient(std::move(*outcome->grad_weight),
-                                     outcome->grad_weight_in_shm, request->grad_weight_out(),
-                                     response->mutable_grad_weight());
+                    const v1::BackwardRequest& request = call->request();
+                    v1::BackwardResponse* response = call->response();
+                    BackwardOutcome& o = *outcome;
+                    EncodeGradient(std::move(o.grad_hidden), o.grad_hidden_in_shm,
+                                   request.grad_hidden_out(), response->mutable_grad_hidden());
+                    if (o.grad_weight) {
+                      EncodeGradient(std::move(*o.grad_weight), o.grad_weight_in_shm,
+                                     request.grad_weight_out(), response->mutable_grad_weight());
                     }
-                    if (outcome->grad_bias) {
-                      EncodeGradient(std::move(*outcome->grad_bias), outcome->grad_bias_in_shm,
-                                     request->grad_bias_out(), response->mutable_grad_bias());
+                    if (o.grad_bias) {
+                      EncodeGradient(std::move(*o.grad_bias), o.grad_bias_in_shm,
+                                     request.grad_bias_out(), response->mutable_grad_bias());
                     }
                     response->mutable_stats()->set_queue_ms(stats->queue_ms);
                     response->mutable_stats()->set_engine_ms(stats->engine_ms);
                   }
-                  metrics_->AddBytes("Backward", static_cast<int64_t>(request->ByteSizeLong()),
-                                     static_cast<int64_t>(response->ByteSizeLong()));
-                  reactor->Finish(ToGrpcStatus(status));
+                  call->Reply(status);
                 });
-  return reactor;
+  return call;
 }
 
-grpc::ServerUnaryReactor* LossServiceImpl::ReleaseSession(
-    grpc::CallbackServerContext* context,
-    const v1::ReleaseSessionRequest* request,
-    v1::ReleaseSessionResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(metrics_, context, "ReleaseSession", principal.status());
-  response->set_released(core_->Release(request->session_id(), *principal));
-  LogRpc(metrics_, "ReleaseSession", SessionDetail(request->session_id()), absl::OkStatus(),
-         start);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
-}
-
-grpc::ServerUnaryReactor* LossServiceImpl::GetServerInfo(
-    grpc::CallbackServerContext* context, const v1::GetServerInfoRequest*,
-    v1::GetServerInfoResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(metrics_, context, "GetServerInfo", principal.status());
-  const LossEngine& engine = core_->engine();
-  const SessionStore& sessions = core_->sessions();
-  response->set_version(kVersion);
-  response->set_backend(engine.backend());
-  for (const DeviceInfo& d : engine.devices()) {
-    v1::Device* device = response->add_devices();
-    device->set_name(d.name);
-    device->set_total_memory_bytes(d.total_memory_bytes);
-  }
-  v1::Limits* limits = response->mutable_limits();
-  limits->set_max_sessions(sessions.limits().max_sessions);
-  limits->set_session_memory_budget_bytes(sessions.limits().memory_budget_bytes);
-  limits->set_max_message_bytes(limits_.max_message_bytes);
-  limits->set_session_ttl_seconds(absl::ToDoubleSeconds(sessions.limits().ttl));
-  limits->set_max_queued_requests(queue_->max_queued());
-  limits->set_weight_memory_budget_bytes(core_->weights().memory_budget_bytes());
-  const Gauges load = gauges_();
-  response->set_live_sessions(load.live_sessions);
-  response->set_session_memory_bytes(load.session_memory_bytes);
-  response->set_weight_memory_bytes(load.weight_memory_bytes);
-  response->set_running_requests(load.running_requests);
-  response->set_queued_requests(load.queued_requests);
-  LogRpc(metrics_, "GetServerInfo", "", absl::OkStatus(), start);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
-}
-
-namespace {
-
-void FillWeightInfo(const RegisteredWeight& w, v1::WeightInfo* info) {
-  info->set_name(w.name());
-  info->set_version(w.version());
-  info->set_dtype(ToProto(w.weight().dtype));
-  info->mutable_shape()->Assign(w.weight().shape.begin(), w.weight().shape.end());
-  info->set_has_bias(w.bias().has_value());
-  info->set_bytes(w.bytes());
-  info->set_accumulated_backwards(w.accumulated_backwards());
-}
-
-// PutWeight: the header chunk sizes the tensors, later chunks fill them in
-// order, and the end of the stream checks the length and CRC-32C before the
-// weight is registered. Nothing is registered from a broken stream.
-class PutWeightReactor : public grpc::ServerReadReactor<v1::PutWeightChunk> {
- public:
-  PutWeightReactor(grpc::CallbackServerContext* context, WeightRegistry* weights,
-                   v1::PutWeightResponse* response, absl::StatusOr<std::string> principal,
-                   ServiceMetrics* metrics)
-      : context_(context),
-        weights_(weights),
-        response_(response),
-        metrics_(metrics),
-        start_(absl::Now()) {
-    if (!principal.ok()) {  // refused before reading a byte
-      LogRpc(metrics_, "PutWeight", "", principal.status(), start_);
-      Finish(ToGrpcStatus(principal.status()));
-      return;
-    }
-    principal_ = *std::move(principal);
-    StartRead(&chunk_);
-  }
-
-  void OnReadDone(bool ok) override {
-    absl::Status status;
-    if (!ok) {
-      status = context_->IsCancelled() ? absl::CancelledError("cancelled by the client")
-                                       : Register();
-    } else {
-      status = Take();
-      if (status.ok()) {
-        StartRead(&chunk_);
-        return;
-      }
-    }
-    LogRpc(metrics_, "PutWeight", detail_, status, start_);
-    metrics_->AddBytes("PutWeight", received_, 0);
-    Finish(ToGrpcStatus(status));
-  }
-
-  void OnDone() override { delete this; }
-
- private:
-  absl::Status Take() {
-    if (!started_) {
-      if (!chunk_.has_header()) return absl::InvalidArgumentError("header: required on the first chunk");
-      FLCE_RETURN_IF_ERROR(Start(chunk_.header()));
-    } else if (chunk_.has_header()) {
-      return absl::InvalidArgumentError("header: only the first chunk carries one");
-    }
-    const std::string& data = chunk_.data();
-    if (received_ + static_cast<int64_t>(data.size()) > total_) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "data: more bytes than the header's ", total_, " (", received_ + data.size(),
-          " so far)"));
-    }
-    // W's bytes first, then b's.
-    size_t from = 0;
-    const int64_t w_bytes = static_cast<int64_t>(weight_.data.size());
-    if (received_ < w_bytes) {
-      const size_t n = std::min<size_t>(data.size(), static_cast<size_t>(w_bytes - received_));
-      std::memcpy(&weight_.data[received_], data.data(), n);
-      from = n;
-    }
-    if (from < data.size()) {
-      std::memcpy(&bias_->data[received_ + from - w_bytes], data.data() + from,
-                  data.size() - from);
-    }
-    crc_ = Crc32c(crc_, data.data(), data.size());
-    received_ += static_cast<int64_t>(data.size());
-    return absl::OkStatus();
-  }
-
-  absl::Status Start(const v1::WeightHeader& h) {
-    started_ = true;
-    name_ = h.name();
-    expected_crc_ = h.crc32c();
-    detail_ = absl::StrCat("weight=", name_, " ");
-    FLCE_ASSIGN_OR_RETURN(const DType dtype, FromProto(h.dtype(), "header.dtype"));
-    if (!IsFloating(dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.dtype: ", DTypeName(dtype), " not supported; expected bf16, fp16 or fp32"));
-    }
-    const std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
-    if (shape.size() != 2 || shape[0] < 1 || shape[1] < 1 ||
-        shape[0] > (int64_t{1} << 40) / shape[1]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.shape: expected [V, H] with V, H >= 1, got ", ShapeString(shape)));
-    }
-    const int64_t elem = DTypeSize(dtype);
-    total_ = (shape[0] * shape[1] + (h.has_bias() ? shape[0] : 0)) * elem;
-    if (weights_->bytes_in_use() + total_ > weights_->memory_budget_bytes()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "weight memory: ", name_, " needs ", total_, " bytes, ", weights_->bytes_in_use(),
-          " of the budget of ", weights_->memory_budget_bytes(), " bytes are in use"));
-    }
-    try {
-      weight_ = HostTensor(dtype, shape);
-      if (h.has_bias()) bias_ = HostTensor(dtype, {shape[0]});
-    } catch (const std::bad_alloc&) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("weight memory: cannot allocate ", total_, " bytes for ", name_));
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status Register() {
-    if (!started_) return absl::InvalidArgumentError("header: the stream carried no chunk");
-    if (received_ != total_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("data: received ", received_, " of the header's ", total_, " bytes"));
-    }
-    if (crc_ != expected_crc_) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "header.crc32c: the bytes received have CRC-32C %08x, the header says %08x", crc_,
-          expected_crc_));
-    }
-    FLCE_ASSIGN_OR_RETURN(
-        std::shared_ptr<RegisteredWeight> registered,
-        weights_->Put(name_, principal_, std::move(weight_), std::move(bias_)));
-    FillWeightInfo(*registered, response_->mutable_weight());
-    detail_ = absl::StrCat("weight=", name_, " version=", registered->version(), " bytes=",
-                           total_, " ");
-    return absl::OkStatus();
-  }
-
-  grpc::CallbackServerContext* const context_;
-  WeightRegistry* const weights_;
-  v1::PutWeightResponse* const response_;
-  ServiceMetrics* const metrics_;
-  const absl::Time start_;
-  std::string principal_;
-  v1::PutWeightChunk chunk_;
-  bool started_ = false;
-  std::string name_, detail_;
-  HostTensor weight_;
-  std::optional<HostTensor> bias_;
-  int64_t total_ = 0, received_ = 0;
-  uint32_t crc_ = 0, expected_crc_ = 0;
-};
-
-// TakeWeightGrad: takes the accumulated gradient, narrows it to the asked
-// dtype, and streams it in chunks; if the stream breaks, the gradient goes
-// back into the accumulator.
-class TakeGradReactor : public grpc::ServerWriteReactor<v1::WeightGradChunk> {
- public:
-  TakeGradReactor(const absl::StatusOr<std::string>& principal, WeightRegistry* weights,
-                  const v1::TakeWeightGradRequest* request, int64_t chunk_bytes,
-                  ServiceMetrics* metrics)
-      : chunk_bytes_(chunk_bytes), metrics_(metrics), start_(absl::Now()) {
-    detail_ = absl::StrCat("weight=", request->weight().name(), " ");
-    absl::Status status =
-        principal.ok() ? Prepare(*weights, *request, *principal) : principal.status();
-    if (!status.ok()) {
-      Done(status);
-      return;
-    }
-    Next();
-  }
-
-  void OnWriteDone(bool ok) override {
-    if (!ok) {
-      // The client is gone: keep the gradient for the next TakeWeightGrad.
-      weight_->RestoreGrad(std::move(grad_));
-      Done(absl::CancelledError("the stream broke; the gradient stays accumulated"));
-      return;
-    }
-    Next();
-  }
-
-  void OnDone() override { delete this; }
-
- private:
-  absl::Status Prepare(const WeightRegistry& weights, const v1::TakeWeightGradRequest& r,
-                       const std::string& principal) {
-    FLCE_ASSIGN_OR_RETURN(weight_, weights.Get(r.weight().name(), r.weight().version(), principal));
-    DType dtype = DType::kFloat32;
-    if (r.dtype() != v1::DTYPE_UNSPECIFIED) {
-      FLCE_ASSIGN_OR_RETURN(dtype, FromProto(r.dtype(), "dtype"));
-      if (dtype != DType::kFloat32 && dtype != weight_->weight().dtype) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "dtype: ", DTypeName(dtype), " not supported; expected fp32 or the weight's ",
-            DTypeName(weight_->weight().dtype)));
-      }
-    }
-    FLCE_ASSIGN_OR_RETURN(grad_, weight_->TakeGrad());
-    const int64_t elem = DTypeSize(dtype);
-    const int64_t dw = grad_.dw.num_elements();
-    const int64_t db = grad_.db ? grad_.db->num_elements() : 0;
-    payload_.resize(static_cast<size_t>((dw + db) * elem));
-    FromFloat(dtype, grad_.dw.data_as<float>(), dw, &payload_[0]);
-    if (grad_.db) FromFloat(dtype, grad_.db->data_as<float>(), db, &payload_[dw * elem]);
-    v1::WeightGradHeader* header = chunk_.mutable_header();
-    FillWeightInfo(*weight_, header->mutable_weight());
-    header->set_dtype(ToProto(dtype));
-    header->set_accumulated_backwards(grad_.backwards);
-    detail_ = absl::StrCat("weight=", weight_->name(), " version=", weight_->version(),
-                           " backwards=", grad_.backwards, " ");
-    return absl::OkStatus();
-  }
-
-  void Next() {
-    if (sent_header_ && offset_ >= payload_.size()) {
-      Done(absl::OkStatus());
-      return;
-    }
-    if (sent_header_) chunk_.clear_header();
-    const size_t n = std::min(payload_.size() - offset_, static_cast<size_t>(chunk_bytes_));
-    chunk_.set_data(payload_.data() + offset_, n);
-    offset_ += n;
-    sent_header_ = true;
-    StartWrite(&chunk_);
-  }
-
-  void Done(const absl::Status& status) {
-    LogRpc(metrics_, "TakeWeightGrad", detail_, status, start_);
-    metrics_->AddBytes("TakeWeightGrad", 0, static_cast<int64_t>(offset_));
-    Finish(ToGrpcStatus(status));
-  }
-
-  const int64_t chunk_bytes_;
-  ServiceMetrics* const metrics_;
-  const absl::Time start_;
-  std::string detail_;
-  std::shared_ptr<RegisteredWeight> weight_;
-  RegisteredWeight::Grad grad_;
-  std::string payload_;
-  size_t offset_ = 0;
-  bool sent_header_ = false;
-  v1::WeightGradChunk chunk_;
-};
-
-}  // namespace
-
-grpc::ServerReadReactor<v1::PutWeightChunk>* LossServiceImpl::PutWeight(
-    grpc::CallbackServerContext* context, v1::PutWeightResponse* response) {
-  return new PutWeightReactor(context, &core_->weights(), response, Admit(context),
-                              metrics_);
-}
-
-grpc::ServerUnaryReactor* LossServiceImpl::DeleteWeight(grpc::CallbackServerContext* context,
-                                                        const v1::DeleteWeightRequest* request,
-                                                        v1::DeleteWeightResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(metrics_, context, "DeleteWeight", principal.status());
-  response->set_deleted(core_->weights().Delete(request->name(), *principal));
-  LogRpc(metrics_, "DeleteWeight", absl::StrCat("weight=", request->name(), " "), absl::OkStatus(), start);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
-}
-
-grpc::ServerUnaryReactor* LossServiceImpl::ListWeights(grpc::CallbackServerContext* context,
-                                                       const v1::ListWeightsRequest*,
-                                                       v1::ListWeightsResponse* response) {
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(metrics_, context, "ListWeights", principal.status());
-  const absl::Time start = absl::Now();
-  for (const auto& weight : core_->weights().List(*principal)) {
-    FillWeightInfo(*weight, response->add_weights());
-  }
-  LogRpc(metrics_, "ListWeights", "", absl::OkStatus(), start);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
-}
-
-grpc::ServerWriteReactor<v1::WeightGradChunk>* LossServiceImpl::TakeWeightGrad(
-    grpc::CallbackServerContext* context, const v1::TakeWeightGradRequest* request) {
-  return new TakeGradReactor(Authenticate(context), &core_->weights(), request,
-                             limits_.stream_chunk_bytes, metrics_);
-}
+// --- Streams ---------------------------------------------------------------
 
 namespace {
 
@@ -656,76 +336,182 @@ const char* FieldName(v1::TensorField field) {
   }
 }
 
-// ForwardStream: the header request, then its tensors' bytes field by field;
-// at the end of the stream, the assembled request goes through Forward.
-class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestChunk> {
+absl::Status IdleError(const char* rpc, absl::Duration timeout) {
+  return absl::DeadlineExceededError(absl::StrCat(
+      rpc, ": no message for ", absl::FormatDuration(timeout),
+      " (--stream_idle_timeout); nothing was kept"));
+}
+
+// A client stream on raw bytes, with its slot among the open streams (and
+// the idle timeout) and its record: the common part of ForwardStream and
+// PutWeight. Subclasses implement Take (one message) and End (the client
+// half-closed); both run under mu_. Deletes itself.
+class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call {
  public:
-  // A failed `admitted` (authentication) finishes the call before reading.
-  ForwardStreamReactor(grpc::CallbackServerContext* context, v1::ForwardResponse* response,
-                       int64_t max_bytes, const absl::Status& admitted, ServiceMetrics* metrics,
-                       std::function<void(ForwardStreamReactor*)> start_forward)
+  ReadStream(grpc::CallbackServerContext* context, grpc::ByteBuffer* response,
+             ServiceMetrics* metrics, const char* rpc, int64_t max_message_bytes)
       : context_(context),
-        response_(response),
-        metrics_(metrics),
-        max_bytes_(max_bytes),
-        start_forward_(std::move(start_forward)) {
-    if (!admitted.ok()) {
-      Fail(admitted);
-      return;
-    }
-    StartRead(&chunk_);
+        response_bytes_(response),
+        max_message_bytes_(max_message_bytes),
+        record_(metrics, rpc) {}
+
+  // Takes a slot and reads the first message, or refuses.
+  void Begin(const absl::StatusOr<std::string>& principal, StreamAdmission* streams) {
+    absl::MutexLock lock(&mu_);
+    if (!principal.ok()) return FinishLocked(principal.status());
+    principal_ = *principal;
+    absl::StatusOr<StreamTicket> ticket =
+        streams->Open(principal_, record_.rpc(), [this, streams] {
+          absl::MutexLock idle_lock(&mu_);
+          FinishLocked(IdleError(record_.rpc(), streams->limits().idle_timeout));
+        });
+    if (!ticket.ok()) return FinishLocked(ticket.status());
+    ticket_ = *std::move(ticket);
+    StartRead(&in_);
   }
 
-  const v1::ForwardRequest* request() const { return &request_; }
-  v1::ForwardResponse* response() const { return response_; }
-  void Complete(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  CallRecord& record() override { return record_; }
+  grpc::CallbackServerContext* context() override { return context_; }
+  void WhenOver(std::function<void(bool)> f) override { hooks_.Add(std::move(f)); }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {
-      if (context_->IsCancelled()) return Fail(absl::CancelledError("cancelled by the client"));
-      absl::Status status = CheckComplete();
-      if (!status.ok()) return Fail(status);
-      start_forward_(this);  // finishes through Complete()
-      return;
-    }
-    absl::Status status = Take();
-    if (!status.ok()) return Fail(status);
-    StartRead(&chunk_);
+    if (!ok) return OnEnd();
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    ticket_.Touch();
+    record_.AddBytes(static_cast<int64_t>(in_.Length()), 0);
+    absl::Status status = GuardMemory(
+        [&]() -> absl::Status {
+          FLCE_RETURN_IF_ERROR(ParseMessage(in_, message()));
+          in_.Clear();
+          return Take();
+        },
+        record_.rpc());
+    if (!status.ok()) return FinishLocked(status);
+    StartRead(&in_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    const bool delivered = answered_.ok() && !context_->IsCancelled();
+    hooks_.Run(delivered);
+    record_.Close(answered_, context_);
+    ticket_ = StreamTicket();  // before the call is gone: the idle watch lets go
+    delete this;
+  }
+
+  // Serializes the response (on OK) and finishes.
+  void Reply(const absl::Status& status) override {
+    absl::MutexLock lock(&mu_);
+    FinishLocked(status);
+  }
+
+ protected:
+  // The message a read is parsed into, and the response sent on OK.
+  virtual google::protobuf::Message* message() = 0;
+  virtual const google::protobuf::Message& response() = 0;
+  // One message arrived (parsed into message()).
+  virtual absl::Status Take() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  // The client half-closed: checks what arrived. OK finishes the call with
+  // the response, unless Proceed() replies later.
+  virtual absl::Status End() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  virtual bool RepliesLater() const { return false; }
+  // Runs after an OK End() of a stream that RepliesLater(), without the
+  // lock; it (or what it starts) calls Reply.
+  virtual void Proceed() {}
+
+  const std::string& principal() const { return principal_; }
+  StreamTicket& ticket() { return ticket_; }
+
+  absl::Mutex mu_;
 
  private:
-  void Fail(const absl::Status& status) {
-    LogRpc(metrics_, "ForwardStream", "", status, absl::Now());
-    Complete(status);
+  void OnEnd() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      if (context_->IsCancelled()) {
+        return FinishLocked(absl::CancelledError("cancelled by the client"));
+      }
+      ticket_.StopWatching();
+      absl::Status status = GuardMemory([&] { return End(); }, record_.rpc());
+      if (!status.ok() || !RepliesLater()) return FinishLocked(status);
+    }
+    Proceed();
   }
 
-  absl::Status Take() {
+  void FinishLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    if (status.ok()) {
+      status = GuardMemory(
+          [&] {
+            return SerializeMessage(response(), max_message_bytes_,
+                                    absl::StrCat(record_.rpc(), " response"), response_bytes_);
+          },
+          record_.rpc());
+      if (status.ok()) record_.AddBytes(0, static_cast<int64_t>(response_bytes_->Length()));
+    }
+    answered_ = status;
+    Finish(ToGrpcStatus(status));
+  }
+
+  grpc::CallbackServerContext* const context_;
+  grpc::ByteBuffer* const response_bytes_;
+  const int64_t max_message_bytes_;
+  CallRecord record_;
+  OverHooks hooks_;
+  grpc::ByteBuffer in_;
+  std::string principal_;
+  StreamTicket ticket_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status answered_ = absl::UnknownError("never answered");
+};
+
+// ForwardStream: the header request, then its tensors' bytes field by field;
+// at the end of the stream, the assembled request goes through Forward.
+// The announced tensors' bytes are reserved (StreamAdmission) when the
+// header arrives; each tensor's memory is allocated when its first bytes
+// do, and is filled only as far as they come.
+class ForwardStreamReactor final : public ReadStream {
+ public:
+  ForwardStreamReactor(grpc::CallbackServerContext* context, grpc::ByteBuffer* response,
+                       ServiceMetrics* metrics, int64_t max_message_bytes, int64_t max_bytes,
+                       std::function<void(ForwardStreamReactor*)> start_forward)
+      : ReadStream(context, response, metrics, "ForwardStream", max_message_bytes),
+        max_bytes_(max_bytes),
+        start_forward_(std::move(start_forward)) {}
+
+  const v1::ForwardRequest* request() const { return &request_; }
+  v1::ForwardResponse* forward_response() { return &response_; }
+  using ReadStream::principal;
+
+ private:
+  google::protobuf::Message* message() override { return &chunk_; }
+  const google::protobuf::Message& response() override { return response_; }
+
+  absl::Status Take() override {
     if (!started_) {
       if (!chunk_.has_request()) {
         return absl::InvalidArgumentError("request: required on the first message");
       }
       request_ = std::move(*chunk_.mutable_request());
       started_ = true;
-      // Size every announced tensor up front (bounded by the limit).
+      // Size every announced tensor up front (bounded by the limits).
       int64_t total = 0;
       for (int f = v1::TENSOR_FIELD_HIDDEN; f <= v1::TENSOR_FIELD_CLASS_WEIGHT; ++f) {
         v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(f));
-        if (t == nullptr || !t->data().empty()) continue;
-        const absl::StatusOr<int64_t> bytes_or = TensorBytes(*t, FieldName(static_cast<v1::TensorField>(f)));
-        if (!bytes_or.ok()) return bytes_or.status();
-        const int64_t bytes = *bytes_or;
+        if (t == nullptr || !t->data().empty() || t->has_shm()) continue;
+        FLCE_ASSIGN_OR_RETURN(const int64_t bytes,
+                              TensorBytes(*t, FieldName(static_cast<v1::TensorField>(f))));
         total += bytes;
         if (total > max_bytes_) {
           return absl::ResourceExhaustedError(absl::StrCat(
-              "ForwardStream: the request's tensors need ", total, " bytes, over the limit of ",
-              max_bytes_));
+              "ForwardStream: the request's tensors need ", total,
+              " bytes, over the limit of ", max_bytes_));
         }
-        t->mutable_data()->reserve(static_cast<size_t>(bytes));
         expected_[f] = bytes;
       }
-      return absl::OkStatus();
+      return ticket().Reserve(total, "ForwardStream");
     }
     if (chunk_.has_request()) {
       return absl::InvalidArgumentError("request: only the first message carries one");
@@ -740,15 +526,21 @@ class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestCh
           " is not a tensor the request announced without data"));
     }
     const std::string& data = chunk_.chunk().data();
-    if (static_cast<int64_t>(t->data().size() + data.size()) > expected->second) {
+    std::string* into = t->mutable_data();
+    if (static_cast<int64_t>(into->size() + data.size()) > expected->second) {
       return absl::InvalidArgumentError(absl::StrCat(
           FieldName(field), ": more bytes than its ", expected->second));
     }
-    t->mutable_data()->append(data);
+    // The whole tensor is reserved with its first bytes (untouched memory
+    // costs nothing until written), so appending never reallocates.
+    if (into->capacity() < static_cast<size_t>(expected->second)) {
+      into->reserve(static_cast<size_t>(expected->second));
+    }
+    into->append(data);
     return absl::OkStatus();
   }
 
-  absl::Status CheckComplete() {
+  absl::Status End() override {
     if (!started_) return absl::InvalidArgumentError("request: the stream carried no message");
     for (const auto& [field, bytes] : expected_) {
       const v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(field));
@@ -761,30 +553,101 @@ class ForwardStreamReactor : public grpc::ServerReadReactor<v1::ForwardRequestCh
     return absl::OkStatus();
   }
 
-  grpc::CallbackServerContext* const context_;
-  v1::ForwardResponse* const response_;
-  ServiceMetrics* const metrics_;
+  bool RepliesLater() const override { return true; }
+  void Proceed() override { start_forward_(this); }  // replies through Reply()
+
   const int64_t max_bytes_;
   const std::function<void(ForwardStreamReactor*)> start_forward_;
   v1::ForwardRequestChunk chunk_;
   v1::ForwardRequest request_;
+  v1::ForwardResponse response_;
   bool started_ = false;
   absl::flat_hash_map<int, int64_t> expected_;
 };
 
-// BackwardStream: the response with the gradients' dtypes and shapes, then
-// their bytes in chunks.
-class BackwardStreamReactor : public grpc::ServerWriteReactor<v1::BackwardResponseChunk> {
+// A server stream on raw bytes: the messages, then the status; the record
+// is closed when the call is over. Subclasses give the messages in turn.
+// Deletes itself.
+class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Call {
  public:
-  explicit BackwardStreamReactor(int64_t chunk_bytes) : chunk_bytes_(chunk_bytes) {}
+  WriteStream(grpc::CallbackServerContext* context, ServiceMetrics* metrics, const char* rpc,
+              int64_t max_message_bytes)
+      : context_(context), max_message_bytes_(max_message_bytes), record_(metrics, rpc) {}
 
-  // Called once the gradients are computed (or failed).
-  void Start(const absl::Status& status, BackwardOutcome outcome, double queue_ms,
-             double engine_ms, const v1::BackwardRequest& request) {
-    if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
+  CallRecord& record() override { return record_; }
+  grpc::CallbackServerContext* context() override { return context_; }
+  void WhenOver(std::function<void(bool)> f) override { hooks_.Add(std::move(f)); }
+  // Finishes without (further) messages.
+  void Reply(const absl::Status& status) override {
+    answered_ = status;
+    Finish(ToGrpcStatus(status));
+  }
+
+  // Writes the messages Next() gives, then finishes OK.
+  void StartWriting() { WriteNext(); }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return Reply(absl::CancelledError("the stream broke"));
+    WriteNext();
+  }
+
+  void OnDone() override {
+    const bool delivered = answered_.ok() && !context_->IsCancelled();
+    hooks_.Run(delivered);
+    record_.Close(answered_, context_);
+    delete this;
+  }
+
+ protected:
+  // The next message, or null after the last.
+  virtual const google::protobuf::Message* Next() = 0;
+
+ private:
+  void WriteNext() {
+    absl::Status status = GuardMemory(
+        [&]() -> absl::Status {
+          const google::protobuf::Message* message = Next();
+          if (message == nullptr) return absl::OkStatus();
+          out_.Clear();
+          FLCE_RETURN_IF_ERROR(SerializeMessage(*message, max_message_bytes_,
+                                                absl::StrCat(record_.rpc(), " message"), &out_));
+          record_.AddBytes(0, static_cast<int64_t>(out_.Length()));
+          writing_ = true;
+          return absl::OkStatus();
+        },
+        record_.rpc());
+    if (writing_ && status.ok()) {
+      writing_ = false;
+      StartWrite(&out_);
       return;
     }
+    Reply(status);
+  }
+
+  grpc::CallbackServerContext* const context_;
+  const int64_t max_message_bytes_;
+  CallRecord record_;
+  OverHooks hooks_;
+  grpc::ByteBuffer out_;
+  bool writing_ = false;
+  absl::Status answered_ = absl::UnknownError("never answered");
+};
+
+// BackwardStream: the response with the gradients' dtypes and shapes, then
+// their bytes in chunks.
+class BackwardStreamReactor final : public WriteStream {
+ public:
+  BackwardStreamReactor(grpc::CallbackServerContext* context, ServiceMetrics* metrics,
+                        int64_t max_message_bytes, int64_t chunk_bytes)
+      : WriteStream(context, metrics, "BackwardStream", max_message_bytes),
+        chunk_bytes_(chunk_bytes) {}
+
+  v1::BackwardRequest* request() { return &request_; }
+
+  // Called once the gradients are computed (or failed).
+  void Start(const absl::Status& status, BackwardOutcome& outcome, double queue_ms,
+             double engine_ms) {
+    if (!status.ok()) return Reply(status);
     v1::BackwardResponse* header = message_.mutable_response();
     auto add = [&](HostTensor&& t, bool in_shm, const v1::SharedMemorySlice& slice,
                    v1::Tensor* meta, v1::TensorField field) {
@@ -794,142 +657,153 @@ class BackwardStreamReactor : public grpc::ServerWriteReactor<v1::BackwardRespon
       meta->clear_data();
       if (!in_shm) parts_.push_back({field, std::move(data)});
     };
-    add(std::move(outcome.grad_hidden), outcome.grad_hidden_in_shm, request.grad_hidden_out(),
+    add(std::move(outcome.grad_hidden), outcome.grad_hidden_in_shm, request_.grad_hidden_out(),
         header->mutable_grad_hidden(), v1::TENSOR_FIELD_GRAD_HIDDEN);
     if (outcome.grad_weight) {
       add(std::move(*outcome.grad_weight), outcome.grad_weight_in_shm,
-          request.grad_weight_out(), header->mutable_grad_weight(),
+          request_.grad_weight_out(), header->mutable_grad_weight(),
           v1::TENSOR_FIELD_GRAD_WEIGHT);
     }
     if (outcome.grad_bias) {
-      add(std::move(*outcome.grad_bias), outcome.grad_bias_in_shm, request.grad_bias_out(),
+      add(std::move(*outcome.grad_bias), outcome.grad_bias_in_shm, request_.grad_bias_out(),
           header->mutable_grad_bias(), v1::TENSOR_FIELD_GRAD_BIAS);
     }
     header->mutable_stats()->set_queue_ms(queue_ms);
     header->mutable_stats()->set_engine_ms(engine_ms);
-    StartWrite(&message_);
+    StartWriting();
   }
 
-  void OnWriteDone(bool ok) override {
-    if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
-      return;
+ private:
+  const google::protobuf::Message* Next() override {
+    if (!sent_header_) {
+      sent_header_ = true;
+      return &message_;
     }
     message_.Clear();
     while (part_ < parts_.size() && offset_ >= parts_[part_].data.size()) {
+      parts_[part_].data = std::string();  // sent: free it
       ++part_;
       offset_ = 0;
     }
-    if (part_ == parts_.size()) {
-      Finish(grpc::Status::OK);
-      return;
-    }
+    if (part_ == parts_.size()) return nullptr;
     const Part& p = parts_[part_];
     const size_t n = std::min(p.data.size() - offset_, static_cast<size_t>(chunk_bytes_));
     message_.mutable_chunk()->set_field(p.field);
     message_.mutable_chunk()->set_data(p.data.data() + offset_, n);
     offset_ += n;
-    StartWrite(&message_);
+    return &message_;
   }
 
-  void OnDone() override { delete this; }
-
- private:
   struct Part {
     v1::TensorField field;
     std::string data;
   };
   const int64_t chunk_bytes_;
+  v1::BackwardRequest request_;
   v1::BackwardResponseChunk message_;
   std::vector<Part> parts_;
   size_t part_ = 0, offset_ = 0;
+  bool sent_header_ = false;
 };
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::ForwardRequestChunk>* LossServiceImpl::ForwardStream(
-    grpc::CallbackServerContext* context, v1::ForwardResponse* response) {
-  absl::StatusOr<std::string> principal = Admit(context);
-  return new ForwardStreamReactor(
-      context, response, limits_.max_stream_request_bytes, principal.status(), metrics_,
-      [this, context, principal = principal.value_or("")](ForwardStreamReactor* reactor) {
-        StartForward(context, principal, reactor->request(), reactor->response(),
-                     "ForwardStream",
-                     [reactor](const absl::Status& status) { reactor->Complete(status); });
+grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::ForwardStream(Context* context,
+                                                                         Bytes* response) {
+  auto* reactor = new ForwardStreamReactor(
+      context, response, metrics_, limits_.max_message_bytes, limits_.max_stream_request_bytes,
+      [this](ForwardStreamReactor* r) {
+        StartForward(r, r->principal(), r->request(), r->forward_response());
       });
+  reactor->Begin(Admit(context), streams_);
+  return reactor;
 }
 
-grpc::ServerWriteReactor<v1::BackwardResponseChunk>* LossServiceImpl::BackwardStream(
-    grpc::CallbackServerContext* context, const v1::BackwardRequest* request) {
-  auto* reactor = new BackwardStreamReactor(limits_.stream_chunk_bytes);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::BackwardStream(Context* context,
+                                                                           const Bytes* in) {
+  auto* reactor = new BackwardStreamReactor(context, metrics_, limits_.max_message_bytes,
+                                            limits_.stream_chunk_bytes());
   absl::StatusOr<std::string> principal = Authenticate(context);
   if (!principal.ok()) {
-    LogRpc(metrics_, "BackwardStream", "", principal.status(), absl::Now());
-    reactor->Start(principal.status(), BackwardOutcome(), 0, 0, *request);
+    reactor->Reply(principal.status());
+    return reactor;
+  }
+  reactor->record().AddBytes(static_cast<int64_t>(in->Length()), 0);
+  absl::Status parsed = GuardMemory([&] { return ParseMessage(*in, reactor->request()); },
+                                    "BackwardStream");
+  if (!parsed.ok()) {
+    reactor->Reply(parsed);
     return reactor;
   }
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
-  StartBackward(context, *principal, request, "BackwardStream", outcome, stats,
-                [=](const absl::Status& status) {
-                  int64_t sent = 0;
-                  for (const HostTensor* t : {&outcome->grad_hidden,
-                                              outcome->grad_weight ? &*outcome->grad_weight : nullptr,
-                                              outcome->grad_bias ? &*outcome->grad_bias : nullptr}) {
-                    if (t != nullptr) sent += static_cast<int64_t>(t->data.size());
-                  }
-                  metrics_->AddBytes("BackwardStream",
-                                     static_cast<int64_t>(request->ByteSizeLong()), sent);
-                  reactor->Start(status, std::move(*outcome), stats->queue_ms,
-                                 stats->engine_ms, *request);
+  StartBackward(reactor, *principal, reactor->request(), /*max_response_bytes=*/0, outcome,
+                stats, [reactor, outcome, stats](const absl::Status& status) {
+                  reactor->Start(status, *outcome, stats->queue_ms, stats->engine_ms);
                 });
   return reactor;
 }
 
-grpc::ServerUnaryReactor* LossServiceImpl::RegisterSharedMemory(
-    grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,
-    v1::RegisterSharedMemoryResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::Status status = absl::FailedPreconditionError(
-      "shared memory is disabled on this server; start it with --enable_shared_memory");
-  std::string what;
-  absl::StatusOr<std::string> principal = Admit(context);
+// --- Sessions, information, shared memory -----------------------------------
+
+LossServiceImpl::Unary* LossServiceImpl::ReleaseSession(Context* context, const Bytes* in,
+                                                        Bytes* out) {
+  auto* call = NewUnary<v1::ReleaseSessionRequest, v1::ReleaseSessionResponse>(
+      context, in, out, "ReleaseSession");
+  absl::StatusOr<std::string> principal = Authenticate(context);
   if (!principal.ok()) {
-    status = principal.status();
-  } else if (shared_memory_ != nullptr) {
-    absl::StatusOr<RegisteredRegion> region;
-    if (request->has_cuda_ipc_handle()) {
-      what = "cuda_ipc ";
-      region = shared_memory_->RegisterCudaIpc(request->cuda_ipc_handle(), request->bytes(),
-                                               core_->engine(), *principal);
-    } else {
-      what = absl::StrCat("shm=", request->shm_name(), " ");
-      region = shared_memory_->Register(request->shm_name(), request->bytes(), *principal);
-    }
-    status = region.status();
-    if (region.ok()) {
-      response->set_region_id(region->region_id);
-      response->set_bytes(region->bytes);
-    }
+    call->Reply(principal.status());
+  } else if (call->Parse()) {
+    const std::string& id = call->request().session_id();
+    call->record().SetDetail(SessionDetail(id));
+    call->response()->set_released(core_->Release(id, *principal));
+    call->Reply(absl::OkStatus());
   }
-  LogRpc(metrics_, "RegisterSharedMemory", what, status, start);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  return call;
 }
 
-grpc::ServerUnaryReactor* LossServiceImpl::UnregisterSharedMemory(
-    grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
-    v1::UnregisterSharedMemoryResponse* response) {
+LossServiceImpl::Unary* LossServiceImpl::GetServerInfo(Context* context, const Bytes* in,
+                                                       Bytes* out) {
+  auto* call = NewUnary<v1::GetServerInfoRequest, v1::GetServerInfoResponse>(
+      context, in, out, "GetServerInfo");
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(metrics_, context, "UnregisterSharedMemory", principal.status());
-  const absl::Time start = absl::Now();
-  response->set_unregistered(shared_memory_ != nullptr &&
-                             shared_memory_->Unregister(request->region_id(), *principal));
-  LogRpc(metrics_, "UnregisterSharedMemory", "", absl::OkStatus(), start);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+    return call;
+  }
+  if (!call->Parse()) return call;
+  v1::GetServerInfoResponse* response = call->response();
+  const LossEngine& engine = core_->engine();
+  const SessionStore& sessions = core_->sessions();
+  response->set_version(kVersion);
+  response->set_backend(engine.backend());
+  for (const DeviceInfo& d : engine.devices()) {
+    v1::Device* device = response->add_devices();
+    device->set_name(d.name);
+    device->set_total_memory_bytes(d.total_memory_bytes);
+  }
+  v1::Limits* limits = response->mutable_limits();
+  limits->set_max_sessions(sessions.limits().max_sessions);
+  limits->set_session_memory_budget_bytes(sessions.limits().memory_budget_bytes);
+  limits->set_max_message_bytes(limits_.max_message_bytes);
+  limits->set_session_ttl_seconds(absl::ToDoubleSeconds(sessions.limits().ttl));
+  limits->set_max_queued_requests(queue_->max_queued());
+  limits->set_weight_memory_budget_bytes(core_->weights().memory_budget_bytes());
+  limits->set_max_streams(streams_->limits().max_streams);
+  limits->set_stream_memory_budget_bytes(streams_->limits().memory_bytes);
+  limits->set_stream_idle_timeout_seconds(absl::ToDoubleSeconds(streams_->limits().idle_timeout));
+  if (shared_memory_ != nullptr) {
+    limits->set_max_shared_memory_regions(shared_memory_->limits().max_regions);
+    limits->set_shared_memory_budget_bytes(shared_memory_->limits().max_bytes);
+  }
+  const Gauges load = gauges_();
+  response->set_live_sessions(load.live_sessions);
+  response->set_session_memory_bytes(load.session_memory_bytes);
+  response->set_weight_memory_bytes(load.weight_memory_bytes);
+  response->set_running_requests(load.running_requests);
+  response->set_queued_requests(load.queued_requests);
+  call->Reply(absl::OkStatus());
+  return call;
 }
 
 namespace {
@@ -943,12 +817,16 @@ void ToProto(const HistogramSnapshot& h, v1::Histogram* out) {
 
 }  // namespace
 
-grpc::ServerUnaryReactor* LossServiceImpl::GetStats(grpc::CallbackServerContext* context,
-                                                    const v1::GetStatsRequest*,
-                                                    v1::GetStatsResponse* response) {
-  const absl::Time start = absl::Now();
+LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes* in,
+                                                  Bytes* out) {
+  auto* call = NewUnary<v1::GetStatsRequest, v1::GetStatsResponse>(context, in, out, "GetStats");
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) return Refuse(metrics_, context, "GetStats", principal.status());
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+    return call;
+  }
+  if (!call->Parse()) return call;
+  v1::GetStatsResponse* response = call->response();
   const MetricsSnapshot s = metrics_->Snapshot(gauges_());
   for (const auto& [key, count] : s.requests) {
     v1::GetStatsResponse::RequestCount* c = response->add_requests();
@@ -961,9 +839,9 @@ grpc::ServerUnaryReactor* LossServiceImpl::GetStats(grpc::CallbackServerContext*
   ToProto(s.queue_wait, response->mutable_queue_wait());
   for (const auto& [rpc, b] : s.received_bytes) (*response->mutable_received_bytes())[rpc] = b;
   for (const auto& [rpc, b] : s.sent_bytes) (*response->mutable_sent_bytes())[rpc] = b;
-  response->set_sessions_expired(s.gauges.sessions_expired);
-  response->set_engine_forward_reruns(s.gauges.engine_forward_reruns);
   const Gauges& g = s.gauges;
+  response->set_sessions_expired(g.sessions_expired);
+  response->set_engine_forward_reruns(g.engine_forward_reruns);
   response->set_queued_requests(g.queued_requests);
   response->set_running_requests(g.running_requests);
   response->set_live_sessions(g.live_sessions);
@@ -971,12 +849,329 @@ grpc::ServerUnaryReactor* LossServiceImpl::GetStats(grpc::CallbackServerContext*
   response->set_registered_weights(g.registered_weights);
   response->set_weight_memory_bytes(g.weight_memory_bytes);
   response->set_shared_memory_regions(g.shared_memory_regions);
+  response->set_shared_memory_bytes(g.shared_memory_bytes);
   response->set_device_memory_bytes(g.device_memory_bytes);
   response->set_weight_device_memory_bytes(g.weight_device_memory_bytes);
+  response->set_open_streams(g.open_streams);
+  response->set_stream_memory_bytes(g.stream_memory_bytes);
+  response->set_stream_idle_timeouts(g.stream_idle_timeouts);
   response->set_serving(g.serving);
-  LogRpc(metrics_, "GetStats", "", absl::OkStatus(), start);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  call->Reply(absl::OkStatus());
+  return call;
+}
+
+LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, const Bytes* in,
+                                                              Bytes* out) {
+  auto* call = NewUnary<v1::RegisterSharedMemoryRequest, v1::RegisterSharedMemoryResponse>(
+      context, in, out, "RegisterSharedMemory");
+  absl::StatusOr<std::string> principal = Admit(context);
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+    return call;
+  }
+  if (!call->Parse()) return call;
+  if (shared_memory_ == nullptr) {
+    call->Reply(absl::FailedPreconditionError(
+        "shared memory is disabled on this server; start it with --enable_shared_memory"));
+    return call;
+  }
+  const v1::RegisterSharedMemoryRequest& request = call->request();
+  absl::StatusOr<RegisteredRegion> region;
+  if (request.has_cuda_ipc_handle()) {
+    call->record().SetDetail("cuda_ipc ");
+    region = shared_memory_->RegisterCudaIpc(request.cuda_ipc_handle(), request.bytes(),
+                                             core_->engine(), *principal);
+  } else {
+    call->record().SetDetail(absl::StrCat("shm=", LogSafe(request.shm_name()), " "));
+    region = shared_memory_->Register(request.shm_name(), request.bytes(), *principal);
+  }
+  if (region.ok()) {
+    call->response()->set_region_id(region->region_id);
+    call->response()->set_bytes(region->bytes);
+    // A region whose id never reached its client would stay mapped for good.
+    call->WhenOver([this, id = region->region_id, principal = *principal](bool delivered) {
+      if (!delivered) shared_memory_->Unregister(id, principal);
+    });
+  }
+  call->Reply(region.status());
+  return call;
+}
+
+LossServiceImpl::Unary* LossServiceImpl::UnregisterSharedMemory(Context* context,
+                                                                const Bytes* in, Bytes* out) {
+  auto* call = NewUnary<v1::UnregisterSharedMemoryRequest, v1::UnregisterSharedMemoryResponse>(
+      context, in, out, "UnregisterSharedMemory");
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+  } else if (call->Parse()) {
+    call->response()->set_unregistered(
+        shared_memory_ != nullptr &&
+        shared_memory_->Unregister(call->request().region_id(), *principal));
+    call->Reply(absl::OkStatus());
+  }
+  return call;
+}
+
+// --- Registered weights ----------------------------------------------------
+
+namespace {
+
+void FillWeightInfo(const RegisteredWeight& w, v1::WeightInfo* info) {
+  info->set_name(w.name());
+  info->set_version(w.version());
+  info->set_dtype(ToProto(w.weight().dtype));
+  info->mutable_shape()->Assign(w.weight().shape.begin(), w.weight().shape.end());
+  info->set_has_bias(w.bias().has_value());
+  info->set_bytes(w.bytes());
+  info->set_accumulated_backwards(w.accumulated_backwards());
+}
+
+// PutWeight: the header chunk names and sizes the weight and takes its bytes
+// from the weight budget; the data is stored as it arrives, and the end of
+// the stream checks the length and CRC-32C before the weight is registered.
+// Nothing is registered from a broken stream.
+class PutWeightReactor final : public ReadStream {
+ public:
+  PutWeightReactor(grpc::CallbackServerContext* context, WeightRegistry* weights,
+                   grpc::ByteBuffer* response, ServiceMetrics* metrics,
+                   int64_t max_message_bytes)
+      : ReadStream(context, response, metrics, "PutWeight", max_message_bytes),
+        weights_(weights) {}
+
+ private:
+  google::protobuf::Message* message() override { return &chunk_; }
+  const google::protobuf::Message& response() override { return response_; }
+
+  absl::Status Take() override {
+    if (!started_) {
+      if (!chunk_.has_header()) {
+        return absl::InvalidArgumentError("header: required on the first chunk");
+      }
+      FLCE_RETURN_IF_ERROR(Start(chunk_.header()));
+    } else if (chunk_.has_header()) {
+      return absl::InvalidArgumentError("header: only the first chunk carries one");
+    }
+    const std::string& data = chunk_.data();
+    if (static_cast<int64_t>(payload_.size() + data.size()) > total_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data: more bytes than the header's ", total_, " (", payload_.size() + data.size(),
+          " so far)"));
+    }
+    // Reserved (not touched) with the first bytes, so it never reallocates.
+    if (!data.empty() && payload_.capacity() < static_cast<size_t>(total_)) {
+      payload_.reserve(static_cast<size_t>(total_));
+    }
+    payload_.append(data);
+    crc_ = Crc32c(crc_, data.data(), data.size());
+    return absl::OkStatus();
+  }
+
+  absl::Status Start(const v1::WeightHeader& h) {
+    started_ = true;
+    name_ = h.name();
+    if (!WeightRegistry::ValidName(name_)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.name: '", LogSafe(name_, 128), "' must be 1-128 characters of [A-Za-z0-9_.-]"));
+    }
+    record().SetDetail(absl::StrCat("weight=", name_, " "));
+    expected_crc_ = h.crc32c();
+    FLCE_ASSIGN_OR_RETURN(dtype_, FromProto(h.dtype(), "header.dtype"));
+    if (!IsFloating(dtype_)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.dtype: ", DTypeName(dtype_), " not supported; expected bf16, fp16 or fp32"));
+    }
+    shape_.assign(h.shape().begin(), h.shape().end());
+    if (shape_.size() != 2 || shape_[0] < 1 || shape_[1] < 1 ||
+        shape_[0] > (int64_t{1} << 40) / shape_[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.shape: expected [V, H] with V, H >= 1, got ", ShapeString(shape_)));
+    }
+    has_bias_ = h.has_bias();
+    const int64_t elem = DTypeSize(dtype_);
+    total_ = (shape_[0] * shape_[1] + (has_bias_ ? shape_[0] : 0)) * elem;
+    FLCE_ASSIGN_OR_RETURN(hold_, weights_->Reserve(name_, total_));
+    return absl::OkStatus();
+  }
+
+  absl::Status End() override {
+    if (!started_) return absl::InvalidArgumentError("header: the stream carried no chunk");
+    if (static_cast<int64_t>(payload_.size()) != total_) {
+      return absl::InvalidArgumentError(absl::StrCat("data: received ", payload_.size(),
+                                                     " of the header's ", total_, " bytes"));
+    }
+    if (crc_ != expected_crc_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "header.crc32c: the bytes received have CRC-32C %08x, the header says %08x", crc_,
+          expected_crc_));
+    }
+    // W's bytes first, then b's.
+    const size_t w_bytes = static_cast<size_t>(shape_[0] * shape_[1] * DTypeSize(dtype_));
+    std::optional<HostTensor> bias;
+    if (has_bias_) {
+      bias.emplace();
+      bias->dtype = dtype_;
+      bias->shape = {shape_[0]};
+      bias->data = payload_.substr(w_bytes);
+    }
+    HostTensor weight;
+    weight.dtype = dtype_;
+    weight.shape = shape_;
+    payload_.resize(w_bytes);
+    weight.data = std::move(payload_);
+    FLCE_ASSIGN_OR_RETURN(
+        std::shared_ptr<RegisteredWeight> registered,
+        weights_->Put(name_, principal(), std::move(weight), std::move(bias), std::move(hold_)));
+    FillWeightInfo(*registered, response_.mutable_weight());
+    record().SetDetail(absl::StrCat("weight=", name_, " version=", registered->version(),
+                                    " bytes=", total_, " "));
+    return absl::OkStatus();
+  }
+
+  WeightRegistry* const weights_;
+  v1::PutWeightChunk chunk_;
+  v1::PutWeightResponse response_;
+  bool started_ = false;
+  std::string name_;
+  DType dtype_ = DType::kFloat32;
+  std::vector<int64_t> shape_;
+  bool has_bias_ = false;
+  BudgetHold hold_;
+  std::string payload_;
+  int64_t total_ = 0;
+  uint32_t crc_ = 0, expected_crc_ = 0;
+};
+
+// TakeWeightGrad: takes the accumulated gradient, narrows it to the asked
+// dtype, and streams it in chunks; unless the whole stream reached the
+// client, the gradient goes back into the accumulator.
+class TakeGradReactor final : public WriteStream {
+ public:
+  TakeGradReactor(grpc::CallbackServerContext* context, ServiceMetrics* metrics,
+                  int64_t max_message_bytes, int64_t chunk_bytes)
+      : WriteStream(context, metrics, "TakeWeightGrad", max_message_bytes),
+        chunk_bytes_(chunk_bytes) {}
+
+  absl::Status Prepare(const WeightRegistry& weights, const v1::TakeWeightGradRequest& r,
+                       const std::string& principal) {
+    record().SetDetail(absl::StrCat("weight=", LogSafe(r.weight().name()), " "));
+    FLCE_ASSIGN_OR_RETURN(weight_, weights.Get(r.weight().name(), r.weight().version(), principal));
+    DType dtype = DType::kFloat32;
+    if (r.dtype() != v1::DTYPE_UNSPECIFIED) {
+      FLCE_ASSIGN_OR_RETURN(dtype, FromProto(r.dtype(), "dtype"));
+      if (dtype != DType::kFloat32 && dtype != weight_->weight().dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "dtype: ", DTypeName(dtype), " not supported; expected fp32 or the weight's ",
+            DTypeName(weight_->weight().dtype)));
+      }
+    }
+    FLCE_ASSIGN_OR_RETURN(RegisteredWeight::Grad grad, weight_->TakeGrad(/*pending=*/true));
+    grad_ = std::move(grad);
+    // Put back unless delivered whole.
+    WhenOver([this](bool delivered) {
+      if (delivered) {
+        weight_->ConfirmTake();
+      } else {
+        weight_->RestoreGrad(*std::move(grad_));
+      }
+    });
+    const int64_t elem = DTypeSize(dtype);
+    const int64_t dw = grad_->dw.num_elements();
+    const int64_t db = grad_->db ? grad_->db->num_elements() : 0;
+    payload_.resize(static_cast<size_t>((dw + db) * elem));
+    FromFloat(dtype, grad_->dw.data_as<float>(), dw, &payload_[0]);
+    if (grad_->db) FromFloat(dtype, grad_->db->data_as<float>(), db, &payload_[dw * elem]);
+    v1::WeightGradHeader* header = chunk_.mutable_header();
+    FillWeightInfo(*weight_, header->mutable_weight());
+    header->set_dtype(ToProto(dtype));
+    header->set_accumulated_backwards(grad_->backwards);
+    record().SetDetail(absl::StrCat("weight=", weight_->name(), " version=", weight_->version(),
+                                    " backwards=", grad_->backwards, " "));
+    return absl::OkStatus();
+  }
+
+ private:
+  const google::protobuf::Message* Next() override {
+    if (sent_header_ && offset_ >= payload_.size()) return nullptr;
+    if (sent_header_) chunk_.clear_header();
+    const size_t n = std::min(payload_.size() - offset_, static_cast<size_t>(chunk_bytes_));
+    chunk_.set_data(payload_.data() + offset_, n);
+    offset_ += n;
+    sent_header_ = true;
+    return &chunk_;
+  }
+
+  const int64_t chunk_bytes_;
+  std::shared_ptr<RegisteredWeight> weight_;
+  std::optional<RegisteredWeight::Grad> grad_;
+  std::string payload_;
+  size_t offset_ = 0;
+  bool sent_header_ = false;
+  v1::WeightGradChunk chunk_;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::PutWeight(Context* context,
+                                                                     Bytes* response) {
+  auto* reactor = new PutWeightReactor(context, &core_->weights(), response, metrics_,
+                                       limits_.max_message_bytes);
+  reactor->Begin(Admit(context), streams_);
+  return reactor;
+}
+
+LossServiceImpl::Unary* LossServiceImpl::DeleteWeight(Context* context, const Bytes* in,
+                                                      Bytes* out) {
+  auto* call = NewUnary<v1::DeleteWeightRequest, v1::DeleteWeightResponse>(context, in, out,
+                                                                          "DeleteWeight");
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+  } else if (call->Parse()) {
+    call->record().SetDetail(absl::StrCat("weight=", LogSafe(call->request().name()), " "));
+    call->response()->set_deleted(core_->weights().Delete(call->request().name(), *principal));
+    call->Reply(absl::OkStatus());
+  }
+  return call;
+}
+
+LossServiceImpl::Unary* LossServiceImpl::ListWeights(Context* context, const Bytes* in,
+                                                     Bytes* out) {
+  auto* call =
+      NewUnary<v1::ListWeightsRequest, v1::ListWeightsResponse>(context, in, out, "ListWeights");
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+  } else if (call->Parse()) {
+    for (const auto& weight : core_->weights().List(*principal)) {
+      FillWeightInfo(*weight, call->response()->add_weights());
+    }
+    call->Reply(absl::OkStatus());
+  }
+  return call;
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::TakeWeightGrad(Context* context,
+                                                                           const Bytes* in) {
+  auto* reactor = new TakeGradReactor(context, metrics_, limits_.max_message_bytes,
+                                      limits_.stream_chunk_bytes());
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  absl::Status status = principal.status();
+  if (status.ok()) {
+    reactor->record().AddBytes(static_cast<int64_t>(in->Length()), 0);
+    status = GuardMemory(
+        [&]() -> absl::Status {
+          v1::TakeWeightGradRequest request;
+          FLCE_RETURN_IF_ERROR(ParseMessage(*in, &request));
+          return reactor->Prepare(core_->weights(), request, *principal);
+        },
+        "TakeWeightGrad");
+  }
+  if (status.ok()) {
+    reactor->StartWriting();
+  } else {
+    reactor->Reply(status);
+  }
   return reactor;
 }
 

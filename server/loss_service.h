@@ -5,7 +5,10 @@
 // decode and validate the request on the gRPC thread, queue the engine work
 // on the WorkQueue, encode the result and finish the reactor from the worker.
 // Deadlines and cancellation are checked when a task starts and between
-// chunks; one log line is written per finished RPC.
+// chunks; one log line is written per RPC when it is over (rpc_call.h).
+// A result is committed only once it reached the client: a Backward's
+// session is consumed, a taken gradient dropped, a Forward's session kept;
+// otherwise they stay (or go) as if the call had not happened.
 
 #include <cstdint>
 #include <memory>
@@ -20,20 +23,41 @@
 #include "server/auth.h"
 #include "server/loss_core.h"
 #include "server/metrics.h"
+#include "server/rpc_call.h"
 #include "server/shared_memory.h"
+#include "server/stream_admission.h"
 #include "server/work_queue.h"
 
 namespace flce {
 
 struct ServiceLimits {
-  int64_t max_message_bytes = 0;
-  // Bytes per chunk that TakeWeightGrad and BackwardStream send.
-  int64_t stream_chunk_bytes = int64_t{4} << 20;
+  int64_t max_message_bytes = int64_t{256} << 20;
   // Largest ForwardStream request (all its tensors), in bytes.
   int64_t max_stream_request_bytes = int64_t{64} << 30;
+
+  // Bytes of tensor data per streamed chunk (BackwardStream,
+  // TakeWeightGrad): 4 MiB, less where the message limit is smaller.
+  int64_t stream_chunk_bytes() const;
 };
 
-class LossServiceImpl final : public v1::LossService::CallbackService {
+// The service on raw bytes: every request is parsed by the service itself
+// (server/rpc_call.h), so one that does not parse is INVALID_ARGUMENT.
+using RawLossService = v1::LossService::WithRawCallbackMethod_Forward<
+    v1::LossService::WithRawCallbackMethod_Backward<
+        v1::LossService::WithRawCallbackMethod_ForwardStream<
+            v1::LossService::WithRawCallbackMethod_BackwardStream<
+                v1::LossService::WithRawCallbackMethod_ReleaseSession<
+                    v1::LossService::WithRawCallbackMethod_GetServerInfo<
+                        v1::LossService::WithRawCallbackMethod_GetStats<
+                            v1::LossService::WithRawCallbackMethod_PutWeight<
+                                v1::LossService::WithRawCallbackMethod_DeleteWeight<
+                                    v1::LossService::WithRawCallbackMethod_ListWeights<
+                                        v1::LossService::WithRawCallbackMethod_RegisterSharedMemory<
+                                            v1::LossService::WithRawCallbackMethod_UnregisterSharedMemory<
+                                                v1::LossService::WithRawCallbackMethod_TakeWeightGrad<
+                                                    v1::LossService::Service>>>>>>>>>>>>>;
+
+class LossServiceImpl final : public RawLossService {
  public:
   // All pointers must outlive the service; `shared_memory` is null when
   // shared memory is disabled, `auth` null for anonymous callers only.
@@ -42,9 +66,9 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   // `metrics` records every RPC; `gauges` reads the current gauges for
   // GetStats.
   LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
-                  SharedMemoryRegistry* shared_memory, const Authenticator* auth,
-                  ServiceMetrics* metrics, std::function<Gauges()> gauges,
-                  std::function<void()> on_engine_unhealthy);
+                  StreamAdmission* streams, SharedMemoryRegistry* shared_memory,
+                  const Authenticator* auth, ServiceMetrics* metrics,
+                  std::function<Gauges()> gauges, std::function<void()> on_engine_unhealthy);
 
   // From now on, new work (Forward, ForwardStream, PutWeight,
   // RegisterSharedMemory) is refused with UNAVAILABLE so that clients move
@@ -52,81 +76,74 @@ class LossServiceImpl final : public v1::LossService::CallbackService {
   // regions are still served.
   void StartDraining() { draining_ = true; }
 
-  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
-                                    const v1::ForwardRequest* request,
-                                    v1::ForwardResponse* response) override;
-  grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* context,
-                                     const v1::BackwardRequest* request,
-                                     v1::BackwardResponse* response) override;
-  grpc::ServerReadReactor<v1::ForwardRequestChunk>* ForwardStream(
-      grpc::CallbackServerContext* context, v1::ForwardResponse* response) override;
-  grpc::ServerWriteReactor<v1::BackwardResponseChunk>* BackwardStream(
-      grpc::CallbackServerContext* context, const v1::BackwardRequest* request) override;
-  grpc::ServerUnaryReactor* ReleaseSession(
-      grpc::CallbackServerContext* context,
-      const v1::ReleaseSessionRequest* request,
-      v1::ReleaseSessionResponse* response) override;
-  grpc::ServerUnaryReactor* GetServerInfo(
-      grpc::CallbackServerContext* context,
-      const v1::GetServerInfoRequest* request,
-      v1::GetServerInfoResponse* response) override;
-  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
-                                     const v1::GetStatsRequest* request,
-                                     v1::GetStatsResponse* response) override;
-  grpc::ServerUnaryReactor* RegisterSharedMemory(
-      grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,
-      v1::RegisterSharedMemoryResponse* response) override;
-  grpc::ServerUnaryReactor* UnregisterSharedMemory(
-      grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
-      v1::UnregisterSharedMemoryResponse* response) override;
-  grpc::ServerReadReactor<v1::PutWeightChunk>* PutWeight(
-      grpc::CallbackServerContext* context, v1::PutWeightResponse* response) override;
-  grpc::ServerUnaryReactor* DeleteWeight(grpc::CallbackServerContext* context,
-                                         const v1::DeleteWeightRequest* request,
-                                         v1::DeleteWeightResponse* response) override;
-  grpc::ServerUnaryReactor* ListWeights(grpc::CallbackServerContext* context,
-                                        const v1::ListWeightsRequest* request,
-                                        v1::ListWeightsResponse* response) override;
-  grpc::ServerWriteReactor<v1::WeightGradChunk>* TakeWeightGrad(
-      grpc::CallbackServerContext* context,
-      const v1::TakeWeightGradRequest* request) override;
+  using Unary = grpc::ServerUnaryReactor;
+  using Bytes = grpc::ByteBuffer;
+  using Context = grpc::CallbackServerContext;
+
+  Unary* Forward(Context* context, const Bytes* request, Bytes* response) override;
+  Unary* Backward(Context* context, const Bytes* request, Bytes* response) override;
+  grpc::ServerReadReactor<Bytes>* ForwardStream(Context* context, Bytes* response) override;
+  grpc::ServerWriteReactor<Bytes>* BackwardStream(Context* context,
+                                                  const Bytes* request) override;
+  Unary* ReleaseSession(Context* context, const Bytes* request, Bytes* response) override;
+  Unary* GetServerInfo(Context* context, const Bytes* request, Bytes* response) override;
+  Unary* GetStats(Context* context, const Bytes* request, Bytes* response) override;
+  Unary* RegisterSharedMemory(Context* context, const Bytes* request, Bytes* response) override;
+  Unary* UnregisterSharedMemory(Context* context, const Bytes* request,
+                                Bytes* response) override;
+  grpc::ServerReadReactor<Bytes>* PutWeight(Context* context, Bytes* response) override;
+  Unary* DeleteWeight(Context* context, const Bytes* request, Bytes* response) override;
+  Unary* ListWeights(Context* context, const Bytes* request, Bytes* response) override;
+  grpc::ServerWriteReactor<Bytes>* TakeWeightGrad(Context* context,
+                                                  const Bytes* request) override;
 
  private:
+  // Decodes a Forward request, queues its computation and replies on `call`
+  // (`response` filled in on OK). `request` and `response` must live until
+  // the call is over.
+  void StartForward(Call* call, const std::string& principal, const v1::ForwardRequest* request,
+                    v1::ForwardResponse* response);
+  absl::Status ComputeForward(Call* call, const std::string& principal,
+                              const ForwardCall& forward, v1::ForwardResponse* response,
+                              absl::Time queued);
+  // The same for Backward; the gradients land in *outcome, whose session
+  // is settled when the call is over. `max_response_bytes` bounds the
+  // inline gradients (0: none, for BackwardStream).
   struct CallStats {
     double queue_ms = 0, engine_ms = 0;
   };
+  void StartBackward(Call* call, const std::string& principal,
+                     const v1::BackwardRequest* request, int64_t max_response_bytes,
+                     std::shared_ptr<BackwardOutcome> outcome, std::shared_ptr<CallStats> stats,
+                     std::function<void(const absl::Status&)> done);
 
-  // Decodes a Forward request, queues its computation and calls finish()
-  // with the outcome (the response filled in on OK). `request` and
-  // `response` must live until then.
-  void StartForward(grpc::CallbackServerContext* context, const std::string& principal,
-                    const v1::ForwardRequest* request, v1::ForwardResponse* response,
-                    const char* rpc, std::function<void(const absl::Status&)> finish);
-  absl::Status ComputeForward(grpc::CallbackServerContext* context, const std::string& principal,
-                              const ForwardCall& call, v1::ForwardResponse* response,
-                              absl::Time start, std::string* detail);
-  // The same for Backward; the gradients land in *outcome.
-  void StartBackward(grpc::CallbackServerContext* context, const std::string& principal,
-                     const v1::BackwardRequest* request, const char* rpc, std::shared_ptr<BackwardOutcome> outcome,
-                     std::shared_ptr<CallStats> stats,
-                     std::function<void(const absl::Status&)> finish);
+  // Queues `work` (returning the call's status), then calls done(status) on
+  // the worker; at once if the queue refuses. Allocation failures in `work`
+  // become RESOURCE_EXHAUSTED.
+  void Run(Call* call, std::function<absl::Status(absl::Time queued)> work,
+           std::function<void(const absl::Status&)> done);
 
   // Context for an engine error: deadline vs cancellation, INTERNAL logged
   // once, and the health hook when the engine stopped.
-  absl::Status Explain(absl::Status status, const grpc::CallbackServerContext* context);
+  absl::Status Explain(absl::Status status, const Context* context);
 
   // The caller's principal (server/auth.h), or UNAUTHENTICATED. Every
   // handler asks first.
-  absl::StatusOr<std::string> Authenticate(const grpc::CallbackServerContext* context) const;
+  absl::StatusOr<std::string> Authenticate(const Context* context) const;
   // Authenticate, and UNAVAILABLE while draining: for RPCs that start new work.
-  absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext* context) const;
+  absl::StatusOr<std::string> Admit(const Context* context) const;
 
   // A resolver of the principal's shared-memory slices, or null (disabled).
   std::shared_ptr<SliceResolver> ResolverFor(const std::string& principal) const;
 
+  template <typename Request, typename Response>
+  UnaryCall<Request, Response>* NewUnary(Context* context, const Bytes* in, Bytes* out,
+                                         const char* rpc);
+
   LossCore* const core_;
   WorkQueue* const queue_;
   const ServiceLimits limits_;
+  StreamAdmission* const streams_;
   SharedMemoryRegistry* const shared_memory_;
   const Authenticator* const auth_;
   ServiceMetrics* const metrics_;

@@ -1,13 +1,18 @@
 // flce_server: serves flce.v1.LossService. See README.md for the flags.
 
 #include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "server/logging.h"
 #include "server/loss_server.h"
@@ -32,6 +37,24 @@ ABSL_FLAG(int64_t, weight_device_memory_bytes,
           "(CUDA backend); past it they are read and summed in host memory");
 ABSL_FLAG(bool, enable_shared_memory, false,
           "accept tensors in same-host clients' POSIX shared memory (RegisterSharedMemory)");
+ABSL_FLAG(int64_t, max_shared_memory_regions, flce::SharedMemoryLimits().max_regions,
+          "shared-memory regions registered at once (at most 4096)");
+ABSL_FLAG(int64_t, max_shared_memory_regions_per_principal, 0,
+          "shared-memory regions of one principal (0: only --max_shared_memory_regions)");
+ABSL_FLAG(int64_t, shared_memory_bytes, flce::SharedMemoryLimits().max_bytes,
+          "bytes all registered shared-memory regions may map");
+ABSL_FLAG(int64_t, shared_memory_bytes_per_principal, 0,
+          "bytes one principal's shared-memory regions may map (0: only --shared_memory_bytes)");
+ABSL_FLAG(int64_t, max_streams, flce::StreamLimits().max_streams,
+          "ForwardStream and PutWeight streams open at once");
+ABSL_FLAG(int64_t, max_streams_per_principal, 0,
+          "open streams of one principal (0: only --max_streams)");
+ABSL_FLAG(int64_t, stream_memory_bytes, flce::StreamLimits().memory_bytes,
+          "bytes the announced tensors of all open ForwardStreams may take");
+ABSL_FLAG(int64_t, stream_memory_bytes_per_principal, 0,
+          "bytes one principal's open ForwardStreams may take (0: only --stream_memory_bytes)");
+ABSL_FLAG(absl::Duration, stream_idle_timeout, flce::StreamLimits().idle_timeout,
+          "a ForwardStream or PutWeight that sends no message for this long is finished");
 ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
           "idle time after which a session expires");
 ABSL_FLAG(int, workers, 1, "engine calls run concurrently");
@@ -88,6 +111,13 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  // Registered shared-memory regions each keep their object open.
+  rlimit files;
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
+
   // Every thread inherits this mask; the main thread takes the signals.
   sigset_t signals;
   sigemptyset(&signals);
@@ -114,6 +144,18 @@ int main(int argc, char** argv) {
   options.weight_memory_bytes = absl::GetFlag(FLAGS_weight_memory_bytes);
   options.weight_device_memory_bytes = absl::GetFlag(FLAGS_weight_device_memory_bytes);
   options.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
+  options.shared_memory.max_regions = absl::GetFlag(FLAGS_max_shared_memory_regions);
+  options.shared_memory.max_regions_per_principal =
+      absl::GetFlag(FLAGS_max_shared_memory_regions_per_principal);
+  options.shared_memory.max_bytes = absl::GetFlag(FLAGS_shared_memory_bytes);
+  options.shared_memory.max_bytes_per_principal =
+      absl::GetFlag(FLAGS_shared_memory_bytes_per_principal);
+  options.streams.max_streams = absl::GetFlag(FLAGS_max_streams);
+  options.streams.max_streams_per_principal = absl::GetFlag(FLAGS_max_streams_per_principal);
+  options.streams.memory_bytes = absl::GetFlag(FLAGS_stream_memory_bytes);
+  options.streams.memory_bytes_per_principal =
+      absl::GetFlag(FLAGS_stream_memory_bytes_per_principal);
+  options.streams.idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
@@ -133,9 +175,21 @@ int main(int argc, char** argv) {
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   SPDLOG_INFO("received {}; shutting down", strsignal(signal_number));
-  if (absl::GetFlag(FLAGS_drain_timeout) > absl::ZeroDuration()) {
-    (*server)->Drain(absl::GetFlag(FLAGS_drain_timeout));
-  }
-  (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace));
+  // A second signal, or a shutdown that overruns its phases, ends the
+  // process at once: stopping never waits on a stuck call.
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace);
+  std::thread([signals, limit = drain + grace + absl::Seconds(10)] {
+    const timespec wait = absl::ToTimespec(limit);
+    const int second = sigtimedwait(&signals, nullptr, &wait);
+    std::string line = second > 0 ? absl::StrCat("received ", strsignal(second),
+                                                 " again; exiting without finishing\n")
+                                  : absl::StrCat("shutdown did not finish within ",
+                                                 absl::FormatDuration(limit), "; exiting\n");
+    if (write(STDERR_FILENO, line.data(), line.size()) < 0) {}
+    _exit(1);
+  }).detach();
+  if (drain > absl::ZeroDuration()) (*server)->Drain(drain);
+  (*server)->Shutdown(grace);
   return 0;
 }

@@ -140,7 +140,18 @@ std::string PrometheusText(const MetricsSnapshot& s) {
          "path's range: the CUDA engine's one-pass rows).");
   absl::StrAppend(&out, "flce_engine_forward_reruns_total ", s.gauges.engine_forward_reruns,
                   "\n");
+  Family(&out, "flce_stream_idle_timeouts_total", "counter",
+         "Client streams finished for sending no message within --stream_idle_timeout.");
+  absl::StrAppend(&out, "flce_stream_idle_timeouts_total ", s.gauges.stream_idle_timeouts,
+                  "\n");
   const Gauges& g = s.gauges;
+  AppendGauge(&out, "flce_open_streams", "ForwardStream and PutWeight streams open.",
+              g.open_streams);
+  AppendGauge(&out, "flce_stream_memory_bytes",
+              "Bytes reserved by open ForwardStreams for their announced tensors.",
+              g.stream_memory_bytes);
+  AppendGauge(&out, "flce_shared_memory_bytes", "Bytes mapped by shared-memory regions.",
+              g.shared_memory_bytes);
   AppendGauge(&out, "flce_queued_requests", "Engine tasks waiting for a worker.",
               g.queued_requests);
   AppendGauge(&out, "flce_running_requests", "Engine tasks running.", g.running_requests);
@@ -149,7 +160,8 @@ std::string PrometheusText(const MetricsSnapshot& s) {
               "Bytes held by live sessions and reservations.", g.session_memory_bytes);
   AppendGauge(&out, "flce_registered_weights", "Registered weight versions alive.",
               g.registered_weights);
-  AppendGauge(&out, "flce_weight_memory_bytes", "Bytes held by registered weights.",
+  AppendGauge(&out, "flce_weight_memory_bytes",
+              "Bytes held by registered weights (every version alive) and uploads in progress.",
               g.weight_memory_bytes);
   AppendGauge(&out, "flce_weight_device_memory_bytes",
               "Device bytes of registered weights' copies and gradient sums (CUDA).",

@@ -42,6 +42,9 @@ struct Gauges {
   // gauges.
   int64_t sessions_expired = 0;
   int64_t engine_forward_reruns = 0;
+  // Client streams (ForwardStream, PutWeight) and shared-memory mappings.
+  int64_t open_streams = 0, stream_memory_bytes = 0, stream_idle_timeouts = 0;
+  int64_t shared_memory_bytes = 0;
 };
 
 struct MetricsSnapshot {

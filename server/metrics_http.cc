@@ -1,37 +1,53 @@
 #include "server/metrics_http.h"
 
 #include <arpa/inet.h>
+#include <microhttpd.h>
 #include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace flce {
 namespace {
 
-constexpr size_t kMaxRequestBytes = 8 << 10;
+constexpr unsigned kTimeoutSeconds = 5;
+constexpr unsigned kThreads = 2;
+constexpr unsigned kMaxConnections = 64;
+constexpr unsigned kMaxConnectionsPerAddress = 16;
+constexpr size_t kConnectionMemory = 16 << 10;
 
-void WriteAll(int fd, const std::string& data) {
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL);
-    if (n <= 0) return;  // the scraper went away
-    done += static_cast<size_t>(n);
-  }
+MHD_Result Send(MHD_Connection* connection, unsigned code, std::string body,
+                const char* type) {
+  MHD_Response* response =
+      MHD_create_response_from_buffer(body.size(), body.data(), MHD_RESPMEM_MUST_COPY);
+  if (response == nullptr) return MHD_NO;
+  MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+  const MHD_Result queued = MHD_queue_response(connection, code, response);
+  MHD_destroy_response(response);
+  return queued;
 }
 
-std::string Reply(const char* status, const std::string& body,
-                  const char* type = "text/plain; charset=utf-8") {
-  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
-                      "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+MHD_Result Answer(void* cls, MHD_Connection* connection, const char* url, const char* method,
+                  const char* /*version*/, const char* /*upload_data*/,
+                  size_t* upload_data_size, void** /*request*/) {
+  const auto* server = static_cast<const MetricsHttpServer*>(cls);
+  if (*upload_data_size != 0) {
+    *upload_data_size = 0;  // a body is ignored
+    return MHD_YES;
+  }
+  if (std::strcmp(method, MHD_HTTP_METHOD_GET) != 0) {
+    return Send(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "only GET /metrics\n",
+                "text/plain; charset=utf-8");
+  }
+  if (std::strcmp(url, "/metrics") != 0) {
+    return Send(connection, MHD_HTTP_NOT_FOUND, "only GET /metrics\n",
+                "text/plain; charset=utf-8");
+  }
+  return Send(connection, MHD_HTTP_OK, server->render()(),
+              "text/plain; version=0.0.4; charset=utf-8");
 }
 
 }  // namespace
@@ -51,61 +67,24 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   bind_to.sin_port = htons(static_cast<uint16_t>(port));
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
   server->render_ = std::move(render);
-  server->listener_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const int on = 1;
-  setsockopt(server->listener_, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
-  socklen_t length = sizeof(bind_to);
-  if (server->listener_ < 0 ||
-      bind(server->listener_, reinterpret_cast<sockaddr*>(&bind_to), sizeof(bind_to)) != 0 ||
-      listen(server->listener_, 16) != 0 ||
-      getsockname(server->listener_, reinterpret_cast<sockaddr*>(&bind_to), &length) != 0) {
+  server->daemon_ = MHD_start_daemon(
+      MHD_USE_AUTO_INTERNAL_THREAD, static_cast<uint16_t>(port), nullptr, nullptr, &Answer,
+      server.get(), MHD_OPTION_SOCK_ADDR, reinterpret_cast<sockaddr*>(&bind_to),
+      MHD_OPTION_THREAD_POOL_SIZE, kThreads, MHD_OPTION_CONNECTION_TIMEOUT, kTimeoutSeconds,
+      MHD_OPTION_CONNECTION_LIMIT, kMaxConnections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+      kMaxConnectionsPerAddress, MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemory,
+      MHD_OPTION_END);
+  if (server->daemon_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("--metrics_address: cannot listen on ", address,
                                                ": ", std::strerror(errno)));
   }
-  server->port_ = ntohs(bind_to.sin_port);
-  server->thread_ = std::thread([raw = server.get()] { raw->Serve(); });
+  const MHD_DaemonInfo* info = MHD_get_daemon_info(server->daemon_, MHD_DAEMON_INFO_BIND_PORT);
+  server->port_ = info != nullptr ? info->port : port;
   return server;
 }
 
 MetricsHttpServer::~MetricsHttpServer() {
-  stop_ = true;
-  if (thread_.joinable()) thread_.join();
-  if (listener_ >= 0) close(listener_);
-}
-
-void MetricsHttpServer::Serve() {
-  while (!stop_) {
-    pollfd ready{listener_, POLLIN, 0};
-    if (poll(&ready, 1, 200) <= 0) continue;  // wake up to see stop_
-    const int connection = accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (connection < 0) continue;
-    Answer(connection);
-    close(connection);
-  }
-}
-
-void MetricsHttpServer::Answer(int connection) {
-  timeval timeout{5, 0};
-  setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-  std::string request;
-  char buffer[1024];
-  while (request.find("\r\n\r\n") == std::string::npos && request.size() < kMaxRequestBytes) {
-    const ssize_t n = recv(connection, buffer, sizeof(buffer), 0);
-    if (n <= 0) return;
-    request.append(buffer, static_cast<size_t>(n));
-  }
-  const std::string line = request.substr(0, request.find("\r\n"));
-  if (!absl::StartsWith(line, "GET ")) {
-    WriteAll(connection, Reply("405 Method Not Allowed", "only GET /metrics\n"));
-    return;
-  }
-  const std::string path = line.substr(4, line.find(' ', 4) - 4);
-  if (path != "/metrics") {
-    WriteAll(connection, Reply("404 Not Found", "only GET /metrics\n"));
-    return;
-  }
-  WriteAll(connection, Reply("200 OK", render_(), "text/plain; version=0.0.4; charset=utf-8"));
+  if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
 }
 
 }  // namespace flce

@@ -1,23 +1,26 @@
 #ifndef FLCE_SERVER_METRICS_HTTP_H_
 #define FLCE_SERVER_METRICS_HTTP_H_
 
-// A small HTTP/1.1 server on a side port for Prometheus: GET /metrics
-// answers the text a callback renders, anything else 404 (405 for other
-// methods). One thread serves one connection at a time, which is what a
-// scraper needs; each connection gets 5 s to send its request line and
-// headers (at most 8 KiB) and is closed after the reply.
+// The Prometheus endpoint on a side port: GET /metrics answers the text a
+// callback renders, any other path 404, any other method 405. Served by
+// GNU libmicrohttpd (Debian's libmicrohttpd-dev): two event-driven threads,
+// so one slow or stalled client never holds up a scrape; each connection
+// is closed after 5 s without progress, at most 64 are open (16 from one
+// address), a request's headers are bounded (16 KiB), and stopping closes
+// every connection at once.
 //
-// Not civetweb (Debian packages it): its worker threads are created with a
-// fixed small stack, which this process's thread-local storage (OpenBLAS,
-// cuBLAS) does not fit, so pthread_create fails.
+// Not civetweb (Debian packages it too): its worker threads are created
+// with a fixed small stack, which this process's thread-local storage
+// (OpenBLAS, cuBLAS) does not fit, so pthread_create fails. libmicrohttpd's
+// threads take the system's default stack.
 
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
+
+struct MHD_Daemon;
 
 namespace flce {
 
@@ -28,22 +31,21 @@ class MetricsHttpServer {
   // UNAVAILABLE if it cannot listen there.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
       const std::string& address, std::function<std::string()> render);
-  ~MetricsHttpServer();  // stops the thread and closes the socket
+  ~MetricsHttpServer();  // closes every connection and stops the threads
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
 
   int port() const { return port_; }
 
+  // For the library's callback.
+  const std::function<std::string()>& render() const { return render_; }
+
  private:
   MetricsHttpServer() = default;
-  void Serve();
-  void Answer(int connection);
 
   std::function<std::string()> render_;
-  int listener_ = -1;
+  MHD_Daemon* daemon_ = nullptr;
   int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
 };
 
 }  // namespace flce

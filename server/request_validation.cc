@@ -49,6 +49,17 @@ absl::Status CheckSameDType(const TensorView& view, const std::string& field,
   return absl::OkStatus();
 }
 
+// A view of shared memory becomes a view of a private copy, kept in `call`,
+// so that what is checked is what is computed on.
+TensorView Privatize(const TensorView& view, ForwardCall& call) {
+  auto copy = std::make_shared<HostTensor>();
+  copy->dtype = view.dtype;
+  copy->shape = view.shape;
+  copy->data.assign(static_cast<const char*>(view.data), static_cast<size_t>(view.bytes()));
+  call.copies.push_back(copy);
+  return copy->view();
+}
+
 absl::Status CheckOptions(const v1::LossOptions& o, LossOptions& out) {
   if (!v1::Reduction_IsValid(o.reduction())) {
     return Invalid(absl::StrCat("options.reduction: unknown value ", o.reduction()));
@@ -152,6 +163,7 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
   }
 
   FLCE_ASSIGN_OR_RETURN(p.target, Required(r.has_target(), r.target(), "target", resolver));
+  if (r.target().has_shm()) p.target = Privatize(p.target, call);
   if (p.target.dtype != DType::kInt32 && p.target.dtype != DType::kInt64) {
     return Invalid(absl::StrCat("target: dtype ", DTypeName(p.target.dtype),
                                 " not supported; expected int32 or int64"));
@@ -167,6 +179,7 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
                                   DTypeName(cw.dtype), " not supported; expected fp32"));
     }
     FLCE_RETURN_IF_ERROR(CheckShape(cw, "options.class_weight", {v}, "[V]"));
+    if (r.options().class_weight().has_shm()) cw = Privatize(cw, call);
     const float* w = static_cast<const float*>(cw.data);
     for (int64_t j = 0; j < v; ++j) {
       if (!(w[j] >= 0.0f) || !std::isfinite(w[j])) {

@@ -6,8 +6,10 @@
 //   INVALID_ARGUMENT  shapes, dtypes, byte lengths, option values
 //   OUT_OF_RANGE      a target outside [0, V) that is not ignore_index
 
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/loss_engine.h"
@@ -27,6 +29,10 @@ struct ForwardCall {
   std::shared_ptr<RegisteredWeight> weight_ref;
   // Keeps the shared-memory regions the views point into mapped.
   std::shared_ptr<SliceResolver> shm;
+  // Private copies of what was validated by value (targets, class weights)
+  // when it came from shared memory, so the client cannot change it after
+  // the check; the problem's views point here then.
+  std::vector<std::shared_ptr<const HostTensor>> copies;
   bool need_backward = false;
   BackwardMode requested_mode = BackwardMode::kAuto;
   bool want_lse = false;
@@ -50,6 +56,9 @@ struct BackwardCall {
   // Shared-memory destinations of the gradients, if asked for.
   std::optional<v1::SharedMemorySlice> grad_hidden_out, grad_weight_out, grad_bias_out;
   std::shared_ptr<SliceResolver> shm;
+  // Largest response the gradients may make (a unary Backward); 0: no
+  // bound (streamed).
+  int64_t max_response_bytes = 0;
 };
 
 absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& request,

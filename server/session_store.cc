@@ -19,6 +19,9 @@ namespace {
 // Past kMaxTombstones (about 25 MiB) the next reap forgets them all.
 constexpr size_t kMaxTombstones = size_t{1} << 18;
 constexpr absl::Duration kMinTombstoneAge = absl::Minutes(10);
+// How long a Backward waits for the delivery of the session's previous
+// answer to settle (normally microseconds: its client already has it).
+constexpr absl::Duration kSettleWait = absl::Seconds(2);
 
 std::string Short(const std::string& id) { return id.substr(0, 8); }
 
@@ -144,6 +147,11 @@ std::string SessionStore::Commit(Reservation reservation,
 absl::StatusOr<SessionLease> SessionStore::Acquire(const std::string& id,
                                                    const std::string& principal) {
   absl::MutexLock lock(&mu_);
+  auto settled = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = live_.find(id);
+    return it == live_.end() || !it->second.delivering;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&settled), kSettleWait);
   auto it = live_.find(id);
   if (it != live_.end() && it->second.principal == principal) {
     Session& s = it->second;
@@ -155,7 +163,7 @@ absl::StatusOr<SessionLease> SessionStore::Acquire(const std::string& id,
       EndLocked(id, Ended::kExpired);
     } else {
       s.in_use = true;
-      return SessionLease{id, s.info, s.state};
+      return SessionLease{id, s.info, s.state, s.undelivered};
     }
   }
   auto tomb = ended_.find(id);
@@ -181,17 +189,26 @@ absl::StatusOr<SessionLease> SessionStore::Acquire(const std::string& id,
       "…: unknown session (never created here, or the server restarted)"));
 }
 
-void SessionStore::Finish(const SessionLease& lease, bool consume) {
+void SessionStore::Finish(const SessionLease& lease, bool consume,
+                          std::optional<UndeliveredAccumulation> undelivered) {
   absl::MutexLock lock(&mu_);
   auto it = live_.find(lease.id);
   if (it == live_.end()) return;
   it->second.in_use = false;
+  it->second.delivering = false;
   it->second.last_used = clock_();
+  it->second.undelivered = std::move(undelivered);
   if (consume) {
     EndLocked(lease.id, Ended::kConsumed);
   } else if (it->second.release_when_done) {
     EndLocked(lease.id, Ended::kReleased);
   }
+}
+
+void SessionStore::MarkDelivering(const SessionLease& lease) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(lease.id);
+  if (it != live_.end() && it->second.in_use) it->second.delivering = true;
 }
 
 bool SessionStore::Release(const std::string& id, const std::string& principal) {

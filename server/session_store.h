@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -25,6 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/loss_engine.h"
+#include "kernels/tensor.h"
 
 namespace flce {
 
@@ -73,11 +75,20 @@ class Reservation {
   std::string principal_;
 };
 
+// An accumulating Backward whose dX did not reach its client: its dW is in
+// the weight's accumulator already, so the session remembers the call and
+// only its retry (the same grad_output) may run next, returning dX without
+// adding dW again.
+struct UndeliveredAccumulation {
+  std::optional<HostTensor> grad_output;  // fp32; absent: 1
+};
+
 // A session held by one Backward.
 struct SessionLease {
   std::string id;
   SessionInfo info;
   std::shared_ptr<SavedState> state;
+  std::optional<UndeliveredAccumulation> undelivered;
 };
 
 class SessionStore {
@@ -102,15 +113,24 @@ class SessionStore {
   std::string Commit(Reservation reservation, std::unique_ptr<SavedState> state,
                      const SessionInfo& info);
 
-  // Takes a session for a Backward.
+  // Takes a session for a Backward. A session whose last Backward's answer
+  // is still being delivered (MarkDelivering) is waited for, briefly: its
+  // client may ask again as soon as it has the answer, before the delivery
+  // is settled here.
   // NOT_FOUND: unknown, expired or another principal's.
   // FAILED_PRECONDITION: already consumed, or in use by another Backward.
   absl::StatusOr<SessionLease> Acquire(const std::string& id,
                                        const std::string& principal);
 
+  // The Backward holding `lease` has computed its answer and is delivering
+  // it; Finish ends that.
+  void MarkDelivering(const SessionLease& lease);
+
   // Ends a Backward's hold. `consume` releases the session (later Acquires
-  // fail with FAILED_PRECONDITION); otherwise it stays, its TTL restarted.
-  void Finish(const SessionLease& lease, bool consume);
+  // fail with FAILED_PRECONDITION); otherwise it stays, its TTL restarted,
+  // remembering `undelivered` (the next lease carries it).
+  void Finish(const SessionLease& lease, bool consume,
+              std::optional<UndeliveredAccumulation> undelivered = std::nullopt);
 
   // Frees a session. Idempotent: false if there was no live session with
   // that id for `principal`. A session in use is freed when its Backward
@@ -134,7 +154,9 @@ class SessionStore {
     int64_t bytes = 0;
     absl::Time last_used;
     bool in_use = false;
+    bool delivering = false;  // in use by a Backward whose answer is on its way
     bool release_when_done = false;
+    std::optional<UndeliveredAccumulation> undelivered;
   };
   enum class Ended { kConsumed, kReleased, kExpired };
   struct Tombstone {

@@ -11,8 +11,59 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/sigbus_guard.h"
 
 namespace flce {
+namespace {
+
+// '/' then 1-255 characters of [A-Za-z0-9_.-] (NAME_MAX under /dev/shm).
+bool ValidShmName(const std::string& name) {
+  if (name.size() < 2 || name.size() > 256 || name[0] != '/') return false;
+  for (size_t i = 1; i < name.size(); ++i) {
+    const char c = name[i];
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == '-';
+    if (!ok) return false;
+  }
+  return name != "/." && name != "/..";
+}
+
+}  // namespace
+
+SharedRegion::SharedRegion(void* base, int64_t bytes, MemorySpace space,
+                           std::function<void()> release, int fd, int guard_slot)
+    : base_(base),
+      bytes_(bytes),
+      space_(space),
+      release_(std::move(release)),
+      fd_(fd),
+      guard_slot_(guard_slot) {}
+
+SharedRegion::~SharedRegion() {
+  SigbusGuard::Unguard(guard_slot_);
+  release_();
+  if (fd_ >= 0) close(fd_);
+}
+
+bool SharedRegion::broken() const { return SigbusGuard::Broken(guard_slot_); }
+
+absl::Status SharedRegion::CheckUsable(const std::string& field) const {
+  if (broken()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ".shm: the region's shared-memory object was shrunk by its owner under a "
+               "call; unregister it and register a new one"));
+  }
+  if (fd_ >= 0) {
+    struct stat st;
+    if (fstat(fd_, &st) != 0 || st.st_size < bytes_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ".shm: the region's shared-memory object holds ",
+          static_cast<int64_t>(st.st_size), " bytes now, ", bytes_,
+          " when it was registered; unregister it and register a new one"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 class SharedMemoryRegistry::Holds : public SliceResolver {
  public:
@@ -27,7 +78,7 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
       auto it = registry_->regions_.find(slice.region_id());
       if (it == registry_->regions_.end() || it->second.principal != principal_) {
         return absl::NotFoundError(
-            absl::StrCat(field, ".shm: unknown region '", slice.region_id(), "'"));
+            absl::StrCat(field, ".shm: unknown region '", slice.region_id().substr(0, 64), "'"));
       }
       region = it->second.region;
     }
@@ -36,9 +87,23 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
           field, ".shm: ", bytes, " bytes at offset ", slice.offset(),
           " do not lie inside the region's ", region->bytes(), " bytes"));
     }
+    absl::Status usable = region->CheckUsable(field);
+    if (!usable.ok()) return usable;
     absl::MutexLock lock(&mu_);
     held_.push_back(region);
     return SliceMemory{region->base() + slice.offset(), region->space()};
+  }
+
+  absl::Status CheckIntact() const override {
+    absl::MutexLock lock(&mu_);
+    for (const auto& region : held_) {
+      if (region->broken()) {
+        return absl::FailedPreconditionError(
+            "shm: a shared-memory object this call used was shrunk by its owner during the "
+            "call; its results are void (nothing was kept)");
+      }
+    }
+    return absl::OkStatus();
   }
 
  private:
@@ -48,36 +113,103 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
   mutable std::vector<std::shared_ptr<SharedRegion>> held_ ABSL_GUARDED_BY(mu_);
 };
 
+SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits) : limits_(limits) {}
+
+absl::Status SharedMemoryRegistry::Admit(const std::string& principal, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (count_ >= limits_.max_regions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shared memory: ", count_, " regions are registered, the server's limit "
+        "(--max_shared_memory_regions) is ", limits_.max_regions, "; unregister some first"));
+  }
+  if (bytes > limits_.max_bytes - bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shared memory: this region maps ", bytes, " bytes; registered regions map ", bytes_,
+        " of the server's limit of ", limits_.max_bytes, " (--shared_memory_bytes)"));
+  }
+  Usage& usage = usage_[principal];
+  if (limits_.max_regions_per_principal > 0 &&
+      usage.regions >= limits_.max_regions_per_principal) {
+    if (usage.regions == 0) usage_.erase(principal);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shared memory: this principal has ", usage.regions,
+        " regions registered, the limit (--max_shared_memory_regions_per_principal) is ",
+        limits_.max_regions_per_principal));
+  }
+  if (limits_.max_bytes_per_principal > 0 &&
+      bytes > limits_.max_bytes_per_principal - usage.bytes) {
+    if (usage.regions == 0) usage_.erase(principal);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shared memory: this region maps ", bytes, " bytes; this principal's regions map ",
+        usage.bytes, " of its limit of ", limits_.max_bytes_per_principal,
+        " (--shared_memory_bytes_per_principal)"));
+  }
+  ++count_;
+  bytes_ += bytes;
+  ++usage.regions;
+  usage.bytes += bytes;
+  return absl::OkStatus();
+}
+
+void SharedMemoryRegistry::Unadmit(const std::string& principal, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  --count_;
+  bytes_ -= bytes;
+  auto it = usage_.find(principal);
+  if (it == usage_.end()) return;
+  it->second.regions -= 1;
+  it->second.bytes -= bytes;
+  if (it->second.regions == 0) usage_.erase(it);
+}
+
 absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Register(const std::string& shm_name,
                                                                 int64_t bytes,
                                                                 const std::string& principal) {
-  if (shm_name.size() < 2 || shm_name[0] != '/' || shm_name.find('/', 1) != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shm_name: '", shm_name, "' must be a POSIX shm name: '/' then no other '/'"));
+  if (!ValidShmName(shm_name)) {
+    return absl::InvalidArgumentError(
+        "shm_name: must be a POSIX shm name: '/' then 1-255 characters of [A-Za-z0-9_.-]");
   }
   if (bytes <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("bytes: ", bytes, "; expected > 0"));
   }
-  const int fd = shm_open(shm_name.c_str(), O_RDWR, 0);
+  if (absl::Status admitted = Admit(principal, bytes); !admitted.ok()) return admitted;
+  auto fail = [&](absl::Status status) {
+    Unadmit(principal, bytes);
+    return status;
+  };
+  const int fd = shm_open(shm_name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
-    return absl::NotFoundError(
-        absl::StrCat("shm_name: cannot open '", shm_name, "': ", std::strerror(errno)));
+    return fail(absl::NotFoundError(
+        absl::StrCat("shm_name: cannot open '", shm_name, "': ", std::strerror(errno))));
   }
   struct stat st;
-  if (fstat(fd, &st) != 0 || st.st_size < bytes) {
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < bytes) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("bytes: ", bytes, " but '", shm_name,
-                                                   "' holds ", static_cast<int64_t>(st.st_size)));
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "bytes: ", bytes, " but '", shm_name, "' holds ", static_cast<int64_t>(st.st_size))));
   }
   void* base = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
   if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot map '", shm_name, "': ", std::strerror(errno)));
+    const int error = errno;
+    close(fd);
+    return fail(absl::ResourceExhaustedError(
+        absl::StrCat("cannot map '", shm_name, "': ", std::strerror(error))));
   }
+  const int slot = SigbusGuard::Guard(base, static_cast<size_t>(bytes));
+  if (slot < 0) {
+    munmap(base, static_cast<size_t>(bytes));
+    close(fd);
+    return fail(absl::ResourceExhaustedError(absl::StrCat(
+        "shared memory: ", SigbusGuard::kCapacity, " POSIX regions are mapped already")));
+  }
+  // The region's place in the bounds is given back when it is unmapped.
   return Add(std::make_shared<SharedRegion>(
                  base, bytes, MemorySpace::kHost,
-                 [base, bytes] { munmap(base, static_cast<size_t>(bytes)); }),
+                 [this, principal, base, bytes] {
+                   munmap(base, static_cast<size_t>(bytes));
+                   Unadmit(principal, bytes);
+                 },
+                 fd, slot),
              principal);
 }
 
@@ -93,6 +225,10 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
     return absl::InvalidArgumentError(
         absl::StrCat("bytes: ", bytes, "; expected >= 0 (0: the whole allocation)"));
   }
+  // The count is checked before the engine maps anything (the bytes are
+  // known only after).
+  if (absl::Status admitted = Admit(principal, 0); !admitted.ok()) return admitted;
+  Unadmit(principal, 0);
   absl::StatusOr<std::unique_ptr<ImportedMemory>> imported = engine.ImportCudaIpcMemory(handle);
   if (!imported.ok()) return imported.status();
   const int64_t size = (*imported)->bytes();
@@ -100,10 +236,15 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
     return absl::InvalidArgumentError(
         absl::StrCat("bytes: ", bytes, " but the allocation holds ", size));
   }
+  const int64_t mapped = bytes == 0 ? size : bytes;
+  if (absl::Status admitted = Admit(principal, mapped); !admitted.ok()) return admitted;
   void* base = (*imported)->data();
   std::shared_ptr<ImportedMemory> mapping = std::move(*imported);
-  return Add(std::make_shared<SharedRegion>(base, bytes == 0 ? size : bytes, MemorySpace::kCuda,
-                                            [mapping]() mutable { mapping.reset(); }),
+  return Add(std::make_shared<SharedRegion>(base, mapped, MemorySpace::kCuda,
+                                            [this, principal, mapped, mapping]() mutable {
+                                              mapping.reset();
+                                              Unadmit(principal, mapped);
+                                            }),
              principal);
 }
 
@@ -111,7 +252,7 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Add(std::shared_ptr<Share
                                                            const std::string& principal) {
   unsigned char id_bytes[16];
   if (getrandom(id_bytes, sizeof(id_bytes), 0) != sizeof(id_bytes)) {
-    return absl::InternalError("getrandom failed");
+    return absl::InternalError("getrandom failed");  // the region unmaps itself
   }
   RegisteredRegion out;
   for (unsigned char b : id_bytes) absl::StrAppendFormat(&out.region_id, "%02x", b);
@@ -123,9 +264,12 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Add(std::shared_ptr<Share
 
 bool SharedMemoryRegistry::Unregister(const std::string& region_id,
                                       const std::string& principal) {
+  // Unmapped after the lock, once no call holds it; it leaves the bounds then.
+  std::shared_ptr<SharedRegion> region;
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(region_id);
   if (it == regions_.end() || it->second.principal != principal) return false;
+  region = std::move(it->second.region);
   regions_.erase(it);
   return true;
 }
@@ -133,6 +277,11 @@ bool SharedMemoryRegistry::Unregister(const std::string& region_id,
 int64_t SharedMemoryRegistry::size() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(regions_.size());
+}
+
+int64_t SharedMemoryRegistry::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
 }
 
 std::shared_ptr<SliceResolver> SharedMemoryRegistry::ResolverFor(

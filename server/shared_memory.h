@@ -7,6 +7,12 @@
 // which must be able to read device memory). A region belongs to the
 // principal that registered it; others see NOT_FOUND. Unregistering unmaps
 // once no call holds the region any more.
+//
+// Registrations are bounded (SharedMemoryLimits: count and mapped bytes, in
+// total and per principal), checked before anything is mapped. A client may
+// shrink its POSIX object at any time: each use checks the object's current
+// size, and a shrink during a call cannot crash the server (SigbusGuard) —
+// the call fails with FAILED_PRECONDITION instead (CheckIntact).
 
 #include <cstdint>
 #include <functional>
@@ -22,24 +28,44 @@
 
 namespace flce {
 
+struct SharedMemoryLimits {
+  // Registered regions (--max_shared_memory_regions; at most 4096) and
+  // one principal's (0: no per-principal bound).
+  int64_t max_regions = 1024;
+  int64_t max_regions_per_principal = 0;
+  // Their mapped bytes together (--shared_memory_bytes), and one
+  // principal's (0: no per-principal bound).
+  int64_t max_bytes = int64_t{1} << 40;
+  int64_t max_bytes_per_principal = 0;
+};
+
 class SharedRegion {
  public:
   // `release` unmaps the memory; it runs when the region is destroyed.
-  SharedRegion(void* base, int64_t bytes, MemorySpace space, std::function<void()> release)
-      : base_(base), bytes_(bytes), space_(space), release_(std::move(release)) {}
-  ~SharedRegion() { release_(); }
+  // `fd` (POSIX regions; -1 otherwise) is the object, kept open to check
+  // its size at each use; `guard_slot` its SigbusGuard slot (-1: none).
+  SharedRegion(void* base, int64_t bytes, MemorySpace space, std::function<void()> release,
+               int fd = -1, int guard_slot = -1);
+  ~SharedRegion();
   SharedRegion(const SharedRegion&) = delete;
   SharedRegion& operator=(const SharedRegion&) = delete;
 
   char* base() const { return static_cast<char*>(base_); }
   int64_t bytes() const { return bytes_; }
   MemorySpace space() const { return space_; }
+  // FAILED_PRECONDITION (naming `field`) when the object is smaller now
+  // than when it was registered, or a fault already hit it.
+  absl::Status CheckUsable(const std::string& field) const;
+  // True once a fault hit the region (its owner shrank it under a call).
+  bool broken() const;
 
  private:
   void* const base_;
   const int64_t bytes_;
   const MemorySpace space_;
   const std::function<void()> release_;
+  const int fd_;
+  const int guard_slot_;
 };
 
 struct RegisteredRegion {
@@ -49,22 +75,28 @@ struct RegisteredRegion {
 
 class SharedMemoryRegistry {
  public:
+  explicit SharedMemoryRegistry(SharedMemoryLimits limits = SharedMemoryLimits());
+
   // Maps `bytes` of the POSIX shm object `shm_name` for `principal`.
-  // NOT_FOUND if it cannot be opened, INVALID_ARGUMENT if it is smaller.
+  // INVALID_ARGUMENT for a malformed name or a size the object does not
+  // have, NOT_FOUND if it cannot be opened, RESOURCE_EXHAUSTED past a bound.
   absl::StatusOr<RegisteredRegion> Register(const std::string& shm_name, int64_t bytes,
                                             const std::string& principal);
 
   // Maps the GPU allocation a CUDA IPC handle names through `engine`: the
   // first `bytes` of it, or all of it for 0. INVALID_ARGUMENT for a handle
   // of the wrong size or `bytes` beyond the allocation; the engine's error
-  // when it cannot map it (FAILED_PRECONDITION for engines without a GPU).
+  // when it cannot map it (FAILED_PRECONDITION for engines without a GPU);
+  // RESOURCE_EXHAUSTED past a bound.
   absl::StatusOr<RegisteredRegion> RegisterCudaIpc(const std::string& handle, int64_t bytes,
                                                    LossEngine& engine,
                                                    const std::string& principal);
 
   bool Unregister(const std::string& region_id, const std::string& principal);
 
-  int64_t size() const;  // registered regions
+  const SharedMemoryLimits& limits() const { return limits_; }
+  int64_t size() const;   // registered regions
+  int64_t bytes() const;  // their mapped bytes
 
   // A resolver for `principal`'s regions that keeps every region it resolved
   // mapped for as long as it lives (so a call in flight never loses one).
@@ -76,11 +108,21 @@ class SharedMemoryRegistry {
     std::shared_ptr<SharedRegion> region;
     std::string principal;
   };
+  struct Usage {
+    int64_t regions = 0, bytes = 0;
+  };
+  // Takes a region's place in the bounds before it is mapped.
+  absl::Status Admit(const std::string& principal, int64_t bytes);
+  void Unadmit(const std::string& principal, int64_t bytes);
   absl::StatusOr<RegisteredRegion> Add(std::shared_ptr<SharedRegion> region,
                                        const std::string& principal);
 
+  const SharedMemoryLimits limits_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> regions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
+  int64_t count_ ABSL_GUARDED_BY(mu_) = 0;  // registered and being registered
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace flce

@@ -7,19 +7,27 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
+#include "server/host_memory.h"
 
 namespace flce {
 namespace {
 
-bool ValidName(const std::string& name) {
+bool IsNameChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+         c == '_' || c == '.' || c == '-';
+}
+
+}  // namespace
+
+bool WeightRegistry::ValidName(const std::string& name) {
   if (name.empty() || name.size() > 128) return false;
   for (char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '_' || c == '.' || c == '-';
-    if (!ok) return false;
+    if (!IsNameChar(c)) return false;
   }
   return true;
 }
+
+namespace {
 
 // sum += term, element by element in fp32, on OpenBLAS's threads (a
 // gradient is hundreds of MiB). saxpy with alpha 1 rounds each x + y once:
@@ -42,7 +50,7 @@ std::string Key(const std::string& principal, const std::string& name) {
 
 }  // namespace
 
-bool DeviceBudget::TryReserve(int64_t bytes) {
+bool ByteBudget::TryReserve(int64_t bytes) {
   int64_t used = used_.load();
   do {
     if (bytes > limit_ - used) return false;
@@ -52,13 +60,15 @@ bool DeviceBudget::TryReserve(int64_t bytes) {
 
 RegisteredWeight::RegisteredWeight(std::string name, int64_t version, std::string principal,
                                    HostTensor weight, std::optional<HostTensor> bias,
-                                   std::shared_ptr<DeviceBudget> device_budget)
+                                   std::shared_ptr<ByteBudget> device_budget,
+                                   BudgetHold host_hold)
     : name_(std::move(name)),
       version_(version),
       principal_(std::move(principal)),
       weight_(std::move(weight)),
       bias_(std::move(bias)),
-      device_budget_(std::move(device_budget)) {}
+      device_budget_(std::move(device_budget)),
+      host_hold_(std::move(host_hold)) {}
 
 RegisteredWeight::~RegisteredWeight() { ReleaseDevice(device_reserved_.load()); }
 
@@ -92,9 +102,11 @@ void RegisteredWeight::AccumulateGrad(HostTensor dw, std::optional<HostTensor> d
   MergeGrad(Grad{std::move(dw), std::move(db), 1});
 }
 
-absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad() {
+absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending) {
   absl::MutexLock device_lock(&device_mu_);
   absl::MutexLock lock(&mu_);
+  auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !take_pending_; };
+  mu_.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(2));
   const int64_t device_backwards = device_backwards_.load();
   if (!grad_ && device_backwards == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -116,7 +128,13 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad() {
   }
   Grad grad = std::move(*grad_);
   grad_.reset();
+  take_pending_ = pending;
   return grad;
+}
+
+void RegisteredWeight::ConfirmTake() {
+  absl::MutexLock lock(&mu_);
+  take_pending_ = false;
 }
 
 const void* RegisteredWeight::DeviceWeight(LossEngine& engine) {
@@ -189,6 +207,7 @@ void RegisteredWeight::DeviceGrad::Added() { ++weight_->device_backwards_; }
 void RegisteredWeight::RestoreGrad(Grad grad) {
   absl::MutexLock lock(&mu_);
   MergeGrad(std::move(grad));
+  take_pending_ = false;
 }
 
 int64_t RegisteredWeight::accumulated_backwards() const {
@@ -196,32 +215,63 @@ int64_t RegisteredWeight::accumulated_backwards() const {
   return (grad_ ? grad_->backwards : 0) + device_backwards_.load();
 }
 
-WeightRegistry::WeightRegistry(int64_t memory_budget_bytes, int64_t device_budget_bytes)
-    : budget_(memory_budget_bytes),
-      device_budget_(std::make_shared<DeviceBudget>(device_budget_bytes)) {}
+WeightRegistry::WeightRegistry(int64_t memory_budget_bytes, int64_t device_budget_bytes,
+                               std::function<int64_t()> host_available)
+    : host_budget_(std::make_shared<ByteBudget>(memory_budget_bytes)),
+      device_budget_(std::make_shared<ByteBudget>(device_budget_bytes)),
+      host_available_(host_available ? std::move(host_available) : HostAvailableBytes) {}
+
+absl::Status WeightRegistry::OverBudget(const std::string& name, int64_t bytes) const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "weight memory: ", name, " needs ", bytes, " bytes, ", host_budget_->used(),
+      " of the budget of ", host_budget_->limit(),
+      " bytes are in use (--weight_memory_bytes: every registered version still held, "
+      "and uploads in progress)"));
+}
+
+absl::StatusOr<BudgetHold> WeightRegistry::Reserve(const std::string& name,
+                                                   int64_t bytes) const {
+  FLCE_RETURN_IF_ERROR(CheckHostMemory(bytes, host_available_(),
+                                       absl::StrCat("weight memory: ", name)));
+  if (!host_budget_->TryReserve(bytes)) return OverBudget(name, bytes);
+  return BudgetHold(host_budget_, bytes);
+}
 
 absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
     const std::string& name, const std::string& principal, HostTensor weight,
-    std::optional<HostTensor> bias) {
+    std::optional<HostTensor> bias, BudgetHold hold) {
   if (!ValidName(name)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.name: '", name, "' must be 1-128 characters of [A-Za-z0-9_.-]"));
   }
   const int64_t bytes =
       static_cast<int64_t>(weight.data.size() + (bias ? bias->data.size() : 0));
+  // Declared before the lock: a replaced version is freed after it.
+  std::shared_ptr<RegisteredWeight> replaced;
   absl::MutexLock lock(&mu_);
   const std::string key = Key(principal, name);
   auto it = latest_.find(key);
-  const int64_t replaced = it == latest_.end() ? 0 : it->second->bytes();
-  if (bytes_ - replaced + bytes > budget_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "weight memory: ", name, " needs ", bytes, " bytes, ", bytes_ - replaced,
-        " of the budget of ", budget_, " bytes are in use"));
+  if (hold.bytes() != bytes) {
+    // Without a reservation: the replaced version lets go of its bytes
+    // first where nothing else holds it.
+    if (it != latest_.end()) {
+      replaced = std::move(it->second);
+      latest_.erase(it);
+      if (replaced.use_count() == 1) replaced.reset();
+    }
+    hold = BudgetHold();
+    if (!host_budget_->TryReserve(bytes)) {
+      absl::Status over = OverBudget(name, bytes);
+      if (replaced != nullptr) latest_[key] = std::move(replaced);
+      return over;
+    }
+    hold = BudgetHold(host_budget_, bytes);
   }
   const int64_t version = ++last_version_[key];
-  auto registered = std::make_shared<RegisteredWeight>(
-      name, version, principal, std::move(weight), std::move(bias), device_budget_);
-  bytes_ += bytes - replaced;
+  auto registered = std::make_shared<RegisteredWeight>(name, version, principal,
+                                                       std::move(weight), std::move(bias),
+                                                       device_budget_, std::move(hold));
+  replaced = std::move(latest_[key]);
   latest_[key] = registered;
   return registered;
 }
@@ -246,7 +296,6 @@ bool WeightRegistry::Delete(const std::string& name, const std::string& principa
   absl::MutexLock lock(&mu_);
   auto it = latest_.find(Key(principal, name));
   if (it == latest_.end()) return false;
-  bytes_ -= it->second->bytes();
   latest_.erase(it);
   return true;
 }
@@ -264,11 +313,6 @@ std::vector<std::shared_ptr<RegisteredWeight>> WeightRegistry::List(
 int64_t WeightRegistry::size() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(latest_.size());
-}
-
-int64_t WeightRegistry::bytes_in_use() const {
-  absl::MutexLock lock(&mu_);
-  return bytes_;
 }
 
 }  // namespace flce

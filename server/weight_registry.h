@@ -10,10 +10,13 @@
 //   as long as something holds it (a session made from it, a call in flight).
 // - Names belong to the principal that put them; another principal sees
 //   NOT_FOUND.
-// - A memory budget bounds the registered bytes (the latest versions);
-//   RESOURCE_EXHAUSTED with the numbers past it.
+// - A memory budget bounds the host bytes of every version alive and of the
+//   uploads in progress (reserved when their header arrives, before
+//   anything is allocated); RESOURCE_EXHAUSTED with the numbers past it.
 
 #include <atomic>
+#include <functional>
+#include <utility>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -28,12 +31,12 @@
 
 namespace flce {
 
-// Bytes of device memory registered weights may hold on the engine's device
-// (W copies and gradient sums), shared by a registry and its weights (which
-// may outlive it).
-class DeviceBudget {
+// A byte budget shared by a registry and its weights (which may outlive it):
+// the host copies of every version alive and the uploads in progress, or the
+// device copies and gradient sums.
+class ByteBudget {
  public:
-  explicit DeviceBudget(int64_t limit) : limit_(limit) {}
+  explicit ByteBudget(int64_t limit) : limit_(limit) {}
   // Takes `bytes` of the budget; false (nothing taken) past the limit.
   bool TryReserve(int64_t bytes);
   void Release(int64_t bytes) { used_ -= bytes; }
@@ -45,12 +48,44 @@ class DeviceBudget {
   std::atomic<int64_t> used_{0};
 };
 
+// Bytes taken from a ByteBudget, given back when destroyed. Move-only.
+class BudgetHold {
+ public:
+  BudgetHold() = default;
+  BudgetHold(std::shared_ptr<ByteBudget> budget, int64_t bytes)
+      : budget_(std::move(budget)), bytes_(bytes) {}
+  BudgetHold(BudgetHold&& other) noexcept
+      : budget_(std::move(other.budget_)), bytes_(std::exchange(other.bytes_, 0)) {}
+  BudgetHold& operator=(BudgetHold&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      budget_ = std::move(other.budget_);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+  ~BudgetHold() { Reset(); }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void Reset() {
+    if (budget_ != nullptr && bytes_ != 0) budget_->Release(bytes_);
+    budget_.reset();
+    bytes_ = 0;
+  }
+  std::shared_ptr<ByteBudget> budget_;
+  int64_t bytes_ = 0;
+};
+
 class RegisteredWeight {
  public:
-  // Device copies and sums are taken from `device_budget` (none without).
+  // Device copies and sums are taken from `device_budget` (none without);
+  // `host_hold` is the host budget the tensors take, given back with the
+  // version.
   RegisteredWeight(std::string name, int64_t version, std::string principal,
                    HostTensor weight, std::optional<HostTensor> bias,
-                   std::shared_ptr<DeviceBudget> device_budget = nullptr);
+                   std::shared_ptr<ByteBudget> device_budget = nullptr,
+                   BudgetHold host_hold = BudgetHold());
   ~RegisteredWeight();
   RegisteredWeight(const RegisteredWeight&) = delete;
   RegisteredWeight& operator=(const RegisteredWeight&) = delete;
@@ -73,8 +108,14 @@ class RegisteredWeight {
     int64_t backwards = 0;         // calls summed
   };
   // The accumulated gradient, leaving the accumulator empty.
-  // FAILED_PRECONDITION when nothing was accumulated.
-  absl::StatusOr<Grad> TakeGrad();
+  // FAILED_PRECONDITION when nothing was accumulated. With `pending`, the
+  // take is on its way to a client: until ConfirmTake or RestoreGrad ends
+  // it, a later TakeGrad waits for it (briefly: the client may ask again as
+  // soon as its call failed, before the gradient is put back).
+  absl::StatusOr<Grad> TakeGrad(bool pending = false);
+
+  // A pending take was delivered.
+  void ConfirmTake();
 
   // Puts a taken gradient back (its delivery failed), so nothing is lost.
   void RestoreGrad(Grad grad);
@@ -119,9 +160,11 @@ class RegisteredWeight {
   const std::optional<HostTensor> bias_;
   mutable absl::Mutex mu_;
   std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
+  bool take_pending_ ABSL_GUARDED_BY(mu_) = false;
   // grad_ += grad (or grad_ = grad when empty: no copy).
   void MergeGrad(Grad grad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  const std::shared_ptr<DeviceBudget> device_budget_;
+  const std::shared_ptr<ByteBudget> device_budget_;
+  const BudgetHold host_hold_;
   std::atomic<int64_t> device_reserved_{0};  // of device_budget_, released when destroyed
   // Takes `bytes` of the device budget (always, without one).
   bool ReserveDevice(int64_t bytes);
@@ -140,18 +183,32 @@ class RegisteredWeight {
 
 class WeightRegistry {
  public:
-  // memory_budget_bytes bounds the host copies (latest versions);
-  // device_budget_bytes the device copies and gradient sums of every
-  // version alive (RegisteredWeight::DeviceWeight, LeaseDeviceGrad).
+  // memory_budget_bytes bounds the host copies of every version alive and
+  // the uploads in progress; device_budget_bytes the device copies and
+  // gradient sums of every version alive (RegisteredWeight::DeviceWeight,
+  // LeaseDeviceGrad). `host_available` tells the bytes the host can still
+  // give (-1: unknown); null: /proc/meminfo.
   explicit WeightRegistry(int64_t memory_budget_bytes,
-                          int64_t device_budget_bytes = int64_t{32} << 30);
+                          int64_t device_budget_bytes = int64_t{32} << 30,
+                          std::function<int64_t()> host_available = nullptr);
 
-  // Validates the name ([A-Za-z0-9_.-], 1-128 characters; INVALID_ARGUMENT)
-  // and stores the weight as the name's next version.
+  // True for a valid weight name: [A-Za-z0-9_.-], 1-128 characters.
+  static bool ValidName(const std::string& name);
+
+  // Takes `bytes` of the memory budget for an upload of `name` before its
+  // bytes arrive. RESOURCE_EXHAUSTED with the numbers past the budget or
+  // the host's available memory.
+  absl::StatusOr<BudgetHold> Reserve(const std::string& name, int64_t bytes) const;
+
+  // Validates the name (INVALID_ARGUMENT) and stores the weight as the
+  // name's next version. Its bytes come from `hold` (from Reserve) when it
+  // holds them, else from the budget now, after the version it replaces
+  // has let go of its own where nothing else holds it.
   absl::StatusOr<std::shared_ptr<RegisteredWeight>> Put(const std::string& name,
                                                         const std::string& principal,
                                                         HostTensor weight,
-                                                        std::optional<HostTensor> bias);
+                                                        std::optional<HostTensor> bias,
+                                                        BudgetHold hold = BudgetHold());
 
   // `version` 0 is the latest.
   absl::StatusOr<std::shared_ptr<RegisteredWeight>> Get(const std::string& name,
@@ -161,21 +218,24 @@ class WeightRegistry {
   bool Delete(const std::string& name, const std::string& principal);
   std::vector<std::shared_ptr<RegisteredWeight>> List(const std::string& principal) const;
 
-  int64_t bytes_in_use() const;
-  int64_t memory_budget_bytes() const { return budget_; }
+  // Host bytes of every version alive and of the uploads in progress.
+  int64_t bytes_in_use() const { return host_budget_->used(); }
+  int64_t memory_budget_bytes() const { return host_budget_->limit(); }
   // Device bytes the weights hold now.
   int64_t device_bytes_in_use() const { return device_budget_->used(); }
   // Registered names (their latest versions).
   int64_t size() const;
 
  private:
-  const int64_t budget_;
-  const std::shared_ptr<DeviceBudget> device_budget_;
+  absl::Status OverBudget(const std::string& name, int64_t bytes) const;
+
+  const std::shared_ptr<ByteBudget> host_budget_;
+  const std::shared_ptr<ByteBudget> device_budget_;
+  const std::function<int64_t()> host_available_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<RegisteredWeight>> latest_
       ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int64_t> last_version_ ABSL_GUARDED_BY(mu_);
-  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace flce

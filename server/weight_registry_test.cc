@@ -33,9 +33,37 @@ TEST(WeightRegistryTest, EachPutIsANewVersion) {
   EXPECT_EQ((*registry.Get("lm_head", 2, ""))->version(), 2);
   EXPECT_THAT(registry.Get("lm_head", 1, ""),
               StatusIs(Code::kNotFound, HasSubstr("version 1 is not registered (the latest is version 2)")));
-  // The old version lives on while held.
+  // The old version lives on while held, and its bytes count until it goes.
   EXPECT_EQ((*v1)->weight().data_as<float>()[0], 1.0f);
+  EXPECT_EQ(registry.bytes_in_use(), 96);
+  v1 = absl::StatusOr<std::shared_ptr<RegisteredWeight>>();
   EXPECT_EQ(registry.bytes_in_use(), 48);
+}
+
+// An upload's bytes are taken from the budget when its header arrives,
+// beside every version alive; they pass to the version it registers.
+TEST(WeightRegistryTest, ReservedUploadsCountUntilTheyEnd) {
+  WeightRegistry registry(100, int64_t{1} << 30, [] { return int64_t{1} << 30; });
+  auto w = *registry.Put("w", "", Weight(5, 4, 0), std::nullopt);  // 80 bytes
+  EXPECT_THAT(registry.Reserve("w", 80),
+              StatusIs(Code::kResourceExhausted, HasSubstr("needs 80 bytes, 80 of the budget")));
+  {
+    auto hold = registry.Reserve("x", 16);
+    ASSERT_TRUE(hold.ok());
+    EXPECT_EQ(registry.bytes_in_use(), 96);
+    EXPECT_THAT(registry.Reserve("y", 8), StatusIs(Code::kResourceExhausted, HasSubstr("--weight_memory_bytes")));
+  }  // an upload that never finished
+  EXPECT_EQ(registry.bytes_in_use(), 80);
+  auto hold = *registry.Reserve("x", 16);
+  ASSERT_TRUE(registry.Put("x", "", Weight(2, 2, 0), std::nullopt, std::move(hold)).ok());
+  EXPECT_EQ(registry.bytes_in_use(), 96);
+  ASSERT_TRUE(registry.Delete("x", ""));
+  EXPECT_EQ(registry.bytes_in_use(), 80);
+  // More than the host has is refused before anything is taken.
+  WeightRegistry small(int64_t{1} << 40, int64_t{1} << 30, [] { return int64_t{1} << 20; });
+  EXPECT_THAT(small.Reserve("big", int64_t{1} << 30),
+              StatusIs(Code::kResourceExhausted, HasSubstr("available")));
+  EXPECT_EQ(small.bytes_in_use(), 0);
 }
 
 TEST(WeightRegistryTest, NamesAreCheckedAndPerPrincipal) {

@@ -30,6 +30,7 @@
 #include "proto/crc32c.h"
 #include "server/engine_factory.h"
 #include "server/loss_server.h"
+#include "tests/shm_object.h"
 #include "tests/status_matchers.h"
 
 namespace flce {
@@ -784,33 +785,6 @@ TEST_F(ServerTest, BrokenForwardStreamsHaveTheirCodes) {
 
 // --- shared memory -------------------------------------------------------
 
-// A POSIX shared-memory object of this process, unlinked at the end.
-class ShmObject {
- public:
-  explicit ShmObject(size_t bytes)
-      : name_("/flce-test-" + std::to_string(getpid()) + "-" + std::to_string(++counter_)),
-        bytes_(bytes) {
-    const int fd = shm_open(name_.c_str(), O_CREAT | O_RDWR | O_EXCL, 0600);
-    EXPECT_GE(fd, 0);
-    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
-    base_ = static_cast<char*>(
-        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-    close(fd);
-  }
-  ~ShmObject() {
-    munmap(base_, bytes_);
-    shm_unlink(name_.c_str());
-  }
-  const std::string& name() const { return name_; }
-  char* base() const { return base_; }
-
- private:
-  static inline int counter_ = 0;
-  std::string name_;
-  size_t bytes_;
-  char* base_;
-};
-
 TEST_F(ServerTest, SharedMemoryIsOffByDefault) {
   ShmObject shm(4096);
   grpc::ClientContext context;
@@ -860,7 +834,14 @@ TEST_F(ServerTest, MetricsEndpointAndGetStatsCountRequests) {
   ASSERT_TRUE(client_->Backward(back).ok());
   ASSERT_FALSE(client_->Backward(back).ok());  // consumed: FAILED_PRECONDITION
 
-  const std::string reply = HttpGet(server_->metrics_port(), "/metrics");
+  // An RPC is counted when gRPC is done with it, a moment after its client
+  // has the answer.
+  const std::string last = "flce_requests_total{rpc=\"Backward\",code=\"FAILED_PRECONDITION\"} 1\n";
+  std::string reply;
+  for (int i = 0; i < 500 && reply.find(last) == std::string::npos; ++i) {
+    if (i > 0) absl::SleepFor(absl::Milliseconds(10));
+    reply = HttpGet(server_->metrics_port(), "/metrics");
+  }
   EXPECT_THAT(reply, HasSubstr("200 OK"));
   EXPECT_THAT(reply, HasSubstr("Content-Type: text/plain; version=0.0.4"));
   EXPECT_THAT(reply, HasSubstr("flce_requests_total{rpc=\"Forward\",code=\"OK\"} 1\n"));

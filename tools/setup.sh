@@ -7,7 +7,7 @@ PACKAGES=(
   bazel-bootstrap g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libopenblas-dev
-  libssl-dev clang libclang-rt-dev
+  libssl-dev libmicrohttpd-dev clang libclang-rt-dev
   shellcheck yamllint python3-yaml
   python3 python3-numpy python3-grpcio python3-protobuf python3-torch python3-crcmod
 )

@@ -1,0 +1,76 @@
+#include "server/rpc_call.h"
+
+#include <chrono>
+
+#include "absl/strings/str_format.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
+#include "grpcpp/support/proto_buffer_writer.h"
+#include "spdlog/spdlog.h"
+
+namespace flce {
+
+std::string LogSafe(absl::string_view text, size_t max) {
+  std::string out;
+  const size_t shown = std::min(text.size(), max);
+  out.reserve(shown);
+  for (size_t i = 0; i < shown; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      absl::StrAppendFormat(&out, "\\x%02x", c);
+    }
+  }
+  if (shown < text.size()) absl::StrAppend(&out, "…(+", text.size() - shown, " bytes)");
+  return out;
+}
+
+absl::Status ParseMessage(const grpc::ByteBuffer& bytes, google::protobuf::Message* message) {
+  grpc::ByteBuffer copy(bytes);  // shares the slices; the reader consumes its buffer
+  grpc::ProtoBufferReader reader(&copy);
+  if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request: ", bytes.Length(), " bytes that do not parse as ",
+        message->GetDescriptor()->full_name()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SerializeMessage(const google::protobuf::Message& message, int64_t max_bytes,
+                              absl::string_view what, grpc::ByteBuffer* out) {
+  const size_t size = message.ByteSizeLong();
+  if (static_cast<int64_t>(size) > max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, ": ", size, " bytes, over the server's message limit of ", max_bytes,
+        " (--max_message_bytes); use the streaming RPC"));
+  }
+  bool own_buffer = false;
+  grpc::Status status =
+      grpc::SerializationTraits<google::protobuf::Message>::Serialize(message, out, &own_buffer);
+  return FromGrpcStatus(status);
+}
+
+absl::StatusCode CallRecord::Close(const absl::Status& answered,
+                                   const grpc::CallbackServerContext* context) {
+  absl::StatusCode code = answered.code();
+  std::string note;
+  if (context != nullptr && context->IsCancelled()) {
+    const bool late = std::chrono::system_clock::now() > context->deadline();
+    code = late ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kCancelled;
+    if (answered.code() != code) {
+      note = absl::StrCat("answered=", absl::StatusCodeToString(answered.code()),
+                          " not_delivered ");
+    }
+  }
+  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start_);
+  SPDLOG_INFO("rpc={} {}{}code={} ms={:.1f}", rpc_, detail_, note,
+              absl::StatusCodeToString(code), ms);
+  if (metrics_ != nullptr) {
+    metrics_->RecordRpc(rpc_, code, ms / 1e3);
+    metrics_->AddBytes(rpc_, received_, sent_);
+  }
+  return code;
+}
+
+}  // namespace flce

@@ -1,0 +1,193 @@
+#ifndef FLCE_SERVER_RPC_CALL_H_
+#define FLCE_SERVER_RPC_CALL_H_
+
+// What every RPC of the loss service shares, written once:
+//
+// - Requests arrive as raw bytes and are parsed here, so a request that does
+//   not parse is INVALID_ARGUMENT (logged and counted) instead of gRPC's
+//   bare UNIMPLEMENTED.
+// - One access-log line and one count/latency sample per RPC, written when
+//   the call is over (OnDone), with the code the client saw: an answer the
+//   transport could not deliver (the client cancelled, the deadline passed,
+//   the connection broke) is logged as CANCELLED / DEADLINE_EXCEEDED, not as
+//   what the handler answered.
+// - A hook that learns whether the answer reached the client, so results
+//   (a consumed session, a taken gradient) are committed only once
+//   delivered and put back otherwise.
+// - Client-chosen text goes into the log only through LogSafe.
+
+#include <cstdint>
+#include <functional>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "proto/codec.h"
+#include "server/metrics.h"
+
+namespace flce {
+
+// `text` made safe for one log line: printable ASCII is kept, every other
+// byte (control characters, escapes, newlines, non-ASCII) becomes \xNN, and
+// past `max` input bytes the rest is replaced by "…(+N bytes)".
+std::string LogSafe(absl::string_view text, size_t max = 64);
+
+// Runs `f` (returning absl::Status or absl::StatusOr); an allocation
+// failure inside it becomes RESOURCE_EXHAUSTED instead of an exception
+// escaping into gRPC.
+template <typename F>
+auto GuardMemory(F&& f, absl::string_view what) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": out of host memory"));
+  }
+}
+
+// Parses a protobuf message from a request's bytes. INVALID_ARGUMENT naming
+// the message type when they do not parse.
+absl::Status ParseMessage(const grpc::ByteBuffer& bytes, google::protobuf::Message* message);
+
+// Serializes a message for the wire.
+// RESOURCE_EXHAUSTED (naming `what` and the sizes) when it is larger than
+// `max_bytes`, which is then never sent.
+absl::Status SerializeMessage(const google::protobuf::Message& message, int64_t max_bytes,
+                              absl::string_view what, grpc::ByteBuffer* out);
+
+// The access line and metrics of one RPC.
+class CallRecord {
+ public:
+  CallRecord(ServiceMetrics* metrics, const char* rpc)
+      : metrics_(metrics), rpc_(rpc), start_(absl::Now()) {}
+
+  const char* rpc() const { return rpc_; }
+  absl::Time start() const { return start_; }
+  // Text for the access line, as "key=value " pieces; client-chosen values
+  // must have gone through LogSafe.
+  void SetDetail(std::string detail) { detail_ = std::move(detail); }
+  void PrependDetail(absl::string_view text) { detail_ = absl::StrCat(text, detail_); }
+  const std::string& detail() const { return detail_; }
+  void AddBytes(int64_t received, int64_t sent) {
+    received_ += received;
+    sent_ += sent;
+  }
+
+  // The call is over: writes the line and records the count, latency and
+  // bytes. `answered` is what the handler finished with; when the call did
+  // not complete for the client (`context->IsCancelled()`), the code is
+  // DEADLINE_EXCEEDED if the deadline had passed, else CANCELLED.
+  // Returns the code recorded. Called once.
+  absl::StatusCode Close(const absl::Status& answered,
+                         const grpc::CallbackServerContext* context);
+
+ private:
+  ServiceMetrics* const metrics_;
+  const char* const rpc_;
+  const absl::Time start_;
+  std::string detail_;
+  int64_t received_ = 0, sent_ = 0;
+};
+
+// What the code shared by a unary call and a stream needs of its call.
+class Call {
+ public:
+  virtual ~Call() = default;
+  virtual CallRecord& record() = 0;
+  virtual grpc::CallbackServerContext* context() = 0;
+  // Finishes the call with `status` (the response, on OK, is sent).
+  virtual void Reply(const absl::Status& status) = 0;
+  // `f(delivered)` runs once the call is over, before it is logged;
+  // `delivered` is true iff the call answered OK and the client got it.
+  virtual void WhenOver(std::function<void(bool delivered)> f) = 0;
+};
+
+// The hooks of WhenOver, and the status a call answered.
+class OverHooks {
+ public:
+  void Add(std::function<void(bool)> f) { hooks_.push_back(std::move(f)); }
+  void Run(bool delivered) {
+    for (auto& f : hooks_) f(delivered);
+    hooks_.clear();
+  }
+
+ private:
+  std::vector<std::function<void(bool)>> hooks_;
+};
+
+// A unary RPC on raw bytes: the request parsed here, the response
+// serialized here (bounded by `max_message_bytes`), and the record closed
+// when gRPC is done with the call. Deletes itself.
+template <typename Request, typename Response>
+class UnaryCall final : public grpc::ServerUnaryReactor, public Call {
+ public:
+  UnaryCall(grpc::CallbackServerContext* context, const grpc::ByteBuffer* in,
+            grpc::ByteBuffer* out, ServiceMetrics* metrics, const char* rpc,
+            int64_t max_message_bytes)
+      : context_(context),
+        in_(in),
+        out_(out),
+        max_message_bytes_(max_message_bytes),
+        record_(metrics, rpc) {}
+
+  // Parses the request; false when it does not parse (the call is then
+  // finished with INVALID_ARGUMENT).
+  bool Parse() {
+    record_.AddBytes(static_cast<int64_t>(in_->Length()), 0);
+    absl::Status status = GuardMemory([&] { return ParseMessage(*in_, &request_); },
+                                      record_.rpc());
+    if (!status.ok()) Reply(status);
+    return status.ok();
+  }
+
+  const Request& request() const { return request_; }
+  Response* response() { return &response_; }
+
+  CallRecord& record() override { return record_; }
+  grpc::CallbackServerContext* context() override { return context_; }
+  void WhenOver(std::function<void(bool)> f) override { hooks_.Add(std::move(f)); }
+
+  void Reply(const absl::Status& status) override {
+    answered_ = status;
+    if (answered_.ok()) {
+      answered_ = GuardMemory(
+          [&] {
+            return SerializeMessage(response_, max_message_bytes_,
+                                    absl::StrCat(record_.rpc(), " response"), out_);
+          },
+          record_.rpc());
+      if (answered_.ok()) record_.AddBytes(0, static_cast<int64_t>(out_->Length()));
+      response_.Clear();  // the bytes are in out_ now
+    }
+    Finish(ToGrpcStatus(answered_));
+  }
+
+  void OnDone() override {
+    const bool delivered = answered_.ok() && !context_->IsCancelled();
+    hooks_.Run(delivered);
+    record_.Close(answered_, context_);
+    delete this;
+  }
+
+ private:
+  grpc::CallbackServerContext* const context_;
+  const grpc::ByteBuffer* const in_;
+  grpc::ByteBuffer* const out_;
+  const int64_t max_message_bytes_;
+  CallRecord record_;
+  OverHooks hooks_;
+  Request request_;
+  Response response_;
+  absl::Status answered_ = absl::UnknownError("never answered");
+};
+
+}  // namespace flce
+
+#endif  // FLCE_SERVER_RPC_CALL_H_

@@ -1,0 +1,126 @@
+#include "server/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_engine.h"
+#include "tests/shm_object.h"
+#include "tests/status_matchers.h"
+
+namespace flce {
+namespace {
+
+using ::testing::HasSubstr;
+using Code = absl::StatusCode;
+
+v1::SharedMemorySlice Slice(const std::string& region, int64_t offset) {
+  v1::SharedMemorySlice s;
+  s.set_region_id(region);
+  s.set_offset(offset);
+  return s;
+}
+
+TEST(SharedMemoryTest, RegionsAreBoundedInCountAndBytes) {
+  SharedMemoryLimits limits;
+  limits.max_regions = 3;
+  limits.max_regions_per_principal = 2;
+  limits.max_bytes = 1 << 20;
+  limits.max_bytes_per_principal = 3 << 18;
+  SharedMemoryRegistry registry(limits);
+  ShmObject object(1 << 20);
+  auto a1 = registry.Register(object.name(), 1 << 18, "a");
+  auto a2 = registry.Register(object.name(), 1 << 18, "a");
+  ASSERT_TRUE(a1.ok() && a2.ok());
+  EXPECT_THAT(registry.Register(object.name(), 4096, "a"),
+              StatusIs(Code::kResourceExhausted,
+                       HasSubstr("--max_shared_memory_regions_per_principal")));
+  EXPECT_THAT(registry.Register(object.name(), 3 << 18, "b"),
+              StatusIs(Code::kResourceExhausted, HasSubstr("--shared_memory_bytes)")));
+  ASSERT_TRUE(registry.Register(object.name(), 4096, "b").ok());
+  EXPECT_THAT(registry.Register(object.name(), 4096, "c"),
+              StatusIs(Code::kResourceExhausted, HasSubstr("--max_shared_memory_regions)")));
+  EXPECT_EQ(registry.size(), 3);
+  ASSERT_TRUE(registry.Unregister(a1->region_id, "a"));
+  EXPECT_EQ(registry.bytes(), (1 << 18) + 4096);
+  EXPECT_TRUE(registry.Register(object.name(), 4096, "c").ok());
+  // A CUDA IPC registration counts too: past the count it is refused before
+  // the engine is asked.
+  CpuEngine engine;
+  EXPECT_THAT(registry.RegisterCudaIpc(std::string(kCudaIpcHandleBytes, '\0'), 0, engine, "d"),
+              StatusIs(Code::kResourceExhausted, HasSubstr("--max_shared_memory_regions)")));
+}
+
+TEST(SharedMemoryTest, NamesAreCheckedBeforeAnythingIsOpened) {
+  SharedMemoryRegistry registry;
+  for (const std::string& name :
+       {std::string("no-slash"), std::string("/a/b"), std::string("/\x1b[31m"),
+        std::string("/") + std::string(300, 'x'), std::string("/..")}) {
+    EXPECT_THAT(registry.Register(name, 4096, ""),
+                StatusIs(Code::kInvalidArgument, HasSubstr("shm_name")));
+  }
+}
+
+TEST(SharedMemoryTest, AnObjectShrunkAfterRegistrationIsRefusedAtUse) {
+  SharedMemoryRegistry registry;
+  ShmObject object(1 << 16);
+  auto region = *registry.Register(object.name(), 1 << 16, "");
+  object.Resize(4096);
+  auto resolver = registry.ResolverFor("");
+  EXPECT_THAT(resolver->Resolve(Slice(region.region_id, 0), 1024, "hidden"),
+              StatusIs(Code::kFailedPrecondition, HasSubstr("holds 4096 bytes now")));
+}
+
+// The owner shrinks the object while a call holds a pointer into it: the
+// server's access does not crash (it reads zeros) and the call learns its
+// result is void.
+TEST(SharedMemoryTest, AShrinkUnderACallIsCaughtNotACrash) {
+  SharedMemoryRegistry registry;
+  const int64_t bytes = 1 << 16;
+  ShmObject object(bytes);
+  auto region = *registry.Register(object.name(), bytes, "");
+  auto resolver = registry.ResolverFor("");
+  auto memory = resolver->Resolve(Slice(region.region_id, 0), bytes, "hidden");
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  volatile char* data = static_cast<char*>(memory->data);
+  data[0] = 7;
+  EXPECT_TRUE(resolver->CheckIntact().ok());
+  object.Resize(0);
+  int64_t sum = 0;
+  for (int64_t i = 0; i < bytes; i += 512) sum += data[i];  // would be SIGBUS
+  data[bytes - 1] = 1;                                       // so would this
+  EXPECT_EQ(sum, 0);
+  EXPECT_THAT(resolver->CheckIntact(),
+              StatusIs(Code::kFailedPrecondition, HasSubstr("shrunk by its owner")));
+  // The region stays refused; a new registration of the regrown object works.
+  object.Resize(bytes);
+  EXPECT_THAT(registry.ResolverFor("")->Resolve(Slice(region.region_id, 0), 16, "target"),
+              StatusIs(Code::kFailedPrecondition, HasSubstr("shrunk by its owner")));
+  auto again = registry.Register(object.name(), bytes, "");
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(registry.ResolverFor("")->Resolve(Slice(again->region_id, 0), 16, "t").ok());
+}
+
+TEST(SharedMemoryTest, UnregisteredRegionsLeaveTheBoundsWhenNoCallHoldsThem) {
+  SharedMemoryLimits limits;
+  limits.max_regions = 1;
+  SharedMemoryRegistry registry(limits);
+  ShmObject object(4096);
+  auto region = *registry.Register(object.name(), 4096, "");
+  auto resolver = registry.ResolverFor("");
+  ASSERT_TRUE(resolver->Resolve(Slice(region.region_id, 0), 16, "t").ok());
+  ASSERT_TRUE(registry.Unregister(region.region_id, ""));
+  // Still mapped for the call that holds it: still counted.
+  EXPECT_THAT(registry.Register(object.name(), 4096, ""),
+              StatusIs(Code::kResourceExhausted, HasSubstr("--max_shared_memory_regions")));
+  resolver.reset();
+  EXPECT_TRUE(registry.Register(object.name(), 4096, "").ok());
+}
+
+}  // namespace
+}  // namespace flce
