@@ -100,6 +100,12 @@ int64_t RequestBytes(const ForwardArgs& args) {
 
 }  // namespace
 
+int64_t LossClient::ChunkBytes() const {
+  // Room beside the data for the chunk's framing and a header.
+  return std::max<int64_t>(
+      4096, std::min(options_.stream_chunk_bytes, options_.max_message_bytes - (int64_t{16} << 10)));
+}
+
 int64_t LossClient::StreamAbove() const {
   return options_.stream_above_bytes >= 0 ? options_.stream_above_bytes
                                           : options_.max_message_bytes - (int64_t{1} << 20);
@@ -119,10 +125,11 @@ absl::StatusOr<v1::ForwardResponse> LossClient::ForwardStreamed(const ForwardArg
   auto send = [&](const TensorView& view, v1::TensorField field) {
     const char* data = static_cast<const char*>(view.data);
     const int64_t total = view.bytes();
-    for (int64_t offset = 0; offset < total && ok; offset += options_.stream_chunk_bytes) {
+    const int64_t chunk = ChunkBytes();
+    for (int64_t offset = 0; offset < total && ok; offset += chunk) {
       message.mutable_chunk()->set_field(field);
       message.mutable_chunk()->set_data(
-          data + offset, static_cast<size_t>(std::min(options_.stream_chunk_bytes, total - offset)));
+          data + offset, static_cast<size_t>(std::min(chunk, total - offset)));
       ok = writer->Write(message);
     }
   };
@@ -361,9 +368,10 @@ absl::StatusOr<v1::WeightInfo> LossClient::PutWeight(const std::string& name,
   header->set_crc32c(crc);
   bool ok = true;
   bool sent = false;
+  const int64_t step = ChunkBytes();
   for (int k = 0; k < 2 && ok; ++k) {
-    for (int64_t offset = 0; offset < sizes[k] && ok; offset += options_.stream_chunk_bytes) {
-      const int64_t n = std::min(options_.stream_chunk_bytes, sizes[k] - offset);
+    for (int64_t offset = 0; offset < sizes[k] && ok; offset += step) {
+      const int64_t n = std::min(step, sizes[k] - offset);
       chunk.set_data(parts[k] + offset, static_cast<size_t>(n));
       ok = writer->Write(chunk);
       chunk.clear_header();
@@ -396,6 +404,15 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
   request.mutable_weight()->set_name(name);
   request.mutable_weight()->set_version(version);
   request.set_dtype(ToProto(dtype));
+  // The server keeps each take until the next one says it arrived whole, so
+  // a take lost in transport goes back into the sum.
+  request.set_hold_until_acknowledged(true);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = received_takes_.find(name);
+    if (it != received_takes_.end()) request.set_acknowledged_take(it->second);
+  }
+  uint64_t take_id = 0;
   grpc::ClientContext context;
   Prepare(context);
   std::unique_ptr<grpc::ClientReader<v1::WeightGradChunk>> reader =
@@ -410,6 +427,7 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
       header = true;
       out.weight = chunk.header().weight();
       out.accumulated_backwards = chunk.header().accumulated_backwards();
+      take_id = chunk.header().take_id();
       FLCE_ASSIGN_OR_RETURN(got, FromProto(chunk.header().dtype(), "header.dtype"));
     }
     bytes += chunk.data();
@@ -432,6 +450,8 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
     std::memcpy(&out.grad_bias->data[0], bytes.data() + v * h * elem,
                 static_cast<size_t>(v * elem));
   }
+  absl::MutexLock lock(&mu_);
+  received_takes_[name] = take_id;
   return out;
 }
 

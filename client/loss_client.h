@@ -27,7 +27,8 @@ struct ClientOptions {
   absl::Duration timeout = absl::Minutes(5);
   // Largest message sent or received.
   int64_t max_message_bytes = int64_t{256} << 20;
-  // Bytes per chunk of a streamed tensor (PutWeight, ForwardStream).
+  // Bytes per chunk of a streamed tensor (PutWeight, ForwardStream); less
+  // where max_message_bytes is smaller.
   int64_t stream_chunk_bytes = int64_t{4} << 20;
   // Forward and Backward switch to their streaming RPCs when the tensors
   // would make a message larger than this (default: max_message_bytes less
@@ -156,7 +157,9 @@ class LossClient {
   absl::StatusOr<bool> DeleteWeight(const std::string& name);
   absl::StatusOr<std::vector<v1::WeightInfo>> ListWeights();
   // The accumulated gradient of a weight version (0: latest) in `dtype`
-  // (kFloat32 or the weight's dtype); resets the accumulator.
+  // (kFloat32 or the weight's dtype); resets the accumulator. The server
+  // keeps the take until this client's next TakeWeightGrad of the name
+  // acknowledges it, so a take lost in transport is taken again then.
   absl::StatusOr<WeightGrad> TakeWeightGrad(const std::string& name, int64_t version = 0,
                                             DType dtype = DType::kFloat32);
   // grpc.health.v1 status of `service` ("" for the whole server).
@@ -172,6 +175,7 @@ class LossClient {
       Stub* stub, grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
       const Request& request) const;
   int64_t StreamAbove() const;
+  int64_t ChunkBytes() const;
   absl::StatusOr<v1::ForwardResponse> ForwardStreamed(const ForwardArgs& args);
   absl::StatusOr<v1::BackwardResponse> BackwardStreamed(const v1::BackwardRequest& request);
 
@@ -187,6 +191,9 @@ class LossClient {
   };
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, SessionShape> sessions_ ABSL_GUARDED_BY(mu_);
+  // The last take of each weight name received whole, acknowledged by the
+  // next TakeWeightGrad of that name.
+  absl::flat_hash_map<std::string, uint64_t> received_takes_ ABSL_GUARDED_BY(mu_);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -1065,14 +1065,17 @@ class TakeGradReactor final : public WriteStream {
             DTypeName(weight_->weight().dtype)));
       }
     }
-    FLCE_ASSIGN_OR_RETURN(RegisteredWeight::Grad grad, weight_->TakeGrad(/*pending=*/true));
+    FLCE_ASSIGN_OR_RETURN(RegisteredWeight::Grad grad,
+                          weight_->TakeGrad(/*pending=*/true, r.acknowledged_take()));
     grad_ = std::move(grad);
-    // Put back unless delivered whole.
-    WhenOver([this](bool delivered) {
-      if (delivered) {
-        weight_->ConfirmTake();
-      } else {
+    // Put back unless delivered whole; held until acknowledged if asked.
+    WhenOver([this, hold = r.hold_until_acknowledged()](bool delivered) {
+      if (!delivered) {
         weight_->RestoreGrad(*std::move(grad_));
+      } else if (hold) {
+        weight_->ConfirmTake(std::move(grad_));
+      } else {
+        weight_->ConfirmTake();
       }
     });
     const int64_t elem = DTypeSize(dtype);
@@ -1085,6 +1088,7 @@ class TakeGradReactor final : public WriteStream {
     FillWeightInfo(*weight_, header->mutable_weight());
     header->set_dtype(ToProto(dtype));
     header->set_accumulated_backwards(grad_->backwards);
+    if (r.hold_until_acknowledged()) header->set_take_id(grad_->take_id);
     record().SetDetail(absl::StrCat("weight=", weight_->name(), " version=", weight_->version(),
                                     " backwards=", grad_->backwards, " "));
     return absl::OkStatus();

@@ -102,11 +102,16 @@ void RegisteredWeight::AccumulateGrad(HostTensor dw, std::optional<HostTensor> d
   MergeGrad(Grad{std::move(dw), std::move(db), 1});
 }
 
-absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending) {
+absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending,
+                                                                  uint64_t acknowledged) {
   absl::MutexLock device_lock(&device_mu_);
   absl::MutexLock lock(&mu_);
   auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !take_pending_; };
   mu_.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(2));
+  if (held_) {
+    if (held_->take_id != acknowledged) MergeGrad(*std::move(held_));  // never arrived whole
+    held_.reset();
+  }
   const int64_t device_backwards = device_backwards_.load();
   if (!grad_ && device_backwards == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -128,13 +133,16 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending) 
   }
   Grad grad = std::move(*grad_);
   grad_.reset();
+  static std::atomic<uint64_t> last_take_id{0};  // unique across versions
+  grad.take_id = ++last_take_id;
   take_pending_ = pending;
   return grad;
 }
 
-void RegisteredWeight::ConfirmTake() {
+void RegisteredWeight::ConfirmTake(std::optional<Grad> hold) {
   absl::MutexLock lock(&mu_);
   take_pending_ = false;
+  held_ = std::move(hold);
 }
 
 const void* RegisteredWeight::DeviceWeight(LossEngine& engine) {

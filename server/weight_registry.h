@@ -106,16 +106,21 @@ class RegisteredWeight {
     HostTensor dw;                 // fp32 [V, H]
     std::optional<HostTensor> db;  // fp32 [V]
     int64_t backwards = 0;         // calls summed
+    uint64_t take_id = 0;          // from TakeGrad, to acknowledge a held take
   };
   // The accumulated gradient, leaving the accumulator empty.
   // FAILED_PRECONDITION when nothing was accumulated. With `pending`, the
   // take is on its way to a client: until ConfirmTake or RestoreGrad ends
   // it, a later TakeGrad waits for it (briefly: the client may ask again as
   // soon as its call failed, before the gradient is put back).
-  absl::StatusOr<Grad> TakeGrad(bool pending = false);
+  // `acknowledged` settles a take held by ConfirmTake first: equal to its
+  // id, it is dropped (its client has it); otherwise it goes back into the
+  // sum taken now.
+  absl::StatusOr<Grad> TakeGrad(bool pending = false, uint64_t acknowledged = 0);
 
-  // A pending take was delivered.
-  void ConfirmTake();
+  // A pending take was delivered. With `hold` (the take itself), it is kept
+  // until the next TakeGrad acknowledges its take_id.
+  void ConfirmTake(std::optional<Grad> hold = std::nullopt);
 
   // Puts a taken gradient back (its delivery failed), so nothing is lost.
   void RestoreGrad(Grad grad);
@@ -161,6 +166,8 @@ class RegisteredWeight {
   mutable absl::Mutex mu_;
   std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
   bool take_pending_ ABSL_GUARDED_BY(mu_) = false;
+  // A delivered take kept until acknowledged, and its id.
+  std::optional<Grad> held_ ABSL_GUARDED_BY(mu_);
   // grad_ += grad (or grad_ = grad when empty: no copy).
   void MergeGrad(Grad grad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const std::shared_ptr<ByteBudget> device_budget_;
