@@ -1,9 +1,12 @@
 // flce_server: serves flce.v1.LossService. See README.md for the flags.
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -96,6 +99,26 @@ ABSL_FLAG(std::string, log_level, "info",
           "trace, debug, info, warn, error, critical or off");
 ABSL_FLAG(bool, version, false, "print the version and exit");
 
+namespace {
+
+int g_signal_pipe[2] = {-1, -1};
+std::atomic<int> g_signals{0};
+
+// Async-signal-safe: a write to the pipe, or the exit.
+void OnSignal(int signal_number) {
+  if (g_signals.fetch_add(1) > 0) {
+    static const char kLine[] = "received a second termination signal; exiting without finishing\n";
+    if (write(STDERR_FILENO, kLine, sizeof(kLine) - 1) < 0) {
+    }
+    _exit(1);
+  }
+  const unsigned char c = static_cast<unsigned char>(signal_number);
+  if (write(g_signal_pipe[1], &c, 1) < 0) {
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "flce_server: fused linear + cross-entropy loss over gRPC.\n"
@@ -118,12 +141,19 @@ int main(int argc, char** argv) {
     setrlimit(RLIMIT_NOFILE, &files);
   }
 
-  // Every thread inherits this mask; the main thread takes the signals.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // SIGTERM/SIGINT reach a handler in whichever thread they land (threads
+  // that libraries start before main, OpenBLAS's, do not block them): the
+  // first wakes the main thread, a second ends the process at once.
+  if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) {
+    std::perror("pipe2");
+    return 2;
+  }
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  action.sa_flags = SA_RESTART;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
 
   flce::ServerOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen_address);
@@ -172,21 +202,20 @@ int main(int argc, char** argv) {
     SPDLOG_CRITICAL("cannot start: {}", server.status().ToString());
     return 1;
   }
-  int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  unsigned char signal_number = 0;
+  while (read(g_signal_pipe[0], &signal_number, 1) != 1 && errno == EINTR) {
+  }
   SPDLOG_INFO("received {}; shutting down", strsignal(signal_number));
-  // A second signal, or a shutdown that overruns its phases, ends the
-  // process at once: stopping never waits on a stuck call.
+  // A shutdown that overruns its phases ends the process too: stopping
+  // never waits on a stuck call.
   const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
   const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace);
-  std::thread([signals, limit = drain + grace + absl::Seconds(10)] {
-    const timespec wait = absl::ToTimespec(limit);
-    const int second = sigtimedwait(&signals, nullptr, &wait);
-    std::string line = second > 0 ? absl::StrCat("received ", strsignal(second),
-                                                 " again; exiting without finishing\n")
-                                  : absl::StrCat("shutdown did not finish within ",
-                                                 absl::FormatDuration(limit), "; exiting\n");
-    if (write(STDERR_FILENO, line.data(), line.size()) < 0) {}
+  std::thread([limit = drain + grace + absl::Seconds(10)] {
+    absl::SleepFor(limit);
+    const std::string line = absl::StrCat("shutdown did not finish within ",
+                                          absl::FormatDuration(limit), "; exiting\n");
+    if (write(STDERR_FILENO, line.data(), line.size()) < 0) {
+    }
     _exit(1);
   }).detach();
   if (drain > absl::ZeroDuration()) (*server)->Drain(drain);

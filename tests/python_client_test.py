@@ -201,6 +201,78 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(tuple(db.shape), (29,))
         self.assertTrue(client.delete_weight("py_head"))
 
+    def _live_sessions_become(self, n):
+        import gc
+        import time
+        gc.collect()
+        for _ in range(200):
+            if self.client.info().live_sessions == n:
+                return
+            time.sleep(0.02)
+        self.assertEqual(self.client.info().live_sessions, n)
+
+    def test_no_session_is_kept_without_a_backward(self):
+        torch.manual_seed(3)
+        loss_fn = flce.RemoteLinearCrossEntropy(self.client)
+        head = torch.nn.Linear(8, 29)
+        hidden = torch.randn(5, 8)
+        targets = torch.randint(0, 29, (5,))
+        self._live_sessions_become(0)
+        with torch.no_grad():  # evaluation: nothing to keep
+            loss_fn(hidden, head.weight, targets, head.bias)
+        self.assertEqual(self.client.info().live_sessions, 0)
+        # A loss dropped without backward() releases its session.
+        loss = loss_fn(hidden, head.weight, targets, head.bias)
+        self.assertEqual(self.client.info().live_sessions, 1)
+        del loss
+        self._live_sessions_become(0)
+
+    def test_backward_twice_raises_or_with_retain_graph_adds_again(self):
+        torch.manual_seed(4)
+        head = torch.nn.Linear(8, 29)
+        hidden = torch.randn(5, 8)
+        targets = torch.randint(0, 29, (5,))
+        loss = flce.RemoteLinearCrossEntropy(self.client)(hidden, head.weight, targets, head.bias)
+        loss.backward(retain_graph=True)
+        with self.assertRaisesRegex(RuntimeError, "retain_graph=True"):
+            loss.backward()
+        del loss
+        self._live_sessions_become(0)
+        # With retain_graph=True the gradients add up as torch's do.
+        ref = torch.nn.Linear(8, 29)
+        ref.load_state_dict(head.state_dict())
+        head.zero_grad()
+        loss = flce.RemoteLinearCrossEntropy(self.client, retain_graph=True)(
+            hidden, head.weight, targets, head.bias)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        ref_loss = F.cross_entropy(ref(hidden), targets)
+        ref_loss.backward(retain_graph=True)
+        ref_loss.backward()
+        self.assertLess(rel_err(head.weight.grad, ref.weight.grad), 1e-5)
+        self.assertEqual(self.client.info().live_sessions, 1)  # until the graph goes
+        del loss
+        self._live_sessions_become(0)
+
+    def test_put_weight_and_take_in_chunks_within_a_small_message_limit(self):
+        server = ServerProcess(SERVER, "--backend=cpu", "--max_message_bytes=65536")
+        self.addCleanup(server.kill)
+        client = flce.Client(server.address, max_message_bytes=65536)
+        self.addCleanup(client.close)
+        rng = np.random.default_rng(5)
+        w = (rng.standard_normal((300, 64)) / 8).astype(np.float32)  # 75 KiB
+        client.put_weight("w", w)
+        x = rng.standard_normal((4, 64)).astype(np.float32)
+        t = rng.integers(0, 300, 4)
+        session = client.forward(x, t, weight_name="w", need_backward=True).session_id
+        client.backward(session, accumulate_weight_grad=True)
+        dw, _, backwards = client.take_weight_grad("w")
+        self.assertEqual(backwards, 1)
+        self.assertEqual(len(dw.data), 300 * 64 * 4)
+        with self.assertRaises(flce.FlceError) as e:
+            client.take_weight_grad("w")
+        self.assertIn("no gradient", e.exception.details)
+
     def test_errors_carry_the_grpc_code(self):
         import grpc
 

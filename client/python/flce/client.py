@@ -298,7 +298,9 @@ class Client:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.LossServiceStub(self._channel)
         self._sessions = {}  # session id → (N, H, V, has_bias, dtype), for shm layouts
+        self._received_takes = {}  # weight name → the last take received whole
         self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
         self.stream_chunk_bytes = stream_chunk_bytes
 
     def close(self):
@@ -449,8 +451,19 @@ class Client:
                 ipc.release()
 
     def release_session(self, session_id: str) -> bool:
+        self._sessions.pop(session_id, None)
         return self._call(self._stub.ReleaseSession,
                           pb.ReleaseSessionRequest(session_id=session_id)).released
+
+    def release_session_later(self, session_id: str):
+        """Releases a session without waiting for the answer (safe from a
+        finalizer; errors are dropped: the session then expires by its TTL)."""
+        self._sessions.pop(session_id, None)
+        try:
+            self._stub.ReleaseSession.future(pb.ReleaseSessionRequest(session_id=session_id),
+                                             timeout=self.timeout, metadata=self._metadata)
+        except Exception:  # pragma: no cover - e.g. the channel is closed
+            pass
 
     def info(self) -> "pb.GetServerInfoResponse":
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest())
@@ -467,7 +480,8 @@ class Client:
         payload = w.data + (b.data if b is not None else b"")
         header = pb.WeightHeader(name=name, dtype=w.dtype, shape=list(w.shape),
                                  has_bias=b is not None, crc32c=crc32c(payload))
-        step = self.stream_chunk_bytes
+        # Room beside each chunk's data for its framing (and the header).
+        step = max(4096, min(self.stream_chunk_bytes, self.max_message_bytes - (16 << 10)))
 
         def chunks():
             yield pb.PutWeightChunk(header=header, data=payload[:step])
@@ -488,8 +502,12 @@ class Client:
 
     def take_weight_grad(self, name: str, version: int = 0, float32: bool = True):
         """The gradient accumulated into a weight (and resets it): returns
-        (grad_weight, grad_bias or None, accumulated_backwards) as wire Tensors."""
-        r = pb.TakeWeightGradRequest(dtype=pb.DTYPE_FLOAT32 if float32 else pb.DTYPE_UNSPECIFIED)
+        (grad_weight, grad_bias or None, accumulated_backwards) as wire Tensors.
+        The server keeps each take until this client's next take of the name
+        acknowledges it, so a take lost in transport is taken again then."""
+        r = pb.TakeWeightGradRequest(dtype=pb.DTYPE_FLOAT32 if float32 else pb.DTYPE_UNSPECIFIED,
+                                     hold_until_acknowledged=True,
+                                     acknowledged_take=self._received_takes.get(name, 0))
         r.weight.name = name
         r.weight.version = version
         header = None
@@ -503,6 +521,7 @@ class Client:
         except grpc.RpcError as e:
             raise FlceError(e.code(), e.details()) from None
         data = b"".join(parts)
+        self._received_takes[name] = header.take_id
         v, h = header.weight.shape
         elem = _elem_size(header.dtype)
         dw = pb.Tensor(dtype=header.dtype, shape=[v, h], data=data[:v * h * elem])

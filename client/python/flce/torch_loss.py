@@ -15,11 +15,29 @@ import torch
 from flce.client import Client, to_torch
 
 
+class _Session:
+    """A server session owned by one autograd graph: released when the graph
+    goes away without having consumed it (a loss dropped without backward(),
+    or kept by ``retain_graph``)."""
+
+    def __init__(self, client, session_id):
+        self.client = client
+        self.id = session_id
+        self.consumed = False
+
+    def __del__(self):
+        if self.id and not self.consumed:
+            try:
+                self.client.release_session_later(self.id)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+
 class _RemoteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, module):
-        # (Grad mode is off inside forward; needs_input_grad says what autograd wants.)
-        needs_grad = any(ctx.needs_input_grad[:3])
+    def forward(ctx, hidden, weight, bias, target, module, needs_grad):
+        # (Grad mode is off inside forward: whether autograd will call
+        # backward is decided by the caller, needs_grad.)
         result = module.client.forward(
             hidden, target, weight, bias,
             ignore_index=module.ignore_index, reduction=module.reduction,
@@ -27,7 +45,7 @@ class _RemoteFunction(torch.autograd.Function):
             z_loss_scale=module.z_loss_scale, class_weight=module.class_weight,
             need_backward=needs_grad, backward_mode=module.backward_mode,
             shm=module._region_for(hidden, weight, bias, target), cuda_ipc=module.cuda_ipc)
-        ctx.session_id = result.session_id
+        ctx.session = _Session(module.client, result.session_id) if result.session_id else None
         ctx.module = module
         ctx.meta = [(t.device, t.dtype, t.shape) if t is not None else None
                     for t in (hidden, weight, bias)]
@@ -37,8 +55,15 @@ class _RemoteFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        if not ctx.session_id:
-            return None, None, None, None, None
+        session = ctx.session
+        if session is None:
+            return None, None, None, None, None, None
+        if session.consumed:
+            raise RuntimeError(
+                "flce: backward already ran through this loss and its server session was "
+                "consumed; to run backward more than once (retain_graph=True), construct "
+                "RemoteLinearCrossEntropy(..., retain_graph=True)")
+        retain = ctx.module.retain_graph
         g = grad_output.detach().float().cpu()
         # With CUDA IPC the server writes the GPU gradients in place.
         into = None
@@ -46,9 +71,11 @@ class _RemoteFunction(torch.autograd.Function):
             into = tuple(torch.empty(meta[2], device=meta[0], dtype=meta[1])
                          if meta is not None and meta[0].type == "cuda" else None
                          for meta in ctx.meta)
-        grads = ctx.module.client.backward(ctx.session_id, g if g.dim() else g.reshape(()),
-                                           shm=ctx.module._region, into=into)
-        ctx.session_id = ""  # consumed: a second backward is an error on the server too
+        grads = ctx.module.client.backward(session.id, g if g.dim() else g.reshape(()),
+                                           keep_session=retain, shm=ctx.module._region, into=into)
+        # Without retain_graph the session is gone; with it, it lives until the
+        # graph does.
+        session.consumed = not retain
         wire = (grads.grad_hidden, grads.grad_weight, grads.grad_bias)
         result = []
         for i, meta in enumerate(ctx.meta):
@@ -59,7 +86,7 @@ class _RemoteFunction(torch.autograd.Function):
             else:
                 device, dtype, _ = meta
                 result.append(to_torch(wire[i]).to(device=device, dtype=dtype))
-        return result[0], result[1], result[2], None, None
+        return result[0], result[1], result[2], None, None, None
 
 
 class RemoteLinearCrossEntropy(torch.nn.Module):
@@ -74,12 +101,20 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     the server read hidden and weight from, and write their gradients into,
     this process's GPU memory (same host, server on the CUDA backend with
     --enable_shared_memory): nothing but the targets travels.
+
+    A server session is kept only when autograd will call backward (grad
+    mode on and an input that requires grad); it is consumed by backward, or
+    released when the loss is dropped without one. ``retain_graph=True``
+    keeps it through backward, so that backward can run again (as with
+    ``loss.backward(retain_graph=True)``), until the graph goes away;
+    without it a second backward raises.
     """
 
     def __init__(self, client, *, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, logit_softcap: Optional[float] = None,
                  z_loss_scale: float = 0.0, class_weight=None, backward_mode: str = "auto",
-                 shared_memory: bool = False, cuda_ipc: bool = False):
+                 shared_memory: bool = False, cuda_ipc: bool = False,
+                 retain_graph: bool = False):
         super().__init__()
         if shared_memory and cuda_ipc:
             raise ValueError("choose shared_memory or cuda_ipc, not both")
@@ -93,6 +128,7 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self.backward_mode = backward_mode
         self.shared_memory = shared_memory
         self.cuda_ipc = cuda_ipc
+        self.retain_graph = retain_graph
         self._region = None
         self.last_num_valid = 0
         self.last_z_loss = 0.0
@@ -121,7 +157,9 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     def forward(self, hidden, weight, target, bias=None):
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         flat_target = target.reshape(-1)
-        loss = _RemoteFunction.apply(flat_hidden, weight, bias, flat_target, self)
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, weight, bias))
+        loss = _RemoteFunction.apply(flat_hidden, weight, bias, flat_target, self, needs_grad)
         if self.reduction == "none":
             return loss.reshape(target.shape)
         return loss
