@@ -404,45 +404,37 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
   request.mutable_weight()->set_name(name);
   request.mutable_weight()->set_version(version);
   request.set_dtype(ToProto(dtype));
-  // The server keeps each take until the next one says it arrived whole, so
-  // a take lost in transport goes back into the sum.
+  // The server keeps each take until the next one, which asks for it again
+  // if it did not arrive whole.
   request.set_hold_until_acknowledged(true);
   {
     absl::MutexLock lock(&mu_);
-    auto it = received_takes_.find(name);
-    if (it != received_takes_.end()) request.set_acknowledged_take(it->second);
+    auto it = lost_takes_.find(name);
+    if (it != lost_takes_.end()) request.set_resume_take(it->second);
   }
-  uint64_t take_id = 0;
-  grpc::ClientContext context;
-  Prepare(context);
-  std::unique_ptr<grpc::ClientReader<v1::WeightGradChunk>> reader =
-      stub_->TakeWeightGrad(&context, request);
-  v1::WeightGradChunk chunk;
   WeightGrad out;
   std::string bytes;
   DType got = dtype;
-  bool header = false;
-  while (reader->Read(&chunk)) {
-    if (chunk.has_header()) {
-      header = true;
-      out.weight = chunk.header().weight();
-      out.accumulated_backwards = chunk.header().accumulated_backwards();
-      take_id = chunk.header().take_id();
-      FLCE_ASSIGN_OR_RETURN(got, FromProto(chunk.header().dtype(), "header.dtype"));
-    }
-    bytes += chunk.data();
-  }
-  FLCE_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
-  if (!header || out.weight.shape_size() != 2) {
-    return absl::DataLossError("TakeWeightGrad: the stream had no header");
-  }
-  const int64_t v = out.weight.shape(0), h = out.weight.shape(1);
+  uint64_t take_id = 0;
+  absl::Status status = ReadTake(request, &out, &bytes, &got, &take_id);
+  const int64_t v = status.ok() ? out.weight.shape(0) : 0;
+  const int64_t h = status.ok() ? out.weight.shape(1) : 0;
   const int64_t elem = DTypeSize(got);
   const int64_t expected = (v * h + (out.weight.has_bias() ? v : 0)) * elem;
-  if (static_cast<int64_t>(bytes.size()) != expected) {
-    return absl::DataLossError(absl::StrCat("TakeWeightGrad: received ", bytes.size(),
-                                            " bytes, expected ", expected));
+  if (status.ok() && static_cast<int64_t>(bytes.size()) != expected) {
+    status = absl::DataLossError(absl::StrCat("TakeWeightGrad: received ", bytes.size(),
+                                              " bytes, expected ", expected));
   }
+  {
+    // A take that did not arrive whole is asked for again next time.
+    absl::MutexLock lock(&mu_);
+    if (status.ok() || take_id == 0) {
+      lost_takes_.erase(name);
+    } else {
+      lost_takes_[name] = take_id;
+    }
+  }
+  FLCE_RETURN_IF_ERROR(status);
   out.grad_weight = HostTensor(got, {v, h});
   std::memcpy(&out.grad_weight.data[0], bytes.data(), static_cast<size_t>(v * h * elem));
   if (out.weight.has_bias()) {
@@ -450,9 +442,36 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
     std::memcpy(&out.grad_bias->data[0], bytes.data() + v * h * elem,
                 static_cast<size_t>(v * elem));
   }
-  absl::MutexLock lock(&mu_);
-  received_takes_[name] = take_id;
   return out;
+}
+
+absl::Status LossClient::ReadTake(const v1::TakeWeightGradRequest& request, WeightGrad* out,
+                                  std::string* bytes, DType* dtype, uint64_t* take_id) {
+  grpc::ClientContext context;
+  Prepare(context);
+  std::unique_ptr<grpc::ClientReader<v1::WeightGradChunk>> reader =
+      stub_->TakeWeightGrad(&context, request);
+  v1::WeightGradChunk chunk;
+  bool header = false;
+  absl::Status status;
+  while (reader->Read(&chunk)) {
+    if (chunk.has_header()) {
+      header = true;
+      out->weight = chunk.header().weight();
+      out->accumulated_backwards = chunk.header().accumulated_backwards();
+      *take_id = chunk.header().take_id();
+      absl::StatusOr<DType> got = FromProto(chunk.header().dtype(), "header.dtype");
+      if (got.ok()) *dtype = *got;
+      if (!got.ok() && status.ok()) status = got.status();
+    }
+    bytes->append(chunk.data());
+  }
+  FLCE_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  FLCE_RETURN_IF_ERROR(status);
+  if (!header || out->weight.shape_size() != 2) {
+    return absl::DataLossError("TakeWeightGrad: the stream had no header");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::ForwardResponse> LossClient::ForwardThroughShm(const ForwardArgs& args) {

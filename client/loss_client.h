@@ -158,8 +158,8 @@ class LossClient {
   absl::StatusOr<std::vector<v1::WeightInfo>> ListWeights();
   // The accumulated gradient of a weight version (0: latest) in `dtype`
   // (kFloat32 or the weight's dtype); resets the accumulator. The server
-  // keeps the take until this client's next TakeWeightGrad of the name
-  // acknowledges it, so a take lost in transport is taken again then.
+  // keeps the take until the next TakeWeightGrad of the version: if this
+  // one did not arrive whole, this client's next one gets it again.
   absl::StatusOr<WeightGrad> TakeWeightGrad(const std::string& name, int64_t version = 0,
                                             DType dtype = DType::kFloat32);
   // grpc.health.v1 status of `service` ("" for the whole server).
@@ -176,6 +176,9 @@ class LossClient {
       const Request& request) const;
   int64_t StreamAbove() const;
   int64_t ChunkBytes() const;
+  // The stream of one TakeWeightGrad: its header, bytes and take id.
+  absl::Status ReadTake(const v1::TakeWeightGradRequest& request, WeightGrad* out,
+                        std::string* bytes, DType* dtype, uint64_t* take_id);
   absl::StatusOr<v1::ForwardResponse> ForwardStreamed(const ForwardArgs& args);
   absl::StatusOr<v1::BackwardResponse> BackwardStreamed(const v1::BackwardRequest& request);
 
@@ -191,9 +194,9 @@ class LossClient {
   };
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, SessionShape> sessions_ ABSL_GUARDED_BY(mu_);
-  // The last take of each weight name received whole, acknowledged by the
+  // A take of each weight name that did not arrive whole, resumed by the
   // next TakeWeightGrad of that name.
-  absl::flat_hash_map<std::string, uint64_t> received_takes_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint64_t> lost_takes_ ABSL_GUARDED_BY(mu_);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -48,11 +48,11 @@ absl::Status CheckOptions(const ServerOptions& o) {
         "--max_message_bytes: ", o.max_message_bytes,
         "; expected between 65536 and 2147483647 (protobuf's ceiling)"));
   }
-  const StreamLimits& st = o.streams;
+  const RequestLimits& st = o.requests;
   if (st.max_streams < 1 || st.memory_bytes < 0 || st.max_streams_per_principal < 0 ||
       st.memory_bytes_per_principal < 0 || st.idle_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        "--max_streams must be >= 1, --stream_idle_timeout > 0, and --stream_memory_bytes "
+        "--max_streams must be >= 1, --stream_idle_timeout > 0, and --request_memory_bytes "
         "and the _per_principal forms >= 0");
   }
   const SharedMemoryLimits& shm = o.shared_memory;
@@ -174,12 +174,12 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   if (options.enable_shared_memory) {
     s->shared_memory_ = std::make_unique<SharedMemoryRegistry>(options.shared_memory);
   }
-  s->streams_ = std::make_unique<StreamAdmission>(options.streams);
+  s->admission_ = std::make_unique<RequestAdmission>(options.requests);
   LossServer* raw = s.get();
   ServiceLimits limits;
   limits.max_message_bytes = options.max_message_bytes;
   s->service_ = std::make_unique<LossServiceImpl>(
-      s->core_.get(), s->queue_.get(), limits, s->streams_.get(), s->shared_memory_.get(),
+      s->core_.get(), s->queue_.get(), limits, s->admission_.get(), s->shared_memory_.get(),
       s->auth_.get(), &s->metrics_, [raw] { return raw->Metrics().gauges; },
       [raw] { raw->MarkUnhealthy(); });
 
@@ -250,12 +250,12 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   SPDLOG_INFO(
       "limits: max_sessions={} session_memory_bytes={} weight_memory_bytes={} "
       "weight_device_memory_bytes={} session_ttl={} workers={} max_queued_requests={} "
-      "max_message_bytes={} max_streams={} stream_memory_bytes={} stream_idle_timeout={}{}",
+      "max_message_bytes={} max_streams={} request_memory_bytes={} stream_idle_timeout={}{}",
       options.sessions.max_sessions, options.sessions.memory_budget_bytes,
       options.weight_memory_bytes, options.weight_device_memory_bytes,
       absl::FormatDuration(options.sessions.ttl), options.workers,
-      options.max_queued_requests, options.max_message_bytes, options.streams.max_streams,
-      options.streams.memory_bytes, absl::FormatDuration(options.streams.idle_timeout),
+      options.max_queued_requests, options.max_message_bytes, options.requests.max_streams,
+      options.requests.memory_bytes, absl::FormatDuration(options.requests.idle_timeout),
       options.enable_shared_memory
           ? absl::StrCat(" max_shared_memory_regions=", options.shared_memory.max_regions,
                          " shared_memory_bytes=", options.shared_memory.max_bytes)
@@ -290,9 +290,9 @@ MetricsSnapshot LossServer::Metrics() const {
   g.weight_device_memory_bytes = weights_->device_bytes_in_use();
   g.shared_memory_regions = shared_memory_ ? shared_memory_->size() : 0;
   g.shared_memory_bytes = shared_memory_ ? shared_memory_->bytes() : 0;
-  g.open_streams = streams_->open_streams();
-  g.stream_memory_bytes = streams_->bytes_in_use();
-  g.stream_idle_timeouts = streams_->idle_timeouts();
+  g.open_streams = admission_->open_streams();
+  g.request_memory_bytes = admission_->bytes_in_use();
+  g.stream_idle_timeouts = admission_->idle_timeouts();
   g.device_memory_bytes = engine_->device_memory_bytes();
   g.serving = serving_.load();
   g.sessions_expired = sessions_->expired_total();

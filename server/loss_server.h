@@ -23,7 +23,7 @@
 #include "server/metrics_http.h"
 #include "server/session_store.h"
 #include "server/shared_memory.h"
-#include "server/stream_admission.h"
+#include "server/request_admission.h"
 #include "server/weight_registry.h"
 #include "server/work_queue.h"
 
@@ -59,8 +59,8 @@ struct ServerOptions {
   // Accept tensors in same-host clients' POSIX shared memory.
   bool enable_shared_memory = false;
   SharedMemoryLimits shared_memory;
-  // Client-streaming RPCs: open streams, ForwardStream bytes, idle timeout.
-  StreamLimits streams;
+  // Requests in flight: their memory, open client streams, idle timeout.
+  RequestLimits requests;
   int workers = 1;               // concurrent engine calls
   int max_queued_requests = 64;  // waiting beyond the running ones
   int64_t max_message_bytes = int64_t{256} << 20;
@@ -121,7 +121,7 @@ class LossServer {
   std::unique_ptr<SessionStore> sessions_;
   std::unique_ptr<WeightRegistry> weights_;
   std::unique_ptr<SharedMemoryRegistry> shared_memory_;
-  std::unique_ptr<StreamAdmission> streams_;
+  std::unique_ptr<RequestAdmission> admission_;
   std::unique_ptr<LossCore> core_;
   std::unique_ptr<WorkQueue> queue_;
   std::unique_ptr<LossServiceImpl> service_;

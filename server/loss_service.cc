@@ -84,14 +84,14 @@ int64_t ServiceLimits::stream_chunk_bytes() const {
 }
 
 LossServiceImpl::LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
-                                 StreamAdmission* streams, SharedMemoryRegistry* shared_memory,
+                                 RequestAdmission* admission, SharedMemoryRegistry* shared_memory,
                                  const Authenticator* auth, ServiceMetrics* metrics,
                                  std::function<Gauges()> gauges,
                                  std::function<void()> on_engine_unhealthy)
     : core_(core),
       queue_(queue),
       limits_(limits),
-      streams_(streams),
+      admission_(admission),
       shared_memory_(shared_memory),
       auth_(auth),
       metrics_(metrics),
@@ -220,7 +220,7 @@ LossServiceImpl::Unary* LossServiceImpl::Forward(Context* context, const Bytes* 
   absl::StatusOr<std::string> principal = Admit(context);
   if (!principal.ok()) {
     call->Reply(principal.status());
-  } else if (call->Parse()) {
+  } else if (call->Parse(*admission_, *principal)) {
     StartForward(call, *principal, &call->request(), call->response());
   }
   return call;
@@ -274,7 +274,7 @@ LossServiceImpl::Unary* LossServiceImpl::Backward(Context* context, const Bytes*
     call->Reply(principal.status());
     return call;
   }
-  if (!call->Parse()) return call;
+  if (!call->Parse(*admission_, *principal)) return call;
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
   StartBackward(call, *principal, &call->request(), limits_.max_message_bytes, outcome, stats,
@@ -356,7 +356,7 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
         record_(metrics, rpc) {}
 
   // Takes a slot and reads the first message, or refuses.
-  void Begin(const absl::StatusOr<std::string>& principal, StreamAdmission* streams) {
+  void Begin(const absl::StatusOr<std::string>& principal, RequestAdmission* streams) {
     absl::MutexLock lock(&mu_);
     if (!principal.ok()) return FinishLocked(principal.status());
     principal_ = *principal;
@@ -469,7 +469,7 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
 
 // ForwardStream: the header request, then its tensors' bytes field by field;
 // at the end of the stream, the assembled request goes through Forward.
-// The announced tensors' bytes are reserved (StreamAdmission) when the
+// The announced tensors' bytes are reserved (RequestAdmission) when the
 // header arrives; each tensor's memory is allocated when its first bytes
 // do, and is filled only as far as they come.
 class ForwardStreamReactor final : public ReadStream {
@@ -577,6 +577,20 @@ class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Ca
   CallRecord& record() override { return record_; }
   grpc::CallbackServerContext* context() override { return context_; }
   void WhenOver(std::function<void(bool)> f) override { hooks_.Add(std::move(f)); }
+
+  // Holds the request message's bytes in request memory and parses it.
+  absl::Status ParseRequest(const grpc::ByteBuffer& in, RequestAdmission& admission,
+                            const std::string& principal, google::protobuf::Message* request) {
+    const int64_t bytes = static_cast<int64_t>(in.Length());
+    record_.AddBytes(bytes, 0);
+    return GuardMemory(
+        [&]() -> absl::Status {
+          FLCE_ASSIGN_OR_RETURN(hold_, admission.HoldMessage(principal, bytes, record_.rpc()));
+          return ParseMessage(in, request);
+        },
+        record_.rpc());
+  }
+
   // Finishes without (further) messages.
   void Reply(const absl::Status& status) override {
     answered_ = status;
@@ -628,6 +642,7 @@ class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Ca
   const int64_t max_message_bytes_;
   CallRecord record_;
   OverHooks hooks_;
+  MemoryHold hold_;
   grpc::ByteBuffer out_;
   bool writing_ = false;
   absl::Status answered_ = absl::UnknownError("never answered");
@@ -715,7 +730,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::ForwardStream(Contex
       [this](ForwardStreamReactor* r) {
         StartForward(r, r->principal(), r->request(), r->forward_response());
       });
-  reactor->Begin(Admit(context), streams_);
+  reactor->Begin(Admit(context), admission_);
   return reactor;
 }
 
@@ -728,9 +743,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::BackwardStream(Cont
     reactor->Reply(principal.status());
     return reactor;
   }
-  reactor->record().AddBytes(static_cast<int64_t>(in->Length()), 0);
-  absl::Status parsed = GuardMemory([&] { return ParseMessage(*in, reactor->request()); },
-                                    "BackwardStream");
+  absl::Status parsed = reactor->ParseRequest(*in, *admission_, *principal, reactor->request());
   if (!parsed.ok()) {
     reactor->Reply(parsed);
     return reactor;
@@ -753,7 +766,7 @@ LossServiceImpl::Unary* LossServiceImpl::ReleaseSession(Context* context, const 
   absl::StatusOr<std::string> principal = Authenticate(context);
   if (!principal.ok()) {
     call->Reply(principal.status());
-  } else if (call->Parse()) {
+  } else if (call->Parse(*admission_, *principal)) {
     const std::string& id = call->request().session_id();
     call->record().SetDetail(SessionDetail(id));
     call->response()->set_released(core_->Release(id, *principal));
@@ -771,7 +784,7 @@ LossServiceImpl::Unary* LossServiceImpl::GetServerInfo(Context* context, const B
     call->Reply(principal.status());
     return call;
   }
-  if (!call->Parse()) return call;
+  if (!call->Parse(*admission_, *principal)) return call;
   v1::GetServerInfoResponse* response = call->response();
   const LossEngine& engine = core_->engine();
   const SessionStore& sessions = core_->sessions();
@@ -789,9 +802,9 @@ LossServiceImpl::Unary* LossServiceImpl::GetServerInfo(Context* context, const B
   limits->set_session_ttl_seconds(absl::ToDoubleSeconds(sessions.limits().ttl));
   limits->set_max_queued_requests(queue_->max_queued());
   limits->set_weight_memory_budget_bytes(core_->weights().memory_budget_bytes());
-  limits->set_max_streams(streams_->limits().max_streams);
-  limits->set_stream_memory_budget_bytes(streams_->limits().memory_bytes);
-  limits->set_stream_idle_timeout_seconds(absl::ToDoubleSeconds(streams_->limits().idle_timeout));
+  limits->set_max_streams(admission_->limits().max_streams);
+  limits->set_request_memory_budget_bytes(admission_->limits().memory_bytes);
+  limits->set_stream_idle_timeout_seconds(absl::ToDoubleSeconds(admission_->limits().idle_timeout));
   if (shared_memory_ != nullptr) {
     limits->set_max_shared_memory_regions(shared_memory_->limits().max_regions);
     limits->set_shared_memory_budget_bytes(shared_memory_->limits().max_bytes);
@@ -825,7 +838,7 @@ LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes*
     call->Reply(principal.status());
     return call;
   }
-  if (!call->Parse()) return call;
+  if (!call->Parse(*admission_, *principal)) return call;
   v1::GetStatsResponse* response = call->response();
   const MetricsSnapshot s = metrics_->Snapshot(gauges_());
   for (const auto& [key, count] : s.requests) {
@@ -853,7 +866,7 @@ LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes*
   response->set_device_memory_bytes(g.device_memory_bytes);
   response->set_weight_device_memory_bytes(g.weight_device_memory_bytes);
   response->set_open_streams(g.open_streams);
-  response->set_stream_memory_bytes(g.stream_memory_bytes);
+  response->set_request_memory_bytes(g.request_memory_bytes);
   response->set_stream_idle_timeouts(g.stream_idle_timeouts);
   response->set_serving(g.serving);
   call->Reply(absl::OkStatus());
@@ -869,7 +882,7 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
     call->Reply(principal.status());
     return call;
   }
-  if (!call->Parse()) return call;
+  if (!call->Parse(*admission_, *principal)) return call;
   if (shared_memory_ == nullptr) {
     call->Reply(absl::FailedPreconditionError(
         "shared memory is disabled on this server; start it with --enable_shared_memory"));
@@ -904,7 +917,7 @@ LossServiceImpl::Unary* LossServiceImpl::UnregisterSharedMemory(Context* context
   absl::StatusOr<std::string> principal = Authenticate(context);
   if (!principal.ok()) {
     call->Reply(principal.status());
-  } else if (call->Parse()) {
+  } else if (call->Parse(*admission_, *principal)) {
     call->response()->set_unregistered(
         shared_memory_ != nullptr &&
         shared_memory_->Unregister(call->request().region_id(), *principal));
@@ -1066,9 +1079,9 @@ class TakeGradReactor final : public WriteStream {
       }
     }
     FLCE_ASSIGN_OR_RETURN(RegisteredWeight::Grad grad,
-                          weight_->TakeGrad(/*pending=*/true, r.acknowledged_take()));
+                          weight_->TakeGrad(/*pending=*/true, r.resume_take()));
     grad_ = std::move(grad);
-    // Put back unless delivered whole; held until acknowledged if asked.
+    // Put back unless delivered; kept for a resume if asked.
     WhenOver([this, hold = r.hold_until_acknowledged()](bool delivered) {
       if (!delivered) {
         weight_->RestoreGrad(*std::move(grad_));
@@ -1120,7 +1133,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::PutWeight(Context* c
                                                                      Bytes* response) {
   auto* reactor = new PutWeightReactor(context, &core_->weights(), response, metrics_,
                                        limits_.max_message_bytes);
-  reactor->Begin(Admit(context), streams_);
+  reactor->Begin(Admit(context), admission_);
   return reactor;
 }
 
@@ -1131,7 +1144,7 @@ LossServiceImpl::Unary* LossServiceImpl::DeleteWeight(Context* context, const By
   absl::StatusOr<std::string> principal = Authenticate(context);
   if (!principal.ok()) {
     call->Reply(principal.status());
-  } else if (call->Parse()) {
+  } else if (call->Parse(*admission_, *principal)) {
     call->record().SetDetail(absl::StrCat("weight=", LogSafe(call->request().name()), " "));
     call->response()->set_deleted(core_->weights().Delete(call->request().name(), *principal));
     call->Reply(absl::OkStatus());
@@ -1146,7 +1159,7 @@ LossServiceImpl::Unary* LossServiceImpl::ListWeights(Context* context, const Byt
   absl::StatusOr<std::string> principal = Authenticate(context);
   if (!principal.ok()) {
     call->Reply(principal.status());
-  } else if (call->Parse()) {
+  } else if (call->Parse(*admission_, *principal)) {
     for (const auto& weight : core_->weights().List(*principal)) {
       FillWeightInfo(*weight, call->response()->add_weights());
     }
@@ -1161,15 +1174,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::TakeWeightGrad(Cont
                                       limits_.stream_chunk_bytes());
   absl::StatusOr<std::string> principal = Authenticate(context);
   absl::Status status = principal.status();
+  v1::TakeWeightGradRequest request;
+  if (status.ok()) status = reactor->ParseRequest(*in, *admission_, *principal, &request);
   if (status.ok()) {
-    reactor->record().AddBytes(static_cast<int64_t>(in->Length()), 0);
-    status = GuardMemory(
-        [&]() -> absl::Status {
-          v1::TakeWeightGradRequest request;
-          FLCE_RETURN_IF_ERROR(ParseMessage(*in, &request));
-          return reactor->Prepare(core_->weights(), request, *principal);
-        },
-        "TakeWeightGrad");
+    status = GuardMemory([&] { return reactor->Prepare(core_->weights(), request, *principal); },
+                         "TakeWeightGrad");
   }
   if (status.ok()) {
     reactor->StartWriting();

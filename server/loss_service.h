@@ -25,7 +25,7 @@
 #include "server/metrics.h"
 #include "server/rpc_call.h"
 #include "server/shared_memory.h"
-#include "server/stream_admission.h"
+#include "server/request_admission.h"
 #include "server/work_queue.h"
 
 namespace flce {
@@ -66,7 +66,7 @@ class LossServiceImpl final : public RawLossService {
   // `metrics` records every RPC; `gauges` reads the current gauges for
   // GetStats.
   LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
-                  StreamAdmission* streams, SharedMemoryRegistry* shared_memory,
+                  RequestAdmission* admission, SharedMemoryRegistry* shared_memory,
                   const Authenticator* auth, ServiceMetrics* metrics,
                   std::function<Gauges()> gauges, std::function<void()> on_engine_unhealthy);
 
@@ -143,7 +143,7 @@ class LossServiceImpl final : public RawLossService {
   LossCore* const core_;
   WorkQueue* const queue_;
   const ServiceLimits limits_;
-  StreamAdmission* const streams_;
+  RequestAdmission* const admission_;
   SharedMemoryRegistry* const shared_memory_;
   const Authenticator* const auth_;
   ServiceMetrics* const metrics_;

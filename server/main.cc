@@ -48,15 +48,16 @@ ABSL_FLAG(int64_t, shared_memory_bytes, flce::SharedMemoryLimits().max_bytes,
           "bytes all registered shared-memory regions may map");
 ABSL_FLAG(int64_t, shared_memory_bytes_per_principal, 0,
           "bytes one principal's shared-memory regions may map (0: only --shared_memory_bytes)");
-ABSL_FLAG(int64_t, max_streams, flce::StreamLimits().max_streams,
+ABSL_FLAG(int64_t, max_streams, flce::RequestLimits().max_streams,
           "ForwardStream and PutWeight streams open at once");
 ABSL_FLAG(int64_t, max_streams_per_principal, 0,
           "open streams of one principal (0: only --max_streams)");
-ABSL_FLAG(int64_t, stream_memory_bytes, flce::StreamLimits().memory_bytes,
-          "bytes the announced tensors of all open ForwardStreams may take");
-ABSL_FLAG(int64_t, stream_memory_bytes_per_principal, 0,
-          "bytes one principal's open ForwardStreams may take (0: only --stream_memory_bytes)");
-ABSL_FLAG(absl::Duration, stream_idle_timeout, flce::StreamLimits().idle_timeout,
+ABSL_FLAG(int64_t, request_memory_bytes, flce::RequestLimits().memory_bytes,
+          "bytes requests in flight may hold: unary messages and ForwardStreams' announced "
+          "tensors");
+ABSL_FLAG(int64_t, request_memory_bytes_per_principal, 0,
+          "bytes one principal's requests in flight may hold (0: only --request_memory_bytes)");
+ABSL_FLAG(absl::Duration, stream_idle_timeout, flce::RequestLimits().idle_timeout,
           "a ForwardStream or PutWeight that sends no message for this long is finished");
 ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
           "idle time after which a session expires");
@@ -180,12 +181,12 @@ int main(int argc, char** argv) {
   options.shared_memory.max_bytes = absl::GetFlag(FLAGS_shared_memory_bytes);
   options.shared_memory.max_bytes_per_principal =
       absl::GetFlag(FLAGS_shared_memory_bytes_per_principal);
-  options.streams.max_streams = absl::GetFlag(FLAGS_max_streams);
-  options.streams.max_streams_per_principal = absl::GetFlag(FLAGS_max_streams_per_principal);
-  options.streams.memory_bytes = absl::GetFlag(FLAGS_stream_memory_bytes);
-  options.streams.memory_bytes_per_principal =
-      absl::GetFlag(FLAGS_stream_memory_bytes_per_principal);
-  options.streams.idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+  options.requests.max_streams = absl::GetFlag(FLAGS_max_streams);
+  options.requests.max_streams_per_principal = absl::GetFlag(FLAGS_max_streams_per_principal);
+  options.requests.memory_bytes = absl::GetFlag(FLAGS_request_memory_bytes);
+  options.requests.memory_bytes_per_principal =
+      absl::GetFlag(FLAGS_request_memory_bytes_per_principal);
+  options.requests.idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

@@ -147,9 +147,9 @@ std::string PrometheusText(const MetricsSnapshot& s) {
   const Gauges& g = s.gauges;
   AppendGauge(&out, "flce_open_streams", "ForwardStream and PutWeight streams open.",
               g.open_streams);
-  AppendGauge(&out, "flce_stream_memory_bytes",
+  AppendGauge(&out, "flce_request_memory_bytes",
               "Bytes reserved by open ForwardStreams for their announced tensors.",
-              g.stream_memory_bytes);
+              g.request_memory_bytes);
   AppendGauge(&out, "flce_shared_memory_bytes", "Bytes mapped by shared-memory regions.",
               g.shared_memory_bytes);
   AppendGauge(&out, "flce_queued_requests", "Engine tasks waiting for a worker.",

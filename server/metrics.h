@@ -43,7 +43,7 @@ struct Gauges {
   int64_t sessions_expired = 0;
   int64_t engine_forward_reruns = 0;
   // Client streams (ForwardStream, PutWeight) and shared-memory mappings.
-  int64_t open_streams = 0, stream_memory_bytes = 0, stream_idle_timeouts = 0;
+  int64_t open_streams = 0, request_memory_bytes = 0, stream_idle_timeouts = 0;
   int64_t shared_memory_bytes = 0;
 };
 

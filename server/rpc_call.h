@@ -32,6 +32,7 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "proto/codec.h"
 #include "server/metrics.h"
+#include "server/request_admission.h"
 
 namespace flce {
 
@@ -137,12 +138,23 @@ class UnaryCall final : public grpc::ServerUnaryReactor, public Call {
         max_message_bytes_(max_message_bytes),
         record_(metrics, rpc) {}
 
-  // Parses the request; false when it does not parse (the call is then
-  // finished with INVALID_ARGUMENT).
-  bool Parse() {
-    record_.AddBytes(static_cast<int64_t>(in_->Length()), 0);
-    absl::Status status = GuardMemory([&] { return ParseMessage(*in_, &request_); },
-                                      record_.rpc());
+  // Takes the message's bytes from `admission`'s request memory for
+  // `principal` (until the call is over) and parses the request; false
+  // when either fails (the call is then finished with RESOURCE_EXHAUSTED or
+  // INVALID_ARGUMENT).
+  bool Parse(RequestAdmission& admission, const std::string& principal) {
+    const int64_t bytes = static_cast<int64_t>(in_->Length());
+    record_.AddBytes(bytes, 0);
+    absl::Status status = GuardMemory(
+        [&]() -> absl::Status {
+          absl::StatusOr<MemoryHold> hold = admission.HoldMessage(principal, bytes, record_.rpc());
+          if (!hold.ok()) return hold.status();
+          hold_ = *std::move(hold);
+          return ParseMessage(*in_, &request_);
+        },
+        record_.rpc());
+    // gRPC keeps the bytes until the call is over; parsed, they are not needed.
+    const_cast<grpc::ByteBuffer*>(in_)->Clear();
     if (!status.ok()) Reply(status);
     return status.ok();
   }
@@ -183,6 +195,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor, public Call {
   const int64_t max_message_bytes_;
   CallRecord record_;
   OverHooks hooks_;
+  MemoryHold hold_;
   Request request_;
   Response response_;
   absl::Status answered_ = absl::UnknownError("never answered");

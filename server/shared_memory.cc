@@ -115,6 +115,16 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
 
 SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits) : limits_(limits) {}
 
+SharedMemoryRegistry::~SharedMemoryRegistry() {
+  // Unmapped while the bounds they leave still exist.
+  absl::flat_hash_map<std::string, Entry> regions;
+  {
+    absl::MutexLock lock(&mu_);
+    regions.swap(regions_);
+  }
+  regions.clear();
+}
+
 absl::Status SharedMemoryRegistry::Admit(const std::string& principal, int64_t bytes) {
   absl::MutexLock lock(&mu_);
   if (count_ >= limits_.max_regions) {

@@ -76,6 +76,8 @@ struct RegisteredRegion {
 class SharedMemoryRegistry {
  public:
   explicit SharedMemoryRegistry(SharedMemoryLimits limits = SharedMemoryLimits());
+  // Unmaps every region. REQUIRES: no resolver of it is alive.
+  ~SharedMemoryRegistry();
 
   // Maps `bytes` of the POSIX shm object `shm_name` for `principal`.
   // INVALID_ARGUMENT for a malformed name or a size the object does not

@@ -103,13 +103,13 @@ void RegisteredWeight::AccumulateGrad(HostTensor dw, std::optional<HostTensor> d
 }
 
 absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending,
-                                                                  uint64_t acknowledged) {
+                                                                  uint64_t resume) {
   absl::MutexLock device_lock(&device_mu_);
   absl::MutexLock lock(&mu_);
   auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !take_pending_; };
   mu_.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(2));
   if (held_) {
-    if (held_->take_id != acknowledged) MergeGrad(*std::move(held_));  // never arrived whole
+    if (resume != 0 && held_->take_id == resume) MergeGrad(*std::move(held_));
     held_.reset();
   }
   const int64_t device_backwards = device_backwards_.load();

@@ -113,13 +113,12 @@ class RegisteredWeight {
   // take is on its way to a client: until ConfirmTake or RestoreGrad ends
   // it, a later TakeGrad waits for it (briefly: the client may ask again as
   // soon as its call failed, before the gradient is put back).
-  // `acknowledged` settles a take held by ConfirmTake first: equal to its
-  // id, it is dropped (its client has it); otherwise it goes back into the
-  // sum taken now.
-  absl::StatusOr<Grad> TakeGrad(bool pending = false, uint64_t acknowledged = 0);
+  // A take kept by ConfirmTake is settled first: named by `resume`, it
+  // goes back into the sum taken now; otherwise it is dropped.
+  absl::StatusOr<Grad> TakeGrad(bool pending = false, uint64_t resume = 0);
 
   // A pending take was delivered. With `hold` (the take itself), it is kept
-  // until the next TakeGrad acknowledges its take_id.
+  // until the next TakeGrad, which may resume it by its take_id.
   void ConfirmTake(std::optional<Grad> hold = std::nullopt);
 
   // Puts a taken gradient back (its delivery failed), so nothing is lost.
@@ -166,7 +165,7 @@ class RegisteredWeight {
   mutable absl::Mutex mu_;
   std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
   bool take_pending_ ABSL_GUARDED_BY(mu_) = false;
-  // A delivered take kept until acknowledged, and its id.
+  // A delivered take kept until the next TakeGrad.
   std::optional<Grad> held_ ABSL_GUARDED_BY(mu_);
   // grad_ += grad (or grad_ = grad when empty: no copy).
   void MergeGrad(Grad grad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

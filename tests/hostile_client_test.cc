@@ -95,14 +95,14 @@ class HostileClientTest : public ::testing::Test {
     v1::GetStatsResponse stats;
     for (int i = 0; i < 500; ++i) {  // calls are settled a moment after their answers
       stats = *client_->GetStats();
-      if (stats.open_streams() == 0 && stats.stream_memory_bytes() == 0 &&
+      if (stats.open_streams() == 0 && stats.request_memory_bytes() == 0 &&
           stats.live_sessions() == 0 && stats.running_requests() == 0) {
         break;
       }
       absl::SleepFor(absl::Milliseconds(10));
     }
     EXPECT_EQ(stats.open_streams(), 0);
-    EXPECT_EQ(stats.stream_memory_bytes(), 0);
+    EXPECT_EQ(stats.request_memory_bytes(), 0);
     EXPECT_EQ(stats.live_sessions(), 0);
     EXPECT_EQ(stats.session_memory_bytes(), 0);
     EXPECT_EQ(stats.running_requests() + stats.queued_requests(), 0);
@@ -185,7 +185,7 @@ TEST_F(HostileClientTest, ForwardStreamHeadersBeyondTheBudgetAreRefusedAtOnce) {
   for (int i = 0; i < 20; ++i) streams.push_back(AnnounceForwardStream(3801088, 4096));  // 29 GiB
   for (OpenStream& s : streams) {
     s.writer->WritesDone();
-    EXPECT_THAT(s.Finish(), StatusIs(Code::kResourceExhausted, HasSubstr("--stream_memory_bytes")));
+    EXPECT_THAT(s.Finish(), StatusIs(Code::kResourceExhausted, HasSubstr("--request_memory_bytes")));
   }
   EXPECT_LT(ResidentBytes() - before, int64_t{64} << 20);
   ExpectStillServingAndEmpty();
@@ -196,7 +196,7 @@ TEST_F(HostileClientTest, ForwardStreamHeadersBeyondTheBudgetAreRefusedAtOnce) {
   if (host > 0 && host < (int64_t{60} << 30)) {
     server_.reset();
     ServerOptions o = Options();
-    o.streams.memory_bytes = int64_t{1} << 50;
+    o.requests.memory_bytes = int64_t{1} << 50;
     Start(o);
     OpenStream huge = AnnounceForwardStream(host / 8192 + 1, 4096);
     huge.writer->WritesDone();
@@ -209,16 +209,16 @@ TEST_F(HostileClientTest, ForwardStreamHeadersBeyondTheBudgetAreRefusedAtOnce) {
 // finished by the idle timeout.
 TEST_F(HostileClientTest, StalledStreamsAreBoundedAndTimedOut) {
   ServerOptions o = Options();
-  o.streams.max_streams = 4;
-  o.streams.memory_bytes = int64_t{64} << 20;
-  o.streams.idle_timeout = absl::Milliseconds(500);
+  o.requests.max_streams = 4;
+  o.requests.memory_bytes = int64_t{64} << 20;
+  o.requests.idle_timeout = absl::Milliseconds(500);
   Start(o);
   std::vector<OpenStream> stalled;
   for (int i = 0; i < 3; ++i) stalled.push_back(AnnounceForwardStream(1024, 4096));  // 8 MiB
   OpenPut put = AnnouncePutWeight("w", 1024, 1024);
   for (int i = 0; i < 200 && Stats().open_streams() < 4; ++i) absl::SleepFor(absl::Milliseconds(5));
   EXPECT_EQ(Stats().open_streams(), 4);
-  EXPECT_EQ(Stats().stream_memory_bytes(), 3 * (1024 * 4096 * 2 + 8 * 4096 * 2 + 1024 * 4));
+  EXPECT_EQ(Stats().request_memory_bytes(), 3 * (1024 * 4096 * 2 + 8 * 4096 * 2 + 1024 * 4));
   OpenStream fifth = AnnounceForwardStream(16, 16);
   fifth.writer->WritesDone();
   EXPECT_THAT(fifth.Finish(), StatusIs(Code::kResourceExhausted, HasSubstr("--max_streams")));
@@ -527,26 +527,41 @@ TEST_F(HostileClientTest, StreamsCutShortLoseNothing) {
   accumulate.accumulate_weight_grad = true;
   ASSERT_TRUE(client_->Backward(accumulate).ok());
   // A client that stops reading after the first chunk. The server may have
-  // sent everything before the cancellation reaches it; the take, held
-  // until acknowledged, still goes back into the sum.
+  // sent everything before the cancellation reaches it; the take, kept
+  // until the next one, is resumed by it.
+  uint64_t lost = 0;
   for (int round = 0; round < 2; ++round) {
     grpc::ClientContext context;
     v1::TakeWeightGradRequest request;
     request.mutable_weight()->set_name("head");
     request.set_hold_until_acknowledged(true);
+    request.set_resume_take(lost);
     auto reader = stub_->TakeWeightGrad(&context, request);
     v1::WeightGradChunk first;
     ASSERT_TRUE(reader->Read(&first));
     ASSERT_TRUE(first.has_header());
     EXPECT_EQ(first.header().accumulated_backwards(), 1);
+    lost = first.header().take_id();
+    EXPECT_NE(lost, 0u);
     context.TryCancel();
     EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
-  auto sum = client_->TakeWeightGrad("head");
-  ASSERT_TRUE(sum.ok()) << sum.status();
-  EXPECT_EQ(sum->accumulated_backwards, 1);
-  EXPECT_EQ(sum->grad_weight.data, grads->grad_weight->data);
-  // Acknowledged by the next take: gone for good.
+  v1::TakeWeightGradRequest resume;
+  resume.mutable_weight()->set_name("head");
+  resume.set_resume_take(lost);
+  grpc::ClientContext resume_context;
+  auto reader = stub_->TakeWeightGrad(&resume_context, resume);
+  std::string bytes;
+  v1::WeightGradChunk chunk;
+  int64_t backwards = 0;
+  while (reader->Read(&chunk)) {
+    if (chunk.has_header()) backwards = chunk.header().accumulated_backwards();
+    bytes += chunk.data();
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(backwards, 1);
+  EXPECT_EQ(bytes, grads->grad_weight->data);
+  // Nothing is left, and a take not resumed is not given again.
   EXPECT_THAT(client_->TakeWeightGrad("head"),
               StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient accumulated")));
   ExpectStillServingAndEmpty();

@@ -112,7 +112,7 @@ class HostileProcessTest(unittest.TestCase):
         w = rng.standard_normal((11, 8)).astype(np.float32)
         t = rng.integers(0, 11, 4)
         self.assertTrue(np.isfinite(flce.client.from_wire(client.forward(x, t, w).loss)).all())
-        wait_for(lambda: (lambda s: s.open_streams == 0 and s.stream_memory_bytes == 0 and
+        wait_for(lambda: (lambda s: s.open_streams == 0 and s.request_memory_bytes == 0 and
                           s.live_sessions == 0 and s.running_requests == 0)(client.stats()),
                  "the server to hold nothing")
 
@@ -120,7 +120,7 @@ class HostileProcessTest(unittest.TestCase):
     # fill the budget and stall hold no more than it, and the idle timeout
     # gives it back.
     def test_streams_hold_at_most_their_budget(self):
-        server, client, stub = self.start(f"--stream_memory_bytes={256 * MIB}",
+        server, client, stub = self.start(f"--request_memory_bytes={256 * MIB}",
                                           "--stream_idle_timeout=3s", "--max_streams=64")
         base = resident(server)
         refused = []
@@ -143,7 +143,7 @@ class HostileProcessTest(unittest.TestCase):
         self.assertEqual(set(codes), {grpc.StatusCode.RESOURCE_EXHAUSTED})
         held = resident(server) - base
         report("8 streams of 48 MiB sent whole and stalled", held,
-               f"--stream_memory_bytes={256 * MIB}")
+               f"--request_memory_bytes={256 * MIB}")
         self.assertLess(held, 256 * MIB + 96 * MIB)
         self.assertEqual(client.stats().open_streams, 5)
         # The idle timeout ends them all.
@@ -190,7 +190,7 @@ class HostileProcessTest(unittest.TestCase):
         self.assertLess(held, 256 * MIB + 96 * MIB)
         wait_for(lambda: filling.error is not None, "the idle timeout")
         self.assertEqual(filling.error.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
-        self.assertEqual(client.stats().weight_memory_bytes, 0)
+        wait_for(lambda: client.stats().weight_memory_bytes == 0, "the upload's bytes to return")
         self.assert_serving_and_empty(client)
 
     # 5. Registrations stop at their bound, the process stays well inside its

@@ -298,7 +298,7 @@ class Client:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.LossServiceStub(self._channel)
         self._sessions = {}  # session id → (N, H, V, has_bias, dtype), for shm layouts
-        self._received_takes = {}  # weight name → the last take received whole
+        self._lost_takes = {}  # weight name → a take that did not arrive whole
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         self.stream_chunk_bytes = stream_chunk_bytes
@@ -503,11 +503,11 @@ class Client:
     def take_weight_grad(self, name: str, version: int = 0, float32: bool = True):
         """The gradient accumulated into a weight (and resets it): returns
         (grad_weight, grad_bias or None, accumulated_backwards) as wire Tensors.
-        The server keeps each take until this client's next take of the name
-        acknowledges it, so a take lost in transport is taken again then."""
+        The server keeps each take until the next one of the version: if this
+        one does not arrive whole, this client's next take gets it again."""
         r = pb.TakeWeightGradRequest(dtype=pb.DTYPE_FLOAT32 if float32 else pb.DTYPE_UNSPECIFIED,
                                      hold_until_acknowledged=True,
-                                     acknowledged_take=self._received_takes.get(name, 0))
+                                     resume_take=self._lost_takes.get(name, 0))
         r.weight.name = name
         r.weight.version = version
         header = None
@@ -519,9 +519,11 @@ class Client:
                     header = chunk.header
                 parts.append(chunk.data)
         except grpc.RpcError as e:
+            if header is not None and header.take_id:
+                self._lost_takes[name] = header.take_id  # asked for again next time
             raise FlceError(e.code(), e.details()) from None
+        self._lost_takes.pop(name, None)
         data = b"".join(parts)
-        self._received_takes[name] = header.take_id
         v, h = header.weight.shape
         elem = _elem_size(header.dtype)
         dw = pb.Tensor(dtype=header.dtype, shape=[v, h], data=data[:v * h * elem])

@@ -1,19 +1,21 @@
-#ifndef FLCE_SERVER_STREAM_ADMISSION_H_
-#define FLCE_SERVER_STREAM_ADMISSION_H_
+#ifndef FLCE_SERVER_REQUEST_ADMISSION_H_
+#define FLCE_SERVER_REQUEST_ADMISSION_H_
 
-// Bounds on what client-streaming RPCs (ForwardStream, PutWeight) can make
-// the server hold while their data arrives:
+// Bounds on what requests in flight can make the server hold:
 //
-// - a slot per open stream, in total and per principal;
-// - the bytes a ForwardStream's announced tensors will take, reserved when
-//   its header arrives (in total, per principal, and against the host's
-//   available memory) before anything is allocated;
+// - request memory (--request_memory_bytes, in total and per principal):
+//   every unary request's message while its call lasts, and the bytes a
+//   ForwardStream's announced tensors will take, reserved when its header
+//   arrives (also against the host's available memory) before anything is
+//   allocated;
+// - a slot per open client stream (ForwardStream, PutWeight), in total and
+//   per principal;
 // - an idle timeout: a stream that delivers no message for that long is
 //   finished with DEADLINE_EXCEEDED, whatever its client does.
 //
-// Past a bound the stream is refused at once with RESOURCE_EXHAUSTED naming
-// the bound and its flag. PutWeight's bytes are bounded by the weight budget
-// (WeightRegistry), not here.
+// Past a bound the request is refused at once with RESOURCE_EXHAUSTED
+// naming the bound and its flag. PutWeight's bytes are bounded by the
+// weight budget (WeightRegistry), not here.
 
 #include <atomic>
 #include <cstdint>
@@ -31,9 +33,10 @@
 
 namespace flce {
 
-struct StreamLimits {
-  // Bytes the announced tensors of all open ForwardStreams may take
-  // (--stream_memory_bytes), and one principal's (0: no per-principal bound).
+struct RequestLimits {
+  // Bytes unary requests in flight and the announced tensors of open
+  // ForwardStreams may take (--request_memory_bytes), and one principal's
+  // (0: no per-principal bound).
   int64_t memory_bytes = int64_t{16} << 30;
   int64_t memory_bytes_per_principal = 0;
   // Open ForwardStream and PutWeight streams (--max_streams), and one
@@ -44,7 +47,23 @@ struct StreamLimits {
   absl::Duration idle_timeout = absl::Seconds(30);
 };
 
-class StreamAdmission;
+class RequestAdmission;
+
+// Request memory held by one unary call, given back when destroyed.
+// Move-only.
+class MemoryHold {
+ public:
+  MemoryHold() = default;
+  MemoryHold(MemoryHold&& other) noexcept;
+  MemoryHold& operator=(MemoryHold&& other) noexcept;
+  ~MemoryHold();
+
+ private:
+  friend class RequestAdmission;
+  RequestAdmission* owner_ = nullptr;
+  std::string principal_;
+  int64_t bytes_ = 0;
+};
 
 // One open stream's slot and reserved bytes, given back when destroyed.
 // Move-only.
@@ -67,24 +86,24 @@ class StreamTicket {
   void StopWatching();
 
  private:
-  friend class StreamAdmission;
+  friend class RequestAdmission;
   struct Watched;
   void Reset();
 
-  StreamAdmission* owner_ = nullptr;
+  RequestAdmission* owner_ = nullptr;
   std::string principal_;
   int64_t bytes_ = 0;
   std::shared_ptr<Watched> watched_;
 };
 
-class StreamAdmission {
+class RequestAdmission {
  public:
   // `host_available` tells the bytes the host can still give (-1: unknown).
-  explicit StreamAdmission(StreamLimits limits,
+  explicit RequestAdmission(RequestLimits limits,
                            std::function<int64_t()> host_available = nullptr);
-  ~StreamAdmission();  // stops the idle watch
-  StreamAdmission(const StreamAdmission&) = delete;
-  StreamAdmission& operator=(const StreamAdmission&) = delete;
+  ~RequestAdmission();  // stops the idle watch
+  RequestAdmission(const RequestAdmission&) = delete;
+  RequestAdmission& operator=(const RequestAdmission&) = delete;
 
   // Opens a stream of `principal` (`rpc` names it in messages). `on_idle`
   // runs on the watch thread, at most once, if the stream stays idle past
@@ -93,22 +112,32 @@ class StreamAdmission {
   absl::StatusOr<StreamTicket> Open(const std::string& principal, const char* rpc,
                                     std::function<void()> on_idle);
 
-  const StreamLimits& limits() const { return limits_; }
+  // Request memory for a unary message of `bytes` that has arrived (it
+  // exists already: past the budget it is refused, and freed, at once).
+  absl::StatusOr<MemoryHold> HoldMessage(const std::string& principal, int64_t bytes,
+                                         const char* rpc);
+
+  const RequestLimits& limits() const { return limits_; }
   int64_t open_streams() const;
   int64_t bytes_in_use() const;
   int64_t idle_timeouts() const { return idle_timeouts_.load(); }
 
  private:
   friend class StreamTicket;
+  friend class MemoryHold;
+  void ReleaseBytes(const std::string& principal, int64_t bytes);
   struct Usage {
     int64_t streams = 0, bytes = 0;
   };
-  absl::Status ReserveBytes(const std::string& principal, int64_t bytes, const std::string& what);
+  // `check_host`: also against the host's available memory (for bytes not
+  // allocated yet).
+  absl::Status ReserveBytes(const std::string& principal, int64_t bytes, const std::string& what,
+                            bool check_host = true);
   void Close(const std::string& principal, int64_t bytes,
              const std::shared_ptr<StreamTicket::Watched>& watched);
   void WatchLoop();
 
-  const StreamLimits limits_;
+  const RequestLimits limits_;
   const std::function<int64_t()> host_available_;
   mutable absl::Mutex mu_;
   int64_t streams_ ABSL_GUARDED_BY(mu_) = 0;
@@ -122,4 +151,4 @@ class StreamAdmission {
 
 }  // namespace flce
 
-#endif  // FLCE_SERVER_STREAM_ADMISSION_H_
+#endif  // FLCE_SERVER_REQUEST_ADMISSION_H_

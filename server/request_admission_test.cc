@@ -1,4 +1,4 @@
-#include "server/stream_admission.h"
+#include "server/request_admission.h"
 
 #include <atomic>
 
@@ -13,8 +13,8 @@ namespace {
 using ::testing::HasSubstr;
 using Code = absl::StatusCode;
 
-StreamLimits Limits() {
-  StreamLimits l;
+RequestLimits Limits() {
+  RequestLimits l;
   l.max_streams = 3;
   l.max_streams_per_principal = 2;
   l.memory_bytes = 1000;
@@ -25,8 +25,8 @@ StreamLimits Limits() {
 
 int64_t Plenty() { return int64_t{1} << 40; }
 
-TEST(StreamAdmissionTest, StreamsAreCountedInTotalAndPerPrincipal) {
-  StreamAdmission admission(Limits(), Plenty);
+TEST(RequestAdmissionTest, StreamsAreCountedInTotalAndPerPrincipal) {
+  RequestAdmission admission(Limits(), Plenty);
   auto a1 = admission.Open("a", "ForwardStream", nullptr);
   auto a2 = admission.Open("a", "ForwardStream", nullptr);
   ASSERT_TRUE(a1.ok() && a2.ok());
@@ -41,17 +41,17 @@ TEST(StreamAdmissionTest, StreamsAreCountedInTotalAndPerPrincipal) {
   EXPECT_TRUE(admission.Open("c", "ForwardStream", nullptr).ok());
 }
 
-TEST(StreamAdmissionTest, BytesAreReservedAgainstBothBudgetsAndReturned) {
-  StreamAdmission admission(Limits(), Plenty);
+TEST(RequestAdmissionTest, BytesAreReservedAgainstBothBudgetsAndReturned) {
+  RequestAdmission admission(Limits(), Plenty);
   auto a = *admission.Open("a", "ForwardStream", nullptr);
   auto b = *admission.Open("b", "ForwardStream", nullptr);
   EXPECT_TRUE(a.Reserve(500, "ForwardStream").ok());
   EXPECT_THAT(a.Reserve(200, "ForwardStream"),
               StatusIs(Code::kResourceExhausted,
-                       HasSubstr("--stream_memory_bytes_per_principal")));
+                       HasSubstr("--request_memory_bytes_per_principal")));
   EXPECT_TRUE(b.Reserve(450, "ForwardStream").ok());
   EXPECT_THAT(b.Reserve(100, "ForwardStream"),
-              StatusIs(Code::kResourceExhausted, HasSubstr("--stream_memory_bytes)")));
+              StatusIs(Code::kResourceExhausted, HasSubstr("--request_memory_bytes)")));
   EXPECT_EQ(admission.bytes_in_use(), 950);
   a = StreamTicket();
   EXPECT_EQ(admission.bytes_in_use(), 450);
@@ -60,21 +60,21 @@ TEST(StreamAdmissionTest, BytesAreReservedAgainstBothBudgetsAndReturned) {
   EXPECT_EQ(admission.open_streams(), 0);
 }
 
-TEST(StreamAdmissionTest, MoreThanTheHostHasIsRefused) {
-  StreamLimits limits = Limits();
+TEST(RequestAdmissionTest, MoreThanTheHostHasIsRefused) {
+  RequestLimits limits = Limits();
   limits.memory_bytes = int64_t{1} << 40;
   limits.memory_bytes_per_principal = 0;
-  StreamAdmission admission(limits, [] { return int64_t{1} << 20; });
+  RequestAdmission admission(limits, [] { return int64_t{1} << 20; });
   auto t = *admission.Open("a", "ForwardStream", nullptr);
   EXPECT_THAT(t.Reserve(int64_t{2} << 20, "ForwardStream"),
               StatusIs(Code::kResourceExhausted, HasSubstr("the host has 1048576 available")));
   EXPECT_EQ(admission.bytes_in_use(), 0);
 }
 
-TEST(StreamAdmissionTest, IdleStreamsAreFinishedOnceAndActiveOnesAreNot) {
-  StreamLimits limits = Limits();
+TEST(RequestAdmissionTest, IdleStreamsAreFinishedOnceAndActiveOnesAreNot) {
+  RequestLimits limits = Limits();
   limits.idle_timeout = absl::Milliseconds(100);
-  StreamAdmission admission(limits, Plenty);
+  RequestAdmission admission(limits, Plenty);
   std::atomic<int> idle_calls{0}, busy_calls{0}, done_calls{0};
   absl::Notification fired;
   auto idle = *admission.Open("a", "ForwardStream", [&] {
@@ -97,10 +97,10 @@ TEST(StreamAdmissionTest, IdleStreamsAreFinishedOnceAndActiveOnesAreNot) {
   EXPECT_EQ(admission.idle_timeouts(), 1);
 }
 
-TEST(StreamAdmissionTest, AClosedTicketIsNeverCalledBack) {
-  StreamLimits limits = Limits();
+TEST(RequestAdmissionTest, AClosedTicketIsNeverCalledBack) {
+  RequestLimits limits = Limits();
   limits.idle_timeout = absl::Milliseconds(20);
-  StreamAdmission admission(limits, Plenty);
+  RequestAdmission admission(limits, Plenty);
   std::atomic<int> calls{0};
   {
     auto t = *admission.Open("a", "PutWeight", [&] { ++calls; });

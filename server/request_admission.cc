@@ -1,4 +1,4 @@
-#include "server/stream_admission.h"
+#include "server/request_admission.h"
 
 #include <algorithm>
 #include <utility>
@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/status_macros.h"
 #include "server/host_memory.h"
 
 namespace flce {
@@ -68,18 +69,18 @@ void StreamTicket::StopWatching() {
   if (watched_ != nullptr) watched_->watching = false;
 }
 
-StreamAdmission::StreamAdmission(StreamLimits limits, std::function<int64_t()> host_available)
+RequestAdmission::RequestAdmission(RequestLimits limits, std::function<int64_t()> host_available)
     : limits_(limits),
       host_available_(host_available ? std::move(host_available) : HostAvailableBytes) {
   watcher_ = std::thread([this] { WatchLoop(); });
 }
 
-StreamAdmission::~StreamAdmission() {
+RequestAdmission::~RequestAdmission() {
   stop_.Notify();
   watcher_.join();
 }
 
-absl::StatusOr<StreamTicket> StreamAdmission::Open(const std::string& principal,
+absl::StatusOr<StreamTicket> RequestAdmission::Open(const std::string& principal,
                                                    const char* rpc,
                                                    std::function<void()> on_idle) {
   absl::MutexLock lock(&mu_);
@@ -107,34 +108,77 @@ absl::StatusOr<StreamTicket> StreamAdmission::Open(const std::string& principal,
   return ticket;
 }
 
-absl::Status StreamAdmission::ReserveBytes(const std::string& principal, int64_t bytes,
-                                           const std::string& what) {
+MemoryHold::MemoryHold(MemoryHold&& other) noexcept
+    : owner_(std::exchange(other.owner_, nullptr)),
+      principal_(std::move(other.principal_)),
+      bytes_(std::exchange(other.bytes_, 0)) {}
+
+MemoryHold& MemoryHold::operator=(MemoryHold&& other) noexcept {
+  if (this != &other) {
+    if (owner_ != nullptr) owner_->ReleaseBytes(principal_, bytes_);
+    owner_ = std::exchange(other.owner_, nullptr);
+    principal_ = std::move(other.principal_);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+MemoryHold::~MemoryHold() {
+  if (owner_ != nullptr) owner_->ReleaseBytes(principal_, bytes_);
+}
+
+absl::StatusOr<MemoryHold> RequestAdmission::HoldMessage(const std::string& principal,
+                                                         int64_t bytes, const char* rpc) {
+  FLCE_RETURN_IF_ERROR(
+      ReserveBytes(principal, bytes, absl::StrCat(rpc, " request"), /*check_host=*/false));
+  MemoryHold hold;
+  hold.owner_ = this;
+  hold.principal_ = principal;
+  hold.bytes_ = bytes;
+  return hold;
+}
+
+void RequestAdmission::ReleaseBytes(const std::string& principal, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  bytes_ -= bytes;
+  auto it = usage_.find(principal);
+  if (it == usage_.end()) return;
+  it->second.bytes -= bytes;
+  if (it->second.streams == 0 && it->second.bytes == 0) usage_.erase(it);
+}
+
+absl::Status RequestAdmission::ReserveBytes(const std::string& principal, int64_t bytes,
+                                            const std::string& what, bool check_host) {
   if (bytes <= 0) return absl::OkStatus();
-  const int64_t available = host_available_();
+  const int64_t available = check_host ? host_available_() : -1;
   absl::MutexLock lock(&mu_);
   if (bytes > limits_.memory_bytes - bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        what, ": needs ", bytes, " bytes; open streams hold ", bytes_,
-        " of the server's stream memory budget of ", limits_.memory_bytes,
-        " (--stream_memory_bytes)"));
+        what, ": needs ", bytes, " bytes; requests in flight hold ", bytes_,
+        " of the server's request memory budget of ", limits_.memory_bytes,
+        " (--request_memory_bytes)"));
   }
   Usage& usage = usage_[principal];
   if (limits_.memory_bytes_per_principal > 0 &&
       bytes > limits_.memory_bytes_per_principal - usage.bytes) {
+    if (usage.streams == 0 && usage.bytes == 0) usage_.erase(principal);
     return absl::ResourceExhaustedError(absl::StrCat(
-        what, ": needs ", bytes, " bytes; this principal's open streams hold ", usage.bytes,
+        what, ": needs ", bytes, " bytes; this principal's requests in flight hold ", usage.bytes,
         " of its budget of ", limits_.memory_bytes_per_principal,
-        " (--stream_memory_bytes_per_principal)"));
+        " (--request_memory_bytes_per_principal)"));
   }
   // Bytes reserved and not yet received are not in MemAvailable yet.
   absl::Status host = CheckHostMemory(bytes + bytes_, available, what);
-  if (!host.ok()) return host;
+  if (!host.ok()) {
+    if (usage.streams == 0 && usage.bytes == 0) usage_.erase(principal);
+    return host;
+  }
   bytes_ += bytes;
   usage.bytes += bytes;
   return absl::OkStatus();
 }
 
-void StreamAdmission::Close(const std::string& principal, int64_t bytes,
+void RequestAdmission::Close(const std::string& principal, int64_t bytes,
                             const std::shared_ptr<StreamTicket::Watched>& watched) {
   absl::MutexLock lock(&mu_);
   --streams_;
@@ -148,17 +192,17 @@ void StreamAdmission::Close(const std::string& principal, int64_t bytes,
   watched_.erase(watched);
 }
 
-int64_t StreamAdmission::open_streams() const {
+int64_t RequestAdmission::open_streams() const {
   absl::MutexLock lock(&mu_);
   return streams_;
 }
 
-int64_t StreamAdmission::bytes_in_use() const {
+int64_t RequestAdmission::bytes_in_use() const {
   absl::MutexLock lock(&mu_);
   return bytes_;
 }
 
-void StreamAdmission::WatchLoop() {
+void RequestAdmission::WatchLoop() {
   const absl::Duration tick =
       std::max(absl::Milliseconds(10), std::min(absl::Seconds(1), limits_.idle_timeout / 4));
   while (!stop_.WaitForNotificationWithTimeout(tick)) {
