@@ -196,19 +196,32 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
     outcome.grad_bias_in_shm = spec.grad_bias_to.has_value();
   }
   outcome.keep_session = call.keep_session;
-  sessions_->MarkDelivering(lease);
   outcome.lease = std::move(lease);
   return outcome;
+}
+
+void LossCore::Answered(BackwardOutcome& outcome) {
+  if (!outcome.lease || outcome.answered) return;
+  outcome.answered = true;
+  sessions_->Finish(*outcome.lease, /*consume=*/!outcome.keep_session, std::nullopt,
+                    /*pending=*/true);
 }
 
 void LossCore::Settle(BackwardOutcome& outcome, bool delivered) {
   if (!outcome.lease) return;
   SessionLease lease = std::move(*outcome.lease);
   outcome.lease.reset();
-  if (delivered) {
-    sessions_->Finish(lease, /*consume=*/!outcome.keep_session);
-  } else {
+  if (!outcome.answered) {
+    // Failed between the compute and the answer: as if it had not run.
     sessions_->Finish(lease, /*consume=*/false, std::move(outcome.accumulated));
+  } else if (outcome.keep_session) {
+    if (!delivered && outcome.accumulated) {
+      sessions_->MarkUndelivered(lease, *std::move(outcome.accumulated));
+    }
+  } else if (delivered) {
+    sessions_->Delivered(lease);
+  } else {
+    sessions_->Restore(lease, std::move(outcome.accumulated));
   }
 }
 

@@ -34,6 +34,7 @@ struct BackwardOutcome {
   // For Settle.
   std::optional<SessionLease> lease;
   bool keep_session = false;
+  bool answered = false;
   // With accumulate_weight_grad: the record of the accumulation, kept on the
   // session if the answer is not delivered.
   std::optional<UndeliveredAccumulation> accumulated;
@@ -61,11 +62,16 @@ class LossCore {
                                      const std::string& principal,
                                      const CancelFn& cancelled);
 
-  // Ends a computed Backward. Delivered: the session is consumed (unless
-  // keep_session). Not delivered: the session stays as it was, except that
-  // a dW added into the weight's accumulator is remembered, so that only a
-  // retry of the call (which returns dX and adds nothing) runs next
-  // (SessionStore's UndeliveredAccumulation).
+  // A computed Backward's answer goes out: the session is consumed (unless
+  // keep_session), pending its delivery, so that the client can go on the
+  // moment it has the answer.
+  void Answered(BackwardOutcome& outcome);
+
+  // The answer's fate (after Answered, or instead of it when the call
+  // failed later). Delivered: done. Not delivered: the session is as it
+  // was, except that a dW added into the weight's accumulator is
+  // remembered, so that only a retry of the call (which returns dX and adds
+  // nothing) runs next (SessionStore's UndeliveredAccumulation).
   void Settle(BackwardOutcome& outcome, bool delivered);
 
   bool Release(const std::string& session_id, const std::string& principal);

@@ -97,6 +97,7 @@ TEST_F(LossCoreTest, BadGradOutputLeavesTheSessionUsable) {
   for (int64_t i = 0; i < 9; ++i) call.grad_output->mutable_data<float>()[i] = 1.0f;
   auto grads = core_->Backward(call, "", nullptr);
   ASSERT_TRUE(grads.ok());
+  core_->Answered(*grads);
   core_->Settle(*grads, /*delivered=*/true);
   EXPECT_THAT(core_->Backward(call, "", nullptr),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("consumed")));
@@ -114,11 +115,14 @@ TEST_F(LossCoreTest, AnUndeliveredBackwardLeavesTheSessionAsItWas) {
     auto lost = core_->Backward(call, "", nullptr);
     ASSERT_TRUE(lost.ok());
     const std::string first = lost->grad_weight->data;
+    core_->Answered(*lost);
+    EXPECT_EQ(sessions_->live_sessions(), 0);  // consumed, pending its delivery
     core_->Settle(*lost, /*delivered=*/false);
     EXPECT_EQ(sessions_->live_sessions(), 1);
     auto again = core_->Backward(call, "", nullptr);
     ASSERT_TRUE(again.ok()) << again.status();
     EXPECT_EQ(again->grad_weight->data, first);
+    core_->Answered(*again);
     core_->Settle(*again, /*delivered=*/true);
     EXPECT_EQ(sessions_->live_sessions(), 0);
   }
@@ -151,6 +155,7 @@ TEST_F(LossCoreTest, AnUndeliveredAccumulationIsRetriedNotAddedTwice) {
   auto lost = core_->Backward(call, "", nullptr);
   ASSERT_TRUE(lost.ok()) << lost.status();
   const std::string dx = lost->grad_hidden.data;
+  core_->Answered(*lost);
   core_->Settle(*lost, /*delivered=*/false);
   EXPECT_EQ(weight->accumulated_backwards(), 1);
   // Anything but the same call is refused.
@@ -165,6 +170,7 @@ TEST_F(LossCoreTest, AnUndeliveredAccumulationIsRetriedNotAddedTwice) {
   auto retry = core_->Backward(call, "", nullptr);
   ASSERT_TRUE(retry.ok()) << retry.status();
   EXPECT_EQ(retry->grad_hidden.data, dx);
+  core_->Answered(*retry);
   core_->Settle(*retry, /*delivered=*/true);
   EXPECT_EQ(weight->accumulated_backwards(), 1);
   EXPECT_EQ(sessions_->live_sessions(), 0);

@@ -278,8 +278,9 @@ LossServiceImpl::Unary* LossServiceImpl::Backward(Context* context, const Bytes*
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
   StartBackward(call, *principal, &call->request(), limits_.max_message_bytes, outcome, stats,
-                [call, outcome, stats](const absl::Status& status) {
+                [this, call, outcome, stats](const absl::Status& status) {
                   if (status.ok()) {
+                    core_->Answered(*outcome);
                     const v1::BackwardRequest& request = call->request();
                     v1::BackwardResponse* response = call->response();
                     BackwardOutcome& o = *outcome;
@@ -751,7 +752,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::BackwardStream(Cont
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
   StartBackward(reactor, *principal, reactor->request(), /*max_response_bytes=*/0, outcome,
-                stats, [reactor, outcome, stats](const absl::Status& status) {
+                stats, [this, reactor, outcome, stats](const absl::Status& status) {
+                  if (status.ok()) core_->Answered(*outcome);
                   reactor->Start(status, *outcome, stats->queue_ms, stats->engine_ms);
                 });
   return reactor;

@@ -4,7 +4,9 @@
 #include "server/request_validation.h"
 
 #include <cmath>
+#include <algorithm>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "client/loss_client.h"
@@ -55,6 +57,52 @@ TEST_F(RequestValidationTest, ValidRequestDecodes) {
   EXPECT_TRUE(call->problem.bias.has_value());
   EXPECT_TRUE(call->need_backward);
   EXPECT_EQ(call->problem.options.ignore_index, -100);
+}
+
+// A resolver of one region: `memory`, which the test may change.
+class OneRegion : public SliceResolver {
+ public:
+  explicit OneRegion(std::string* memory) : memory_(memory) {}
+  absl::StatusOr<SliceMemory> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
+                                      const std::string&) const override {
+    if (slice.offset() + bytes > static_cast<int64_t>(memory_->size())) {
+      return absl::InvalidArgumentError("out of the region");
+    }
+    return SliceMemory{&(*memory_)[slice.offset()], MemorySpace::kHost};
+  }
+
+ private:
+  std::string* memory_;
+};
+
+// Targets and class weights in shared memory are validated on a private
+// copy, which is what the engine reads: rewriting the region afterwards
+// changes nothing.
+TEST_F(RequestValidationTest, ValidatedSharedMemoryIsCopied) {
+  std::string region = valid_.target().data() + valid_.options().class_weight().data() +
+                       valid_.hidden().data();
+  v1::ForwardRequest r = valid_;
+  const int64_t t = static_cast<int64_t>(valid_.target().data().size());
+  auto place = [&](v1::Tensor* tensor, int64_t offset) {
+    tensor->clear_data();
+    tensor->mutable_shm()->set_region_id("r");
+    tensor->mutable_shm()->set_offset(offset);
+  };
+  place(r.mutable_target(), 0);
+  place(r.mutable_options()->mutable_class_weight(), t);
+  place(r.mutable_hidden(), t + static_cast<int64_t>(valid_.options().class_weight().data().size()));
+  auto call = DecodeForward(r, weights_, "", std::make_shared<OneRegion>(&region));
+  ASSERT_TRUE(call.ok()) << call.status();
+  const std::string targets(static_cast<const char*>(call->problem.target.data),
+                            static_cast<size_t>(t));
+  EXPECT_EQ(targets, valid_.target().data());
+  EXPECT_NE(call->problem.target.data, region.data());
+  EXPECT_NE(call->problem.class_weight->data, region.data() + t);
+  // Hidden states are read in place (their values are not checked).
+  EXPECT_EQ(call->problem.hidden.data, region.data() + t + valid_.options().class_weight().data().size());
+  std::fill(region.begin(), region.end(), '\xff');
+  EXPECT_EQ(std::string(static_cast<const char*>(call->problem.target.data), static_cast<size_t>(t)),
+            valid_.target().data());
 }
 
 TEST_F(RequestValidationTest, MissingTensors) {

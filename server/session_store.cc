@@ -19,8 +19,8 @@ namespace {
 // Past kMaxTombstones (about 25 MiB) the next reap forgets them all.
 constexpr size_t kMaxTombstones = size_t{1} << 18;
 constexpr absl::Duration kMinTombstoneAge = absl::Minutes(10);
-// How long a Backward waits for the delivery of the session's previous
-// answer to settle (normally microseconds: its client already has it).
+// How long a Backward waits for a consuming Backward's answer to settle
+// (normally microseconds; it matters to a client retrying at once).
 constexpr absl::Duration kSettleWait = absl::Seconds(2);
 
 std::string Short(const std::string& id) { return id.substr(0, 8); }
@@ -148,8 +148,8 @@ absl::StatusOr<SessionLease> SessionStore::Acquire(const std::string& id,
                                                    const std::string& principal) {
   absl::MutexLock lock(&mu_);
   auto settled = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = live_.find(id);
-    return it == live_.end() || !it->second.delivering;
+    auto tomb = ended_.find(id);
+    return tomb == ended_.end() || tomb->second.how != Ended::kDelivering;
   };
   mu_.AwaitWithTimeout(absl::Condition(&settled), kSettleWait);
   auto it = live_.find(id);
@@ -163,13 +163,14 @@ absl::StatusOr<SessionLease> SessionStore::Acquire(const std::string& id,
       EndLocked(id, Ended::kExpired);
     } else {
       s.in_use = true;
-      return SessionLease{id, s.info, s.state, s.undelivered};
+      return SessionLease{id, s.info, s.state, s.undelivered, s.principal, s.bytes};
     }
   }
   auto tomb = ended_.find(id);
   if (tomb != ended_.end() && tomb->second.principal == principal) {
     switch (tomb->second.how) {
       case Ended::kConsumed:
+      case Ended::kDelivering:
         return absl::FailedPreconditionError(absl::StrCat(
             "session_id ", Short(id),
             "…: already consumed by a Backward; pass keep_session to run "
@@ -190,25 +191,51 @@ absl::StatusOr<SessionLease> SessionStore::Acquire(const std::string& id,
 }
 
 void SessionStore::Finish(const SessionLease& lease, bool consume,
-                          std::optional<UndeliveredAccumulation> undelivered) {
+                          std::optional<UndeliveredAccumulation> undelivered, bool pending) {
   absl::MutexLock lock(&mu_);
   auto it = live_.find(lease.id);
   if (it == live_.end()) return;
   it->second.in_use = false;
-  it->second.delivering = false;
   it->second.last_used = clock_();
   it->second.undelivered = std::move(undelivered);
   if (consume) {
-    EndLocked(lease.id, Ended::kConsumed);
+    EndLocked(lease.id, pending ? Ended::kDelivering : Ended::kConsumed);
   } else if (it->second.release_when_done) {
     EndLocked(lease.id, Ended::kReleased);
   }
 }
 
-void SessionStore::MarkDelivering(const SessionLease& lease) {
+void SessionStore::Delivered(const SessionLease& lease) {
+  absl::MutexLock lock(&mu_);
+  auto tomb = ended_.find(lease.id);
+  if (tomb != ended_.end() && tomb->second.how == Ended::kDelivering) {
+    tomb->second.how = Ended::kConsumed;
+  }
+}
+
+void SessionStore::Restore(const SessionLease& lease,
+                           std::optional<UndeliveredAccumulation> undelivered) {
+  absl::MutexLock lock(&mu_);
+  auto tomb = ended_.find(lease.id);
+  if (tomb == ended_.end() || tomb->second.how != Ended::kDelivering) return;
+  ended_.erase(tomb);
+  Session session;
+  session.state = lease.state;
+  session.info = lease.info;
+  session.principal = lease.principal;
+  session.bytes = lease.bytes;
+  session.last_used = clock_();
+  session.undelivered = std::move(undelivered);
+  live_bytes_ += session.bytes;
+  AddUsageLocked(session.principal, 1, session.bytes);
+  live_.emplace(lease.id, std::move(session));
+}
+
+void SessionStore::MarkUndelivered(const SessionLease& lease,
+                                   UndeliveredAccumulation undelivered) {
   absl::MutexLock lock(&mu_);
   auto it = live_.find(lease.id);
-  if (it != live_.end() && it->second.in_use) it->second.delivering = true;
+  if (it != live_.end()) it->second.undelivered = std::move(undelivered);
 }
 
 bool SessionStore::Release(const std::string& id, const std::string& principal) {

@@ -89,6 +89,8 @@ struct SessionLease {
   SessionInfo info;
   std::shared_ptr<SavedState> state;
   std::optional<UndeliveredAccumulation> undelivered;
+  std::string principal;
+  int64_t bytes = 0;
 };
 
 class SessionStore {
@@ -113,24 +115,35 @@ class SessionStore {
   std::string Commit(Reservation reservation, std::unique_ptr<SavedState> state,
                      const SessionInfo& info);
 
-  // Takes a session for a Backward. A session whose last Backward's answer
-  // is still being delivered (MarkDelivering) is waited for, briefly: its
-  // client may ask again as soon as it has the answer, before the delivery
-  // is settled here.
+  // Takes a session for a Backward. A session consumed by a Backward whose
+  // answer is still on its way (Finish with `pending`) is waited for,
+  // briefly: if that answer is not delivered, Restore brings it back.
   // NOT_FOUND: unknown, expired or another principal's.
   // FAILED_PRECONDITION: already consumed, or in use by another Backward.
   absl::StatusOr<SessionLease> Acquire(const std::string& id,
                                        const std::string& principal);
 
-  // The Backward holding `lease` has computed its answer and is delivering
-  // it; Finish ends that.
-  void MarkDelivering(const SessionLease& lease);
-
-  // Ends a Backward's hold. `consume` releases the session (later Acquires
-  // fail with FAILED_PRECONDITION); otherwise it stays, its TTL restarted,
-  // remembering `undelivered` (the next lease carries it).
+  // Ends a Backward's hold. `consume` ends the session (later Acquires fail
+  // with FAILED_PRECONDITION) and gives its budget back; otherwise it stays,
+  // its TTL restarted, remembering `undelivered` (the next lease carries
+  // it). With `pending` (and `consume`) the answer is still on its way:
+  // Restore or Delivered must follow.
   void Finish(const SessionLease& lease, bool consume,
-              std::optional<UndeliveredAccumulation> undelivered = std::nullopt);
+              std::optional<UndeliveredAccumulation> undelivered = std::nullopt,
+              bool pending = false);
+
+  // A pending consumption's answer reached its client.
+  void Delivered(const SessionLease& lease);
+
+  // A pending consumption's answer did not reach its client: the session is
+  // live again as it was (its budget retaken even past the limits, since
+  // its memory never left), remembering `undelivered`.
+  void Restore(const SessionLease& lease,
+               std::optional<UndeliveredAccumulation> undelivered = std::nullopt);
+
+  // Remembers `undelivered` on a live session (a kept session whose
+  // accumulating Backward was not delivered).
+  void MarkUndelivered(const SessionLease& lease, UndeliveredAccumulation undelivered);
 
   // Frees a session. Idempotent: false if there was no live session with
   // that id for `principal`. A session in use is freed when its Backward
@@ -154,11 +167,11 @@ class SessionStore {
     int64_t bytes = 0;
     absl::Time last_used;
     bool in_use = false;
-    bool delivering = false;  // in use by a Backward whose answer is on its way
     bool release_when_done = false;
     std::optional<UndeliveredAccumulation> undelivered;
   };
-  enum class Ended { kConsumed, kReleased, kExpired };
+  // kDelivering: consumed by a Backward whose answer is on its way.
+  enum class Ended { kConsumed, kDelivering, kReleased, kExpired };
   struct Tombstone {
     Ended how;
     std::string principal;

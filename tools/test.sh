@@ -40,6 +40,7 @@ run_stage main "" //... -- --test_env=REQUIRE_GPU="${REQUIRE_GPU:-0}" "$@"
 if [ -z "${FLCE_QUICK:-}" ]; then
   run_stage asan asan //kernels:all //kernels/cpu/... //kernels/reference/... //proto/... \
     //server/... //client:npy_test //tests:server_integration_test //tests:security_test \
+    //tests:hostile_client_test \
     //fuzz:request_fuzz_test -- --config=asan
   run_stage fuzz fuzz //fuzz/... -- --config=fuzz --test_env=FUZZ_SECONDS="${FUZZ_SECONDS:-60}"
 fi

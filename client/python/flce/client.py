@@ -299,11 +299,18 @@ class Client:
         self._stub = pb_grpc.LossServiceStub(self._channel)
         self._sessions = {}  # session id → (N, H, V, has_bias, dtype), for shm layouts
         self._lost_takes = {}  # weight name → a take that did not arrive whole
+        self._releases = []  # ReleaseSession calls in flight
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         self.stream_chunk_bytes = stream_chunk_bytes
 
     def close(self):
+        for pending in self._releases:  # let the sessions' releases go out
+            try:
+                pending.result(timeout=1)
+            except Exception:  # pragma: no cover - the server went away
+                pass
+        self._releases = []
         self._channel.close()
 
     def create_shared_memory(self, nbytes: int) -> SharedMemoryRegion:
@@ -460,8 +467,10 @@ class Client:
         finalizer; errors are dropped: the session then expires by its TTL)."""
         self._sessions.pop(session_id, None)
         try:
-            self._stub.ReleaseSession.future(pb.ReleaseSessionRequest(session_id=session_id),
-                                             timeout=self.timeout, metadata=self._metadata)
+            self._releases = [f for f in self._releases if not f.done()]
+            self._releases.append(self._stub.ReleaseSession.future(
+                pb.ReleaseSessionRequest(session_id=session_id), timeout=self.timeout,
+                metadata=self._metadata))
         except Exception:  # pragma: no cover - e.g. the channel is closed
             pass
 
