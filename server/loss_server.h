@@ -22,8 +22,8 @@
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/session_store.h"
-#include "server/shared_memory.h"
 #include "server/request_admission.h"
+#include "server/shared_memory.h"
 #include "server/weight_registry.h"
 #include "server/work_queue.h"
 

@@ -105,6 +105,19 @@ UnaryCall<Request, Response>* LossServiceImpl::NewUnary(Context* context, const 
                                           limits_.max_message_bytes);
 }
 
+template <typename Request, typename Response>
+std::optional<std::string> LossServiceImpl::Accept(UnaryCall<Request, Response>* call,
+                                                   bool new_work) {
+  absl::StatusOr<std::string> principal =
+      new_work ? Admit(call->context()) : Authenticate(call->context());
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+    return std::nullopt;
+  }
+  if (!call->Parse(*admission_, *principal)) return std::nullopt;
+  return *std::move(principal);
+}
+
 absl::StatusOr<std::string> LossServiceImpl::Authenticate(const Context* context) const {
   if (auth_ == nullptr) return std::string();
   return auth_->Authenticate(*context);
@@ -217,10 +230,7 @@ void LossServiceImpl::StartForward(Call* call, const std::string& principal,
 
 LossServiceImpl::Unary* LossServiceImpl::Forward(Context* context, const Bytes* in, Bytes* out) {
   auto* call = NewUnary<v1::ForwardRequest, v1::ForwardResponse>(context, in, out, "Forward");
-  absl::StatusOr<std::string> principal = Admit(context);
-  if (!principal.ok()) {
-    call->Reply(principal.status());
-  } else if (call->Parse(*admission_, *principal)) {
+  if (std::optional<std::string> principal = Accept(call, /*new_work=*/true)) {
     StartForward(call, *principal, &call->request(), call->response());
   }
   return call;
@@ -269,12 +279,8 @@ void LossServiceImpl::StartBackward(Call* call, const std::string& principal,
 
 LossServiceImpl::Unary* LossServiceImpl::Backward(Context* context, const Bytes* in, Bytes* out) {
   auto* call = NewUnary<v1::BackwardRequest, v1::BackwardResponse>(context, in, out, "Backward");
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) {
-    call->Reply(principal.status());
-    return call;
-  }
-  if (!call->Parse(*admission_, *principal)) return call;
+  std::optional<std::string> principal = Accept(call, /*new_work=*/false);
+  if (!principal) return call;
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
   StartBackward(call, *principal, &call->request(), limits_.max_message_bytes, outcome, stats,
@@ -765,10 +771,7 @@ LossServiceImpl::Unary* LossServiceImpl::ReleaseSession(Context* context, const 
                                                         Bytes* out) {
   auto* call = NewUnary<v1::ReleaseSessionRequest, v1::ReleaseSessionResponse>(
       context, in, out, "ReleaseSession");
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) {
-    call->Reply(principal.status());
-  } else if (call->Parse(*admission_, *principal)) {
+  if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
     const std::string& id = call->request().session_id();
     call->record().SetDetail(SessionDetail(id));
     call->response()->set_released(core_->Release(id, *principal));
@@ -781,12 +784,7 @@ LossServiceImpl::Unary* LossServiceImpl::GetServerInfo(Context* context, const B
                                                        Bytes* out) {
   auto* call = NewUnary<v1::GetServerInfoRequest, v1::GetServerInfoResponse>(
       context, in, out, "GetServerInfo");
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) {
-    call->Reply(principal.status());
-    return call;
-  }
-  if (!call->Parse(*admission_, *principal)) return call;
+  if (!Accept(call, /*new_work=*/false)) return call;
   v1::GetServerInfoResponse* response = call->response();
   const LossEngine& engine = core_->engine();
   const SessionStore& sessions = core_->sessions();
@@ -835,12 +833,7 @@ void ToProto(const HistogramSnapshot& h, v1::Histogram* out) {
 LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes* in,
                                                   Bytes* out) {
   auto* call = NewUnary<v1::GetStatsRequest, v1::GetStatsResponse>(context, in, out, "GetStats");
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) {
-    call->Reply(principal.status());
-    return call;
-  }
-  if (!call->Parse(*admission_, *principal)) return call;
+  if (!Accept(call, /*new_work=*/false)) return call;
   v1::GetStatsResponse* response = call->response();
   const MetricsSnapshot s = metrics_->Snapshot(gauges_());
   for (const auto& [key, count] : s.requests) {
@@ -879,12 +872,8 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
                                                               Bytes* out) {
   auto* call = NewUnary<v1::RegisterSharedMemoryRequest, v1::RegisterSharedMemoryResponse>(
       context, in, out, "RegisterSharedMemory");
-  absl::StatusOr<std::string> principal = Admit(context);
-  if (!principal.ok()) {
-    call->Reply(principal.status());
-    return call;
-  }
-  if (!call->Parse(*admission_, *principal)) return call;
+  std::optional<std::string> principal = Accept(call, /*new_work=*/true);
+  if (!principal) return call;
   if (shared_memory_ == nullptr) {
     call->Reply(absl::FailedPreconditionError(
         "shared memory is disabled on this server; start it with --enable_shared_memory"));
@@ -916,10 +905,7 @@ LossServiceImpl::Unary* LossServiceImpl::UnregisterSharedMemory(Context* context
                                                                 const Bytes* in, Bytes* out) {
   auto* call = NewUnary<v1::UnregisterSharedMemoryRequest, v1::UnregisterSharedMemoryResponse>(
       context, in, out, "UnregisterSharedMemory");
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) {
-    call->Reply(principal.status());
-  } else if (call->Parse(*admission_, *principal)) {
+  if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
     call->response()->set_unregistered(
         shared_memory_ != nullptr &&
         shared_memory_->Unregister(call->request().region_id(), *principal));
@@ -1143,10 +1129,7 @@ LossServiceImpl::Unary* LossServiceImpl::DeleteWeight(Context* context, const By
                                                       Bytes* out) {
   auto* call = NewUnary<v1::DeleteWeightRequest, v1::DeleteWeightResponse>(context, in, out,
                                                                           "DeleteWeight");
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) {
-    call->Reply(principal.status());
-  } else if (call->Parse(*admission_, *principal)) {
+  if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
     call->record().SetDetail(absl::StrCat("weight=", LogSafe(call->request().name()), " "));
     call->response()->set_deleted(core_->weights().Delete(call->request().name(), *principal));
     call->Reply(absl::OkStatus());
@@ -1158,10 +1141,7 @@ LossServiceImpl::Unary* LossServiceImpl::ListWeights(Context* context, const Byt
                                                      Bytes* out) {
   auto* call =
       NewUnary<v1::ListWeightsRequest, v1::ListWeightsResponse>(context, in, out, "ListWeights");
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  if (!principal.ok()) {
-    call->Reply(principal.status());
-  } else if (call->Parse(*admission_, *principal)) {
+  if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
     for (const auto& weight : core_->weights().List(*principal)) {
       FillWeightInfo(*weight, call->response()->add_weights());
     }

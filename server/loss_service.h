@@ -10,12 +10,13 @@
 // session is consumed, a taken gradient dropped, a Forward's session kept;
 // otherwise they stay (or go) as if the call had not happened.
 
-#include <cstdint>
-#include <memory>
-#include <string>
 #include <atomic>
+#include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
@@ -23,9 +24,9 @@
 #include "server/auth.h"
 #include "server/loss_core.h"
 #include "server/metrics.h"
+#include "server/request_admission.h"
 #include "server/rpc_call.h"
 #include "server/shared_memory.h"
-#include "server/request_admission.h"
 #include "server/work_queue.h"
 
 namespace flce {
@@ -139,6 +140,11 @@ class LossServiceImpl final : public RawLossService {
   template <typename Request, typename Response>
   UnaryCall<Request, Response>* NewUnary(Context* context, const Bytes* in, Bytes* out,
                                          const char* rpc);
+  // Authenticates the call (with `new_work`, also UNAVAILABLE while
+  // draining) and parses its request: the principal, or nullopt when the
+  // call was answered already.
+  template <typename Request, typename Response>
+  std::optional<std::string> Accept(UnaryCall<Request, Response>* call, bool new_work);
 
   LossCore* const core_;
   WorkQueue* const queue_;

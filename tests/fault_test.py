@@ -20,19 +20,10 @@ import grpc
 import numpy as np
 
 import flce
-from server_process import ServerProcess, run_tests
+from server_process import ServerProcess, run_tests, wait_for
 
 SERVER = sys.argv[1]
 CERTS = os.path.join(os.environ.get("TEST_SRCDIR", "."), "flce", "tests", "testdata", "tls")
-
-
-def wait_for(predicate, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for " + what)
 
 
 def problem(rng, n=64, h=32, v=500):

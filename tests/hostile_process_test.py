@@ -20,7 +20,7 @@ import numpy as np
 
 import flce
 from flce_pb.v1 import loss_service_pb2 as pb
-from server_process import ServerProcess, run_tests
+from server_process import ServerProcess, run_tests, wait_for
 
 SERVER = sys.argv[1]
 MIB = 1 << 20
@@ -83,15 +83,6 @@ class Stalled:
     def close(self):
         self.release.set()
         self.thread.join(30)
-
-
-def wait_for(predicate, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for " + what)
 
 
 class HostileProcessTest(unittest.TestCase):

@@ -7,6 +7,16 @@ import tempfile
 import time
 
 
+def wait_for(predicate, what, timeout=30.0):
+    """Polls `predicate` until it holds; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for " + what)
+
+
 class ServerProcess:
     """flce_server on 127.0.0.1 with the given flags; ``address`` once up.
     Plaintext (--insecure) unless ``tls`` (the flags then name the
