@@ -274,6 +274,11 @@ int SessionStore::ReapExpired() {
   }
   const bool too_many = ended_.size() > kMaxTombstones;
   for (auto it = ended_.begin(); it != ended_.end();) {
+    // A session whose answer is still on its way may yet be restored.
+    if (it->second.how == Ended::kDelivering) {
+      ++it;
+      continue;
+    }
     if (too_many || now - it->second.when > std::max(limits_.ttl, kMinTombstoneAge)) {
       ended_.erase(it++);
     } else {

@@ -205,5 +205,30 @@ TEST_F(SessionStoreTest, OtherPrincipalsSeeNotFound) {
   EXPECT_TRUE(store_.Acquire(id, "alice").ok());
 }
 
+// A consumption pending its answer's delivery frees the budget at once and
+// is undone if the answer is lost; the reaper keeps its tombstone meanwhile.
+TEST_F(SessionStoreTest, PendingConsumptionIsDeliveredOrRestored) {
+  const std::string id = Make(400);
+  auto lease = store_.Acquire(id, "");
+  ASSERT_TRUE(lease.ok());
+  store_.Finish(*lease, /*consume=*/true, std::nullopt, /*pending=*/true);
+  EXPECT_EQ(store_.live_sessions(), 0);
+  EXPECT_EQ(store_.bytes_in_use(), 0);
+  now_ += absl::Hours(2);  // past every tombstone age
+  store_.ReapExpired();
+  store_.Restore(*lease, UndeliveredAccumulation{});
+  EXPECT_EQ(store_.live_sessions(), 1);
+  EXPECT_EQ(store_.bytes_in_use(), 400);
+  auto again = store_.Acquire(id, "");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->undelivered.has_value());
+  EXPECT_EQ(again->state, lease->state);
+  store_.Finish(*again, /*consume=*/true, std::nullopt, /*pending=*/true);
+  store_.Delivered(*again);
+  store_.Restore(*again);  // too late: delivered
+  EXPECT_EQ(store_.live_sessions(), 0);
+  EXPECT_THAT(store_.Acquire(id, "").status().message(), HasSubstr("already consumed"));
+}
+
 }  // namespace
 }  // namespace flce
