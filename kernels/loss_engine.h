@@ -126,6 +126,13 @@ struct BackwardSpec {
   // The caller frees the state after this call, so the engine may hand the
   // state's buffers over to the result instead of copying them.
   bool last_use = false;
+  // The caller keeps the state but never needs its dW and db again (they
+  // go into an accumulator; a later Backward on the state sets
+  // hidden_grad_only), so the engine may hand those over.
+  bool weight_grads_last_use = false;
+  // Only dX is wanted: grad_weight and grad_bias may come back empty. For a
+  // state whose weight gradients were handed over.
+  bool hidden_grad_only = false;
   // Where given, the engine writes that gradient there; the returned tensor
   // then has its dtype and shape but no bytes.
   std::optional<GradientDestination> grad_hidden_to, grad_weight_to, grad_bias_to;
@@ -206,8 +213,9 @@ class LossEngine {
                                                 const CancelFn& cancelled) = 0;
 
   // Gradients for `state` (made by this engine's Forward). Unless
-  // spec.last_use, the state is left as it was, so Backward may run on it
-  // again; on error it is always left as it was.
+  // spec.last_use (or, for dW and db, spec.weight_grads_last_use), the
+  // state is left as it was, so Backward may run on it again; on error it
+  // is always left as it was.
   // REQUIRES: spec.grad_output has the shape the reduction implies; the
   // caller holds the state exclusively for the call.
   virtual absl::StatusOr<Gradients> Backward(SavedState& state,

@@ -161,8 +161,12 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
       spec.grad_bias_to = device_grad->db();
     }
   }
-  // The state must survive an undelivered answer: never handed over.
-  spec.last_use = false;
+  // The state must survive an undelivered answer: never handed over, but
+  // for the dW and db an accumulation takes for good (a retry asks for dX
+  // only).
+  spec.weight_grads_last_use =
+      call.accumulate_weight_grad && !call.keep_session && !retry && !device_grad;
+  spec.hidden_grad_only = retry;
   absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
   if (grads.ok() && call.shm != nullptr) {
     absl::Status intact = call.shm->CheckIntact();

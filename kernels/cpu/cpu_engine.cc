@@ -551,8 +551,19 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
       return out;
     }
     out.grad_hidden = ScaledCopy(stored->dx, g, dtype);
-    out.grad_weight = ScaledCopy(stored->dw, g, wdtype);
-    if (stored->db) out.grad_bias = ScaledCopy(*stored->db, g, wdtype);
+    if (spec.weight_grads_last_use) {
+      // dW and db go into an accumulator and are never asked for again.
+      NarrowInPlace(stored->dw, g, wdtype);
+      out.grad_weight = std::move(stored->dw);
+      if (stored->db) {
+        NarrowInPlace(*stored->db, g, wdtype);
+        out.grad_bias = std::move(*stored->db);
+      }
+      stored->db.reset();
+    } else if (!spec.hidden_grad_only) {
+      out.grad_weight = ScaledCopy(stored->dw, g, wdtype);
+      if (stored->db) out.grad_bias = ScaledCopy(*stored->db, g, wdtype);
+    }
     return out;
   }
 
