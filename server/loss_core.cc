@@ -168,10 +168,6 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
       call.accumulate_weight_grad && !call.keep_session && !retry && !device_grad;
   spec.hidden_grad_only = retry;
   absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
-  if (grads.ok() && call.shm != nullptr) {
-    absl::Status intact = call.shm->CheckIntact();
-    if (!intact.ok()) grads = intact;
-  }
   if (!grads.ok()) {
     // A device accumulation that went wrong leaves the sum undefined only
     // on a sticky device error, after which the engine serves no more.
@@ -180,10 +176,19 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   }
   BackwardOutcome outcome;
   if (device_grad) {
-    device_grad->Added();
+    device_grad->Added();  // dW is in the device sum now, whatever follows
     outcome.accumulated = UndeliveredAccumulation{call.grad_output};
   } else if (retry) {
     outcome.accumulated = lease.undelivered;
+  }
+  // A destination its owner shrank under the call got nothing: the session
+  // stays (remembering a device accumulation), as for an undelivered answer.
+  if (call.shm != nullptr) {
+    absl::Status intact = call.shm->CheckIntact();
+    if (!intact.ok()) {
+      sessions_->Finish(lease, /*consume=*/false, std::move(outcome.accumulated));
+      return intact;
+    }
   }
   outcome.grad_hidden = std::move(grads->grad_hidden);
   outcome.grad_hidden_in_shm = spec.grad_hidden_to.has_value();

@@ -370,7 +370,8 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
     absl::StatusOr<StreamTicket> ticket =
         streams->Open(principal_, record_.rpc(), [this, streams] {
           absl::MutexLock idle_lock(&mu_);
-          FinishLocked(IdleError(record_.rpc(), streams->limits().idle_timeout));
+          // Once the request went on to compute, only its answer finishes.
+          if (!proceeding_) FinishLocked(IdleError(record_.rpc(), streams->limits().idle_timeout));
         });
     if (!ticket.ok()) return FinishLocked(ticket.status());
     ticket_ = *std::move(ticket);
@@ -442,6 +443,7 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
       ticket_.StopWatching();
       absl::Status status = GuardMemory([&] { return End(); }, record_.rpc());
       if (!status.ok() || !RepliesLater()) return FinishLocked(status);
+      proceeding_ = true;
     }
     Proceed();
   }
@@ -471,6 +473,7 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
   std::string principal_;
   StreamTicket ticket_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool proceeding_ ABSL_GUARDED_BY(mu_) = false;  // Proceed() runs: it replies
   absl::Status answered_ = absl::UnknownError("never answered");
 };
 
