@@ -275,7 +275,9 @@ absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
     }
     hold = BudgetHold(host_budget_, bytes);
   }
-  const int64_t version = ++last_version_[key];
+  auto [last, fresh] = last_version_.try_emplace(key, retired_floor_);
+  const int64_t version = ++last->second;
+  if (fresh) ForgetRetiredNames();
   auto registered = std::make_shared<RegisteredWeight>(name, version, principal,
                                                        std::move(weight), std::move(bias),
                                                        device_budget_, std::move(hold));
@@ -298,6 +300,22 @@ absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Get(
                                             it->second->version(), ")"));
   }
   return it->second;
+}
+
+void WeightRegistry::ForgetRetiredNames() {
+  // Deleted names keep their last version so that a name put again goes on
+  // from it; past kMaxRetiredNames of them they are forgotten, and every
+  // name new to the registry starts above all that were.
+  constexpr size_t kMaxRetiredNames = size_t{1} << 16;
+  if (last_version_.size() <= latest_.size() + kMaxRetiredNames) return;
+  for (auto it = last_version_.begin(); it != last_version_.end();) {
+    if (latest_.contains(it->first)) {
+      ++it;
+    } else {
+      retired_floor_ = std::max(retired_floor_, it->second);
+      last_version_.erase(it++);
+    }
+  }
 }
 
 bool WeightRegistry::Delete(const std::string& name, const std::string& principal) {

@@ -241,7 +241,11 @@ class WeightRegistry {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<RegisteredWeight>> latest_
       ABSL_GUARDED_BY(mu_);
+  // The last version of every name put (live or deleted, at most 2^16
+  // deleted ones), and the highest version of the deleted names forgotten.
   absl::flat_hash_map<std::string, int64_t> last_version_ ABSL_GUARDED_BY(mu_);
+  int64_t retired_floor_ ABSL_GUARDED_BY(mu_) = 0;
+  void ForgetRetiredNames() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace flce

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
@@ -95,6 +96,22 @@ TEST(WeightRegistryTest, DeleteIsIdempotentAndVersionsAreNeverReused) {
   EXPECT_FALSE(registry.Delete("w", ""));
   EXPECT_EQ(registry.bytes_in_use(), 0);
   EXPECT_EQ((*registry.Put("w", "", Weight(1, 1, 0), std::nullopt))->version(), 2);
+}
+
+// A client putting and deleting ever new names leaves a bounded record
+// behind, and still no version of a name is given twice.
+TEST(WeightRegistryTest, DeletedNamesAreRememberedBoundedlyAndVersionsNeverRepeat) {
+  WeightRegistry registry(1 << 20);
+  ASSERT_EQ((*registry.Put("n0", "", Weight(1, 1, 0), std::nullopt))->version(), 1);
+  ASSERT_EQ((*registry.Put("n0", "", Weight(1, 1, 0), std::nullopt))->version(), 2);
+  ASSERT_TRUE(registry.Delete("n0", ""));
+  for (int i = 1; i <= 70000; ++i) {
+    const std::string name = absl::StrCat("n", i);
+    ASSERT_TRUE(registry.Put(name, "", Weight(1, 1, 0), std::nullopt).ok());
+    ASSERT_TRUE(registry.Delete(name, ""));
+  }
+  EXPECT_GT((*registry.Put("n0", "", Weight(1, 1, 0), std::nullopt))->version(), 2);
+  EXPECT_EQ(registry.bytes_in_use(), 4);
 }
 
 TEST(WeightRegistryTest, GradientAccumulatesTakesAndRestores) {
