@@ -49,23 +49,13 @@ int64_t OwnedProblem::bytes() const {
   return total;
 }
 
-namespace {
-
-HostTensor Copy(const TensorView& view) {
-  HostTensor t(view.dtype, view.shape);
-  if (!t.data.empty()) std::memcpy(&t.data[0], view.data, t.data.size());
-  return t;
-}
-
-}  // namespace
-
 OwnedProblem CopyProblem(const LossProblem& problem) {
   OwnedProblem p;
-  p.hidden = Copy(problem.hidden);
-  p.weight = Copy(problem.weight);
-  p.target = Copy(problem.target);
-  if (problem.bias) p.bias = Copy(*problem.bias);
-  if (problem.class_weight) p.class_weight = Copy(*problem.class_weight);
+  p.hidden = CopyTensor(problem.hidden);
+  p.weight = CopyTensor(problem.weight);
+  p.target = CopyTensor(problem.target);
+  if (problem.bias) p.bias = CopyTensor(*problem.bias);
+  if (problem.class_weight) p.class_weight = CopyTensor(*problem.class_weight);
   p.options = problem.options;
   return p;
 }

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace flce {
 
@@ -32,6 +33,12 @@ HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape)
   data.reserve(bytes);  // allocated, not yet touched
   AdviseHugePages(&data[0], bytes);
   data.assign(bytes, '\xff');
+}
+
+HostTensor CopyTensor(const TensorView& view) {
+  HostTensor t(view.dtype, view.shape);
+  if (!t.data.empty()) std::memcpy(&t.data[0], view.data, t.data.size());
+  return t;
 }
 
 std::vector<float> TensorToFloats(const TensorView& tensor) {

@@ -65,6 +65,9 @@ struct HostTensor {
   }
 };
 
+// A host copy of a view's bytes (REQUIRES: host memory).
+HostTensor CopyTensor(const TensorView& view);
+
 // The elements of a floating tensor as floats.
 // REQUIRES: IsFloating(tensor.dtype).
 std::vector<float> TensorToFloats(const TensorView& tensor);

@@ -52,10 +52,7 @@ absl::Status CheckSameDType(const TensorView& view, const std::string& field,
 // A view of shared memory becomes a view of a private copy, kept in `call`,
 // so that what is checked is what is computed on.
 TensorView Privatize(const TensorView& view, ForwardCall& call) {
-  auto copy = std::make_shared<HostTensor>();
-  copy->dtype = view.dtype;
-  copy->shape = view.shape;
-  copy->data.assign(static_cast<const char*>(view.data), static_cast<size_t>(view.bytes()));
+  auto copy = std::make_shared<const HostTensor>(CopyTensor(view));
   call.copies.push_back(copy);
   return copy->view();
 }
