@@ -380,7 +380,7 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
 
   CallRecord& record() override { return record_; }
   grpc::CallbackServerContext* context() override { return context_; }
-  void WhenOver(std::function<void(bool)> f) override { hooks_.Add(std::move(f)); }
+  void WhenOver(std::function<void(bool)> f) override { record_.WhenOver(std::move(f)); }
 
   void OnReadDone(bool ok) override {
     if (!ok) return OnEnd();
@@ -400,9 +400,7 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
   }
 
   void OnDone() override {
-    const bool delivered = answered_.ok() && !context_->IsCancelled();
-    hooks_.Run(delivered);
-    record_.Close(answered_, context_);
+    record_.Over(context_);
     ticket_ = StreamTicket();  // before the call is gone: the idle watch lets go
     delete this;
   }
@@ -460,7 +458,7 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
           record_.rpc());
       if (status.ok()) record_.AddBytes(0, static_cast<int64_t>(response_bytes_->Length()));
     }
-    answered_ = status;
+    record_.SetAnswer(status);
     Finish(ToGrpcStatus(status));
   }
 
@@ -468,13 +466,11 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
   grpc::ByteBuffer* const response_bytes_;
   const int64_t max_message_bytes_;
   CallRecord record_;
-  OverHooks hooks_;
   grpc::ByteBuffer in_;
   std::string principal_;
   StreamTicket ticket_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool proceeding_ ABSL_GUARDED_BY(mu_) = false;  // Proceed() runs: it replies
-  absl::Status answered_ = absl::UnknownError("never answered");
 };
 
 // ForwardStream: the header request, then its tensors' bytes field by field;
@@ -586,7 +582,7 @@ class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Ca
 
   CallRecord& record() override { return record_; }
   grpc::CallbackServerContext* context() override { return context_; }
-  void WhenOver(std::function<void(bool)> f) override { hooks_.Add(std::move(f)); }
+  void WhenOver(std::function<void(bool)> f) override { record_.WhenOver(std::move(f)); }
 
   // Holds the request message's bytes in request memory and parses it.
   absl::Status ParseRequest(const grpc::ByteBuffer& in, RequestAdmission& admission,
@@ -603,7 +599,7 @@ class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Ca
 
   // Finishes without (further) messages.
   void Reply(const absl::Status& status) override {
-    answered_ = status;
+    record_.SetAnswer(status);
     Finish(ToGrpcStatus(status));
   }
 
@@ -616,9 +612,7 @@ class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Ca
   }
 
   void OnDone() override {
-    const bool delivered = answered_.ok() && !context_->IsCancelled();
-    hooks_.Run(delivered);
-    record_.Close(answered_, context_);
+    record_.Over(context_);
     delete this;
   }
 
@@ -651,11 +645,9 @@ class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Ca
   grpc::CallbackServerContext* const context_;
   const int64_t max_message_bytes_;
   CallRecord record_;
-  OverHooks hooks_;
   MemoryHold hold_;
   grpc::ByteBuffer out_;
   bool writing_ = false;
-  absl::Status answered_ = absl::UnknownError("never answered");
 };
 
 // BackwardStream: the response with the gradients' dtypes and shapes, then

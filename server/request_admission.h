@@ -78,7 +78,6 @@ class StreamTicket {
   // bound (and `what`) past the total or the principal's budget or the
   // host's available memory; nothing is reserved then.
   absl::Status Reserve(int64_t bytes, const std::string& what);
-  int64_t reserved() const { return bytes_; }
 
   // A message arrived: the idle clock restarts.
   void Touch();

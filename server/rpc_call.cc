@@ -51,15 +51,17 @@ absl::Status SerializeMessage(const google::protobuf::Message& message, int64_t 
   return FromGrpcStatus(status);
 }
 
-absl::StatusCode CallRecord::Close(const absl::Status& answered,
-                                   const grpc::CallbackServerContext* context) {
-  absl::StatusCode code = answered.code();
+absl::StatusCode CallRecord::Over(const grpc::CallbackServerContext* context) {
+  const bool cancelled = context != nullptr && context->IsCancelled();
+  for (auto& f : hooks_) f(answered_.ok() && !cancelled);
+  hooks_.clear();
+  absl::StatusCode code = answered_.code();
   std::string note;
-  if (context != nullptr && context->IsCancelled()) {
+  if (cancelled) {
     const bool late = std::chrono::system_clock::now() > context->deadline();
     code = late ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kCancelled;
-    if (answered.code() != code) {
-      note = absl::StrCat("answered=", absl::StatusCodeToString(answered.code()),
+    if (answered_.code() != code) {
+      note = absl::StrCat("answered=", absl::StatusCodeToString(answered_.code()),
                           " not_delivered ");
     }
   }

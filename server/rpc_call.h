@@ -81,13 +81,18 @@ class CallRecord {
     sent_ += sent;
   }
 
-  // The call is over: writes the line and records the count, latency and
-  // bytes. `answered` is what the handler finished with; when the call did
-  // not complete for the client (`context->IsCancelled()`), the code is
-  // DEADLINE_EXCEEDED if the deadline had passed, else CANCELLED.
-  // Returns the code recorded. Called once.
-  absl::StatusCode Close(const absl::Status& answered,
-                         const grpc::CallbackServerContext* context);
+  // What the handler finished the call with.
+  void SetAnswer(const absl::Status& answered) { answered_ = answered; }
+  // `f(delivered)` runs when the call is over, before it is logged;
+  // `delivered` is true iff the call answered OK and the client got it.
+  void WhenOver(std::function<void(bool delivered)> f) { hooks_.push_back(std::move(f)); }
+
+  // The call is over (the reactor's OnDone): runs the WhenOver hooks, then
+  // writes the line and records the count, latency and bytes. When the call
+  // did not complete for the client (`context->IsCancelled()`), the code is
+  // DEADLINE_EXCEEDED if the deadline had passed, else CANCELLED, whatever
+  // the handler answered. Returns the code recorded. Called once.
+  absl::StatusCode Over(const grpc::CallbackServerContext* context);
 
  private:
   ServiceMetrics* const metrics_;
@@ -95,6 +100,8 @@ class CallRecord {
   const absl::Time start_;
   std::string detail_;
   int64_t received_ = 0, sent_ = 0;
+  absl::Status answered_ = absl::UnknownError("never answered");
+  std::vector<std::function<void(bool)>> hooks_;
 };
 
 // What the code shared by a unary call and a stream needs of its call.
@@ -108,19 +115,6 @@ class Call {
   // `f(delivered)` runs once the call is over, before it is logged;
   // `delivered` is true iff the call answered OK and the client got it.
   virtual void WhenOver(std::function<void(bool delivered)> f) = 0;
-};
-
-// The hooks of WhenOver, and the status a call answered.
-class OverHooks {
- public:
-  void Add(std::function<void(bool)> f) { hooks_.push_back(std::move(f)); }
-  void Run(bool delivered) {
-    for (auto& f : hooks_) f(delivered);
-    hooks_.clear();
-  }
-
- private:
-  std::vector<std::function<void(bool)>> hooks_;
 };
 
 // A unary RPC on raw bytes: the request parsed here, the response
@@ -164,27 +158,26 @@ class UnaryCall final : public grpc::ServerUnaryReactor, public Call {
 
   CallRecord& record() override { return record_; }
   grpc::CallbackServerContext* context() override { return context_; }
-  void WhenOver(std::function<void(bool)> f) override { hooks_.Add(std::move(f)); }
+  void WhenOver(std::function<void(bool)> f) override { record_.WhenOver(std::move(f)); }
 
   void Reply(const absl::Status& status) override {
-    answered_ = status;
-    if (answered_.ok()) {
-      answered_ = GuardMemory(
+    absl::Status answered = status;
+    if (answered.ok()) {
+      answered = GuardMemory(
           [&] {
             return SerializeMessage(response_, max_message_bytes_,
                                     absl::StrCat(record_.rpc(), " response"), out_);
           },
           record_.rpc());
-      if (answered_.ok()) record_.AddBytes(0, static_cast<int64_t>(out_->Length()));
+      if (answered.ok()) record_.AddBytes(0, static_cast<int64_t>(out_->Length()));
       response_.Clear();  // the bytes are in out_ now
     }
-    Finish(ToGrpcStatus(answered_));
+    record_.SetAnswer(answered);
+    Finish(ToGrpcStatus(answered));
   }
 
   void OnDone() override {
-    const bool delivered = answered_.ok() && !context_->IsCancelled();
-    hooks_.Run(delivered);
-    record_.Close(answered_, context_);
+    record_.Over(context_);
     delete this;
   }
 
@@ -194,11 +187,9 @@ class UnaryCall final : public grpc::ServerUnaryReactor, public Call {
   grpc::ByteBuffer* const out_;
   const int64_t max_message_bytes_;
   CallRecord record_;
-  OverHooks hooks_;
   MemoryHold hold_;
   Request request_;
   Response response_;
-  absl::Status answered_ = absl::UnknownError("never answered");
 };
 
 }  // namespace flce
