@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -13,15 +14,38 @@
 
 #include "absl/time/clock.h"
 #include "kernels/status_macros.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "proto/codec.h"
 #include "proto/crc32c.h"
 
 namespace flce {
 
+std::string WithDefaultPort(const std::string& target) {
+  std::string prefix, host = target;
+  if (absl::StartsWith(target, "dns:///")) {
+    prefix = "dns:///";
+    host = target.substr(prefix.size());
+  } else if (absl::StrContains(target, ":/") || absl::StartsWith(target, "unix:") ||
+             absl::StartsWith(target, "unix-abstract:") || absl::StartsWith(target, "vsock:")) {
+    return target;
+  }
+  if (host.empty()) return target;
+  const size_t colons = std::count(host.begin(), host.end(), ':');
+  if (host.front() == '[') {  // [v6] or [v6]:port
+    return host.back() == ']' ? absl::StrCat(prefix, host, ":", kDefaultPort) : target;
+  }
+  if (colons == 0) return absl::StrCat(prefix, host, ":", kDefaultPort);
+  if (colons > 1) return absl::StrCat(prefix, "[", host, "]:", kDefaultPort);  // bare IPv6
+  return target;
+}
+
 std::unique_ptr<LossClient> LossClient::Create(const std::string& target,
                                                ClientOptions options) {
   grpc::ChannelArguments args;
+  if (!options.tls_server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls_server_name);
+  }
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
@@ -32,7 +56,7 @@ std::unique_ptr<LossClient> LossClient::Create(const std::string& target,
     ssl.pem_private_key = options.tls_client_key;
     credentials = grpc::SslCredentials(ssl);
   }
-  auto channel = grpc::CreateCustomChannel(target, credentials, args);
+  auto channel = grpc::CreateCustomChannel(WithDefaultPort(target), credentials, args);
   return std::unique_ptr<LossClient>(new LossClient(std::move(channel), options));
 }
 

@@ -39,6 +39,9 @@ struct ClientOptions {
   // and key (PEM).
   bool tls = false;
   std::string tls_root_certs, tls_client_cert, tls_client_key;
+  // TLS: the name the server's certificate must carry, when it is not the
+  // host dialled (a pod dialled by IP whose certificate names its Service).
+  std::string tls_server_name;
   // Sent as "authorization: Bearer <token>" on every call when not empty.
   std::string token;
 };
@@ -132,10 +135,20 @@ class SharedMemoryArena {
   int64_t bytes_ = 0;
 };
 
+// The port flce_server listens on unless told otherwise.
+inline constexpr int kDefaultPort = 50051;
+
+// `target` with ":50051" added when it names a host without a port
+// ("localhost", "10.0.0.7", "[::1]", "::1", "dns:///flce.svc"); gRPC would
+// otherwise dial 443. Targets with a port, and other schemes (unix:, ...),
+// are returned as they are.
+std::string WithDefaultPort(const std::string& target);
+
 class LossClient {
  public:
-  // A client of the server at `target` ("host:port"). Connects lazily: the
-  // first call reports an unreachable server as UNAVAILABLE.
+  // A client of the server at `target` ("host:port"; a host alone means
+  // port kDefaultPort: see WithDefaultPort). Connects lazily: the first call
+  // reports an unreachable server as UNAVAILABLE.
   static std::unique_ptr<LossClient> Create(const std::string& target,
                                             ClientOptions options = {});
 

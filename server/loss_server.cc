@@ -13,7 +13,7 @@
 #include "kernels/status_macros.h"
 #include "server/engine_factory.h"
 #include "server/sigbus_guard.h"
-#include "server/version.h"
+#include "common/version.h"
 #include "spdlog/spdlog.h"
 
 namespace flce {
@@ -188,7 +188,16 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   grpc::ServerBuilder builder;
   // Reflection answers without a token (gRPC serves it outside the
   // handlers that authenticate): with tokens it is off.
-  if (s->auth_->uses_tokens()) builder.SetOption(std::make_unique<WithoutReflection>());
+  // grpc.reflection.v1alpha is gRPC's plugin; v1, which newer tools ask
+  // first, is served here.
+  if (s->auth_->uses_tokens()) {
+    builder.SetOption(std::make_unique<WithoutReflection>());
+  } else {
+    s->reflection_v1_ = std::make_unique<ReflectionV1Service>(std::vector<std::string>{
+        "flce.v1.LossService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection"});
+    builder.RegisterService(s->reflection_v1_.get());
+  }
   // A port another process holds is refused, not shared (gRPC's default
   // SO_REUSEPORT would let two servers split the connections).
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

@@ -21,6 +21,7 @@
 #include "server/loss_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
+#include "server/reflection_v1.h"
 #include "server/session_store.h"
 #include "server/request_admission.h"
 #include "server/shared_memory.h"
@@ -125,6 +126,7 @@ class LossServer {
   std::unique_ptr<LossCore> core_;
   std::unique_ptr<WorkQueue> queue_;
   std::unique_ptr<LossServiceImpl> service_;
+  std::unique_ptr<ReflectionV1Service> reflection_v1_;  // absent with tokens
   ServiceMetrics metrics_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::atomic<bool> serving_{true};

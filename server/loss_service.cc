@@ -16,7 +16,7 @@
 #include "kernels/status_macros.h"
 #include "proto/codec.h"
 #include "proto/crc32c.h"
-#include "server/version.h"
+#include "common/version.h"
 #include "spdlog/spdlog.h"
 
 namespace flce {
@@ -173,7 +173,8 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
   const absl::Time engine_start = absl::Now();
   absl::StatusOr<ForwardOutcome> outcome = core_->Forward(forward, principal, CancelFor(context));
   metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
-  metrics_->RecordEngine(call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start));
+  metrics_->RecordEngine(call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),
+                         outcome.ok() ? forward.problem.rows() : 0);
   if (!outcome.ok()) return Explain(outcome.status(), context);
   // The session lives only if the client learns its id.
   if (!outcome->session_id.empty()) {
@@ -266,8 +267,9 @@ void LossServiceImpl::StartBackward(Call* call, const std::string& principal,
         absl::StatusOr<BackwardOutcome> grads =
             core_->Backward(*backward, principal, CancelFor(context));
         metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
-        metrics_->RecordEngine(call->record().rpc(),
-                               absl::ToDoubleSeconds(absl::Now() - engine_start));
+        metrics_->RecordEngine(
+            call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),
+            grads.ok() && !grads->grad_hidden.shape.empty() ? grads->grad_hidden.shape[0] : 0);
         if (!grads.ok()) return Explain(grads.status(), context);
         *outcome = *std::move(grads);
         stats->queue_ms = absl::ToDoubleMilliseconds(engine_start - queued);
@@ -842,6 +844,8 @@ LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes*
   ToProto(s.queue_wait, response->mutable_queue_wait());
   for (const auto& [rpc, b] : s.received_bytes) (*response->mutable_received_bytes())[rpc] = b;
   for (const auto& [rpc, b] : s.sent_bytes) (*response->mutable_sent_bytes())[rpc] = b;
+  for (const auto& [rpc, t] : s.tokens) (*response->mutable_tokens())[rpc] = t;
+  response->set_uptime_seconds(s.uptime_seconds);
   const Gauges& g = s.gauges;
   response->set_sessions_expired(g.sessions_expired);
   response->set_engine_forward_reruns(g.engine_forward_reruns);

@@ -19,24 +19,25 @@
 #include "absl/time/time.h"
 #include "server/logging.h"
 #include "server/loss_server.h"
-#include "server/version.h"
+#include "common/flag_types.h"
+#include "common/usage.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, listen_address, "0.0.0.0:50051",
           "host:port to serve on (port 0: any free port)");
 ABSL_FLAG(std::string, backend, "auto", "auto, cuda or cpu");
 ABSL_FLAG(int64_t, max_sessions, 1024, "most live sessions at once");
-ABSL_FLAG(int64_t, session_memory_bytes, int64_t{16} << 30,
-          "memory budget for all sessions' saved state, in bytes");
+ABSL_FLAG(flce::ByteCount, session_memory_bytes, flce::ByteCount{int64_t{16} << 30},
+          "memory budget for all sessions' saved state");
 ABSL_FLAG(int64_t, max_sessions_per_principal, 0,
           "most live sessions of one principal (0: only --max_sessions applies)");
-ABSL_FLAG(int64_t, session_memory_bytes_per_principal, 0,
+ABSL_FLAG(flce::ByteCount, session_memory_bytes_per_principal, flce::ByteCount{0},
           "session memory of one principal (0: only --session_memory_bytes applies)");
-ABSL_FLAG(int64_t, weight_memory_bytes, int64_t{32} << 30,
-          "memory budget for registered weights (PutWeight), in bytes");
-ABSL_FLAG(int64_t, weight_device_memory_bytes,
-          flce::ServerOptions().weight_device_memory_bytes,
-          "GPU memory for registered weights' device copies and fp32 gradient sums, in bytes "
+ABSL_FLAG(flce::ByteCount, weight_memory_bytes, flce::ByteCount{int64_t{32} << 30},
+          "memory budget for registered weights (PutWeight)");
+ABSL_FLAG(flce::ByteCount, weight_device_memory_bytes,
+          flce::ByteCount{flce::ServerOptions().weight_device_memory_bytes},
+          "GPU memory for registered weights' device copies and fp32 gradient sums"
           "(CUDA backend); past it they are read and summed in host memory");
 ABSL_FLAG(bool, enable_shared_memory, false,
           "accept tensors in same-host clients' POSIX shared memory (RegisterSharedMemory)");
@@ -44,33 +45,37 @@ ABSL_FLAG(int64_t, max_shared_memory_regions, flce::SharedMemoryLimits().max_reg
           "shared-memory regions registered at once (at most 4096)");
 ABSL_FLAG(int64_t, max_shared_memory_regions_per_principal, 0,
           "shared-memory regions of one principal (0: only --max_shared_memory_regions)");
-ABSL_FLAG(int64_t, shared_memory_bytes, flce::SharedMemoryLimits().max_bytes,
+ABSL_FLAG(flce::ByteCount, shared_memory_bytes,
+          flce::ByteCount{flce::SharedMemoryLimits().max_bytes},
           "bytes all registered shared-memory regions may map");
-ABSL_FLAG(int64_t, shared_memory_bytes_per_principal, 0,
+ABSL_FLAG(flce::ByteCount, shared_memory_bytes_per_principal, flce::ByteCount{0},
           "bytes one principal's shared-memory regions may map (0: only --shared_memory_bytes)");
 ABSL_FLAG(int64_t, max_streams, flce::RequestLimits().max_streams,
           "ForwardStream and PutWeight streams open at once");
 ABSL_FLAG(int64_t, max_streams_per_principal, 0,
           "open streams of one principal (0: only --max_streams)");
-ABSL_FLAG(int64_t, request_memory_bytes, flce::RequestLimits().memory_bytes,
+ABSL_FLAG(flce::ByteCount, request_memory_bytes,
+          flce::ByteCount{flce::RequestLimits().memory_bytes},
           "bytes requests in flight may hold: unary messages and ForwardStreams' announced "
           "tensors");
-ABSL_FLAG(int64_t, request_memory_bytes_per_principal, 0,
+ABSL_FLAG(flce::ByteCount, request_memory_bytes_per_principal, flce::ByteCount{0},
           "bytes one principal's requests in flight may hold (0: only --request_memory_bytes)");
-ABSL_FLAG(absl::Duration, stream_idle_timeout, flce::RequestLimits().idle_timeout,
+ABSL_FLAG(flce::DurationFlag, stream_idle_timeout,
+          flce::DurationFlag{flce::RequestLimits().idle_timeout},
           "a ForwardStream or PutWeight that sends no message for this long is finished");
-ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
+ABSL_FLAG(flce::DurationFlag, session_ttl, flce::DurationFlag{absl::Minutes(10)},
           "idle time after which a session expires");
 ABSL_FLAG(int, workers, 1, "engine calls run concurrently");
 ABSL_FLAG(int, max_queued_requests, 64,
           "requests that may wait for a worker; more are RESOURCE_EXHAUSTED");
-ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20,
-          "largest request or response message, in bytes");
-ABSL_FLAG(int64_t, cpu_chunk_bytes, int64_t{64} << 20,
+ABSL_FLAG(flce::ByteCount, max_message_bytes, flce::ByteCount{int64_t{256} << 20},
+          "largest request or response message");
+ABSL_FLAG(flce::ByteCount, cpu_chunk_bytes, flce::ByteCount{int64_t{64} << 20},
           "CPU engine: bytes of fp32 logits per token chunk");
 ABSL_FLAG(int, cuda_device, 0, "CUDA engine: device ordinal");
 ABSL_FLAG(int, cuda_lanes, 2, "CUDA engine: concurrent calls (streams)");
-ABSL_FLAG(int64_t, cuda_chunk_bytes, flce::EngineOptions().cuda_chunk_bytes,
+ABSL_FLAG(flce::ByteCount, cuda_chunk_bytes,
+          flce::ByteCount{flce::EngineOptions().cuda_chunk_bytes},
           "CUDA engine: most bytes of logits (input dtype) per token chunk");
 ABSL_FLAG(bool, cuda_tune_gemms, flce::EngineOptions().cuda_tune_gemms,
           "CUDA engine: time each GEMM shape's cuBLASLt candidates on its first call and keep "
@@ -91,14 +96,12 @@ ABSL_FLAG(std::string, health_address, "",
           "host:port of a plaintext port with only grpc.health.v1, for probes without TLS");
 ABSL_FLAG(bool, insecure, false,
           "serve plaintext without TLS (refused unless given; logs a warning)");
-ABSL_FLAG(absl::Duration, drain_timeout, absl::ZeroDuration(),
+ABSL_FLAG(flce::DurationFlag, drain_timeout, flce::DurationFlag{absl::ZeroDuration()},
           "on SIGTERM/SIGINT, first refuse new work but serve existing sessions until "
           "none is left or this long (rolling upgrades); then --shutdown_grace");
-ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
+ABSL_FLAG(flce::DurationFlag, shutdown_grace, flce::DurationFlag{absl::Seconds(30)},
           "on SIGTERM/SIGINT, how long RPCs in flight may take to finish");
-ABSL_FLAG(std::string, log_level, "info",
-          "trace, debug, info, warn, error, critical or off");
-ABSL_FLAG(bool, version, false, "print the version and exit");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off");
 
 namespace {
 
@@ -121,15 +124,15 @@ void OnSignal(int signal_number) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  flce::InitUsage(
+      "flce_server",
       "flce_server: fused linear + cross-entropy loss over gRPC.\n"
       "  flce_server --listen_address=0.0.0.0:50051 --backend=auto \\\n"
-      "      --tls_cert_file=server.crt --tls_key_file=server.key");
+      "      --tls_cert_file=server.crt --tls_key_file=server.key\n"
+      "  flce_server --insecure --listen_address=127.0.0.1:50051   (plaintext, this host only)\n"
+      "Byte counts take 17179869184 or 16GiB, durations 600s or 10m.");
+  flce::HandleHelp(argc, argv, "server/main.cc");
   absl::ParseCommandLine(argc, argv);
-  if (absl::GetFlag(FLAGS_version)) {
-    std::printf("flce_server %s\n", flce::kVersion);
-    return 0;
-  }
   if (absl::Status s = flce::InitLogging(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
     std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return 2;
@@ -167,33 +170,33 @@ int main(int argc, char** argv) {
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.health_address = absl::GetFlag(FLAGS_health_address);
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
-  options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
-  options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl);
+  options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_session_memory_bytes).bytes;
+  options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl).value;
   options.sessions.max_sessions_per_principal = absl::GetFlag(FLAGS_max_sessions_per_principal);
   options.sessions.memory_bytes_per_principal =
-      absl::GetFlag(FLAGS_session_memory_bytes_per_principal);
-  options.weight_memory_bytes = absl::GetFlag(FLAGS_weight_memory_bytes);
-  options.weight_device_memory_bytes = absl::GetFlag(FLAGS_weight_device_memory_bytes);
+      absl::GetFlag(FLAGS_session_memory_bytes_per_principal).bytes;
+  options.weight_memory_bytes = absl::GetFlag(FLAGS_weight_memory_bytes).bytes;
+  options.weight_device_memory_bytes = absl::GetFlag(FLAGS_weight_device_memory_bytes).bytes;
   options.enable_shared_memory = absl::GetFlag(FLAGS_enable_shared_memory);
   options.shared_memory.max_regions = absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.shared_memory.max_regions_per_principal =
       absl::GetFlag(FLAGS_max_shared_memory_regions_per_principal);
-  options.shared_memory.max_bytes = absl::GetFlag(FLAGS_shared_memory_bytes);
+  options.shared_memory.max_bytes = absl::GetFlag(FLAGS_shared_memory_bytes).bytes;
   options.shared_memory.max_bytes_per_principal =
-      absl::GetFlag(FLAGS_shared_memory_bytes_per_principal);
+      absl::GetFlag(FLAGS_shared_memory_bytes_per_principal).bytes;
   options.requests.max_streams = absl::GetFlag(FLAGS_max_streams);
   options.requests.max_streams_per_principal = absl::GetFlag(FLAGS_max_streams_per_principal);
-  options.requests.memory_bytes = absl::GetFlag(FLAGS_request_memory_bytes);
+  options.requests.memory_bytes = absl::GetFlag(FLAGS_request_memory_bytes).bytes;
   options.requests.memory_bytes_per_principal =
-      absl::GetFlag(FLAGS_request_memory_bytes_per_principal);
-  options.requests.idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+      absl::GetFlag(FLAGS_request_memory_bytes_per_principal).bytes;
+  options.requests.idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout).value;
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
-  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  options.engine.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes).bytes;
+  options.engine.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes).bytes;
   options.engine.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   options.engine.cuda_lanes = absl::GetFlag(FLAGS_cuda_lanes);
-  options.engine.cuda_chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes);
+  options.engine.cuda_chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes).bytes;
   options.engine.cuda_tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
   options.engine.cuda_one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
 
@@ -209,8 +212,8 @@ int main(int argc, char** argv) {
   SPDLOG_INFO("received {}; shutting down", strsignal(signal_number));
   // A shutdown that overruns its phases ends the process too: stopping
   // never waits on a stuck call.
-  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
-  const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace);
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout).value;
+  const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace).value;
   std::thread([limit = drain + grace + absl::Seconds(10)] {
     absl::SleepFor(limit);
     const std::string line = absl::StrCat("shutdown did not finish within ",

@@ -28,9 +28,10 @@ void ServiceMetrics::RecordQueueWait(double seconds) {
   queue_wait_.Observe(seconds);
 }
 
-void ServiceMetrics::RecordEngine(absl::string_view rpc, double seconds) {
+void ServiceMetrics::RecordEngine(absl::string_view rpc, double seconds, int64_t tokens) {
   absl::MutexLock lock(&mu_);
   engine_[std::string(rpc)].Observe(seconds);
+  tokens_[std::string(rpc)] += tokens;
 }
 
 void ServiceMetrics::AddBytes(absl::string_view rpc, int64_t received, int64_t sent) {
@@ -48,6 +49,8 @@ MetricsSnapshot ServiceMetrics::Snapshot(const Gauges& gauges) const {
   s.queue_wait = queue_wait_.Snapshot();
   s.received_bytes = received_;
   s.sent_bytes = sent_;
+  s.tokens = tokens_;
+  s.uptime_seconds = absl::ToDoubleSeconds(absl::Now() - start_);
   s.gauges = gauges;
   return s;
 }
@@ -130,6 +133,12 @@ std::string PrometheusText(const MetricsSnapshot& s) {
   Family(&out, "flce_sent_bytes_total", "counter", "Response message bytes, by method.");
   for (const auto& [rpc, bytes] : s.sent_bytes) {
     absl::StrAppend(&out, "flce_sent_bytes_total{rpc=\"", EscapeLabelValue(rpc), "\"} ", bytes,
+                    "\n");
+  }
+  Family(&out, "flce_tokens_total", "counter",
+         "Rows (tokens) the engine computed, by method (calls that succeeded).");
+  for (const auto& [rpc, tokens] : s.tokens) {
+    absl::StrAppend(&out, "flce_tokens_total{rpc=\"", EscapeLabelValue(rpc), "\"} ", tokens,
                     "\n");
   }
   Family(&out, "flce_sessions_expired_total", "counter",

@@ -16,6 +16,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace flce {
 
@@ -54,6 +56,8 @@ struct MetricsSnapshot {
   std::map<std::string, HistogramSnapshot> engine;   // per rpc, engine time
   HistogramSnapshot queue_wait;
   std::map<std::string, int64_t> received_bytes, sent_bytes;  // per rpc
+  std::map<std::string, int64_t> tokens;  // per rpc: rows the engine computed
+  double uptime_seconds = 0;              // since the metrics were made
   Gauges gauges;
 };
 
@@ -61,9 +65,10 @@ class ServiceMetrics {
  public:
   // An RPC finished with `code` after `seconds`.
   void RecordRpc(absl::string_view rpc, absl::StatusCode code, double seconds);
-  // Time a task waited for a worker, and time the engine took.
+  // Time a task waited for a worker; time the engine took, and the rows
+  // (tokens) it computed (0 for a call that failed).
   void RecordQueueWait(double seconds);
-  void RecordEngine(absl::string_view rpc, double seconds);
+  void RecordEngine(absl::string_view rpc, double seconds, int64_t tokens);
   // Message bytes an RPC received and sent.
   void AddBytes(absl::string_view rpc, int64_t received, int64_t sent);
 
@@ -83,6 +88,8 @@ class ServiceMetrics {
   std::map<std::string, Histogram> engine_ ABSL_GUARDED_BY(mu_);
   Histogram queue_wait_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> received_ ABSL_GUARDED_BY(mu_), sent_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> tokens_ ABSL_GUARDED_BY(mu_);
+  const absl::Time start_ = absl::Now();
 };
 
 // The snapshot in the Prometheus text format, every family with HELP and

@@ -16,7 +16,8 @@ TEST(MetricsTest, CountsAndHistogramsInTheTextFormat) {
   m.RecordRpc("Forward", absl::StatusCode::kOk, 0.003);
   m.RecordRpc("Forward", absl::StatusCode::kOk, 0.2);
   m.RecordRpc("Forward", absl::StatusCode::kInvalidArgument, 0.0001);
-  m.RecordEngine("Forward", 0.002);
+  m.RecordEngine("Forward", 0.002, 4096);
+  m.RecordEngine("Forward", 0.001, 0);  // failed: no tokens
   m.RecordQueueWait(100.0);  // beyond the last bound: only +Inf
   m.AddBytes("Forward", 1000, 20);
   Gauges g;
@@ -41,7 +42,8 @@ TEST(MetricsTest, CountsAndHistogramsInTheTextFormat) {
   EXPECT_THAT(text, HasSubstr("flce_queue_wait_seconds_bucket{le=\"60\"} 0\n"));
   EXPECT_THAT(text, HasSubstr("flce_queue_wait_seconds_bucket{le=\"+Inf\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("flce_queue_wait_seconds_count 1\n"));
-  EXPECT_THAT(text, HasSubstr("flce_engine_duration_seconds_count{rpc=\"Forward\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("flce_engine_duration_seconds_count{rpc=\"Forward\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("flce_tokens_total{rpc=\"Forward\"} 4096\n"));
   EXPECT_THAT(text, HasSubstr("flce_received_bytes_total{rpc=\"Forward\"} 1000\n"));
   EXPECT_THAT(text, HasSubstr("flce_sent_bytes_total{rpc=\"Forward\"} 20\n"));
   EXPECT_THAT(text, HasSubstr("flce_live_sessions 3\n"));

@@ -2,7 +2,9 @@
 
 #include <chrono>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "grpcpp/support/proto_buffer_writer.h"
@@ -66,8 +68,15 @@ absl::StatusCode CallRecord::Over(const grpc::CallbackServerContext* context) {
     }
   }
   const double ms = absl::ToDoubleMilliseconds(absl::Now() - start_);
-  SPDLOG_INFO("rpc={} {}{}code={} ms={:.1f}", rpc_, detail_, note,
-              absl::StatusCodeToString(code), ms);
+  // A failure's line ends with what the handler answered, quoted.
+  std::string error;
+  if (!answered_.ok() && !answered_.message().empty()) {
+    error = absl::StrCat(" error=\"",
+                         absl::StrReplaceAll(LogSafe(answered_.message(), 240), {{"\"", "\\x22"}}),
+                         "\"");
+  }
+  SPDLOG_INFO("rpc={} {}{}code={} ms={:.1f}{}", rpc_, detail_, note,
+              absl::StatusCodeToString(code), ms, error);
   if (metrics_ != nullptr) {
     metrics_->RecordRpc(rpc_, code, ms / 1e3);
     metrics_->AddBytes(rpc_, received_, sent_);

@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Installs every Debian package that flce's build, tests and server need.
 # Idempotent and non-interactive: installs only what is missing.
+#   tools/setup.sh           everything: build, tests, the container stage
+#   tools/setup.sh --build   only what `bazel build //server:flce_server
+#                            //client:flce` needs (the image's build stage)
 set -euo pipefail
 
 PACKAGES=(
   bazel-bootstrap g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libopenblas-dev
-  libssl-dev libmicrohttpd-dev clang libclang-rt-dev
-  shellcheck yamllint python3-yaml
-  python3 python3-numpy python3-grpcio python3-protobuf python3-torch python3-crcmod
+  libssl-dev libmicrohttpd-dev
 )
+if [ "${1:-}" != "--build" ]; then
+  PACKAGES+=(
+    clang libclang-rt-dev shellcheck yamllint python3-yaml
+    python3 python3-numpy python3-grpcio python3-protobuf python3-torch python3-crcmod
+    podman buildah debootstrap runc
+  )
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -43,13 +43,17 @@ std::string AccuracyReport::ToString() const {
 
 AccuracyReport CheckAccuracy(const LossProblem& problem,
                              const std::vector<double>& grad_output,
-                             const EngineOutputs& outputs) {
+                             const EngineOutputs& outputs,
+                             const std::function<void(double)>& progress) {
   const DType dtype = problem.hidden.dtype;
-  const ReferenceResult exact = ComputeReference(problem, grad_output);
+  const bool two = dtype != DType::kFloat32;
+  auto part = [&](double offset) -> std::function<void(double)> {
+    if (!progress) return {};
+    return [&progress, offset, two](double f) { progress(two ? offset + f / 2 : f); };
+  };
+  const ReferenceResult exact = ComputeReference(problem, grad_output, std::nullopt, part(0));
   std::optional<ReferenceResult> plain;
-  if (dtype != DType::kFloat32) {
-    plain = ComputeReference(problem, grad_output, dtype);
-  }
+  if (two) plain = ComputeReference(problem, grad_output, dtype, part(0.5));
   AccuracyReport report;
   auto add = [&](const char* name, const std::vector<float>& actual,
                  const std::vector<double>& expected,

@@ -5,6 +5,7 @@
 // bar: relative L2 error no worse than 1.5× that of the plain same-dtype
 // computation (and ≤ 1e-5 for fp32 inputs).
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -67,10 +68,13 @@ struct AccuracyReport {
 double AccuracyBar(DType dtype, double plain_error);
 
 // Compares `outputs` for `problem` and upstream `grad_output` (empty = 1)
-// with the fp64 reference.
+// with the fp64 reference. `progress`, when given, is called with the
+// fraction of the reference work done (it runs twice for bf16 and fp16: the
+// exact values and the plain computation's).
 AccuracyReport CheckAccuracy(const LossProblem& problem,
                              const std::vector<double>& grad_output,
-                             const EngineOutputs& outputs);
+                             const EngineOutputs& outputs,
+                             const std::function<void(double)>& progress = {});
 
 }  // namespace flce
 

@@ -1,5 +1,8 @@
 #include "kernels/reference/reference_loss.h"
 
+#include <cblas.h>
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -27,7 +30,8 @@ int64_t TargetAt(const TensorView& target, int64_t i) {
 
 ReferenceResult ComputeReference(const LossProblem& p,
                                  const std::vector<double>& grad_output,
-                                 std::optional<DType> plain_dtype) {
+                                 std::optional<DType> plain_dtype,
+                                 const std::function<void(double)>& progress) {
   const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
   const LossOptions& o = p.options;
   const std::vector<double> x = ToDoubles(p.hidden);
@@ -58,59 +62,72 @@ ReferenceResult ComputeReference(const LossProblem& p,
   r.grad_hidden.assign(n * h, 0.0);
   r.grad_weight.assign(v * h, 0.0);
   if (p.bias) r.grad_bias.assign(v, 0.0);
-  std::vector<double> z(v), zc(v), dz(v);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < v; ++j) {
-      double acc = 0;
-      for (int64_t k = 0; k < h; ++k) acc += x[i * h + k] * w[j * h + k];
-      if (p.bias) acc += b[j];
-      z[j] = Round(plain_dtype, acc);
-      zc[j] = o.logit_softcap ? *o.logit_softcap * std::tanh(z[j] / *o.logit_softcap)
-                              : z[j];
-    }
-    double m = -std::numeric_limits<double>::infinity();
-    int64_t argmax = 0;
-    for (int64_t j = 0; j < v; ++j) {
-      if (zc[j] > m) {
-        m = zc[j];
-        argmax = j;
+  // A block of rows at a time: its logits Z = X Wᵀ (+ b) and their gradient
+  // dZ, each [rows, V] in fp64.
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(n, (int64_t{8} << 20) / v));
+  std::vector<double> z(block * v), dz(block * v), zc(v);
+  for (int64_t i0 = 0; i0 < n; i0 += block) {
+    const int64_t rows = std::min(block, n - i0);
+    // Row-major Z[rows, V] = X[i0 : i0 + rows, H] · W[V, H]ᵀ.
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, v, h, 1.0, &x[i0 * h], h,
+                w.data(), h, 0.0, z.data(), v);
+    std::fill(dz.begin(), dz.begin() + rows * v, 0.0);
+    for (int64_t r_i = 0; r_i < rows; ++r_i) {
+      const int64_t i = i0 + r_i;
+      double* zi = &z[r_i * v];
+      double* dzi = &dz[r_i * v];
+      for (int64_t j = 0; j < v; ++j) {
+        zi[j] = Round(plain_dtype, p.bias ? zi[j] + b[j] : zi[j]);
+        zc[j] = o.logit_softcap ? *o.logit_softcap * std::tanh(zi[j] / *o.logit_softcap)
+                                : zi[j];
       }
-    }
-    double se = 0;
-    for (int64_t j = 0; j < v; ++j) se += std::exp(zc[j] - m);
-    const double lse = m + std::log(se);
-    r.lse[i] = lse;
-    const int64_t t = TargetAt(p.target, i);
-    if (t == o.ignore_index) continue;
-    if (argmax == t) ++r.num_correct;
-    double smooth = 0;
-    for (int64_t j = 0; j < v; ++j) smooth += cw[j] * (lse - zc[j]);
-    const double wt = cw[t];
-    z_row[i] = s * lse * lse;
-    r.per_row_loss[i] = (1 - eps) * wt * (lse - zc[t]) + eps / v * smooth + z_row[i];
+      double m = -std::numeric_limits<double>::infinity();
+      int64_t argmax = 0;
+      for (int64_t j = 0; j < v; ++j) {
+        if (zc[j] > m) {
+          m = zc[j];
+          argmax = j;
+        }
+      }
+      double se = 0;
+      for (int64_t j = 0; j < v; ++j) se += std::exp(zc[j] - m);
+      const double lse = m + std::log(se);
+      r.lse[i] = lse;
+      const int64_t t = TargetAt(p.target, i);
+      if (t == o.ignore_index) continue;  // its dZ row stays 0
+      if (argmax == t) ++r.num_correct;
+      double smooth = 0;
+      for (int64_t j = 0; j < v; ++j) smooth += cw[j] * (lse - zc[j]);
+      const double wt = cw[t];
+      z_row[i] = s * lse * lse;
+      r.per_row_loss[i] = (1 - eps) * wt * (lse - zc[t]) + eps / v * smooth + z_row[i];
 
-    double g = 1.0;
-    if (!grad_output.empty()) {
-      g = grad_output.size() == 1 ? grad_output[0] : grad_output[i];
-    }
-    g /= denom;
-    for (int64_t j = 0; j < v; ++j) {
-      const double prob = std::exp(zc[j] - lse);
-      double d = (1 - eps) * wt * (prob - (j == t ? 1.0 : 0.0)) +
-                 eps / v * (cw_sum * prob - cw[j]) + 2 * s * lse * prob;
-      if (o.logit_softcap) {
-        const double q = zc[j] / *o.logit_softcap;
-        d *= 1 - q * q;
+      double g = 1.0;
+      if (!grad_output.empty()) {
+        g = grad_output.size() == 1 ? grad_output[0] : grad_output[i];
       }
-      dz[j] = Round(plain_dtype, d * g);
-    }
-    for (int64_t j = 0; j < v; ++j) {
-      for (int64_t k = 0; k < h; ++k) {
-        r.grad_hidden[i * h + k] += dz[j] * w[j * h + k];
-        r.grad_weight[j * h + k] += dz[j] * x[i * h + k];
+      g /= denom;
+      for (int64_t j = 0; j < v; ++j) {
+        const double prob = std::exp(zc[j] - lse);
+        double d = (1 - eps) * wt * (prob - (j == t ? 1.0 : 0.0)) +
+                   eps / v * (cw_sum * prob - cw[j]) + 2 * s * lse * prob;
+        if (o.logit_softcap) {
+          const double q = zc[j] / *o.logit_softcap;
+          d *= 1 - q * q;
+        }
+        dzi[j] = Round(plain_dtype, d * g);
       }
-      if (p.bias) r.grad_bias[j] += dz[j];
+      if (p.bias) {
+        for (int64_t j = 0; j < v; ++j) r.grad_bias[j] += dzi[j];
+      }
     }
+    // dX[i0 : i0 + rows, H] = dZ[rows, V] · W[V, H].
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, v, 1.0, dz.data(), v,
+                w.data(), h, 0.0, &r.grad_hidden[i0 * h], h);
+    // dW[V, H] += dZ[rows, V]ᵀ · X[i0 : i0 + rows, H].
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, rows, 1.0, dz.data(), v,
+                &x[i0 * h], h, 1.0, r.grad_weight.data(), h);
+    if (progress) progress(static_cast<double>(i0 + rows) / n);
   }
   for (double& value : r.grad_hidden) value = Round(plain_dtype, value);
   for (double& value : r.grad_weight) value = Round(plain_dtype, value);

@@ -2,10 +2,12 @@
 #define FLCE_KERNELS_REFERENCE_REFERENCE_LOSS_H_
 
 // The fp64 oracle: the loss and gradients of kernels/loss_engine.h computed
-// row by row in double precision, without chunking, tricks or shortcuts. Used
-// by the tests and by `flce smoke` to judge the engines.
+// in double precision, without tricks or shortcuts: the three matrix products
+// by OpenBLAS's dgemm (fp64 throughout), the softmax row by row. Used by the
+// tests, `flce smoke` and the benchmarks to judge the engines.
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -32,10 +34,13 @@ struct ReferenceResult {
 // computation rounds (logits after the GEMM, the logits gradient, and every
 // returned gradient), so its error against the exact result is the "plain
 // computation" bar the engines must meet.
+// `progress`, when given, is called with the fraction of rows done after
+// each block of rows.
 // REQUIRES: `problem` satisfies LossProblem's requirements.
 ReferenceResult ComputeReference(const LossProblem& problem,
                                  const std::vector<double>& grad_output,
-                                 std::optional<DType> plain_dtype = std::nullopt);
+                                 std::optional<DType> plain_dtype = std::nullopt,
+                                 const std::function<void(double)>& progress = {});
 
 // ‖actual − expected‖₂ / ‖expected‖₂ (the absolute norm when ‖expected‖ is 0).
 // NaN or infinite whenever a NaN appears on one side only or in the error.

@@ -1,10 +1,12 @@
 """flce: the fused linear + cross-entropy loss as a service, for Python workers."""
 
-from flce.client import (Client, FlceError, ForwardResult, Gradients, SharedMemoryRegion,
-                         from_wire, to_torch, to_wire)
+from flce.client import (DEFAULT_PORT, Client, FlceError, ForwardResult, Gradients,
+                         SharedMemoryRegion, check_loss_options, from_wire, to_torch, to_wire,
+                         with_default_port)
 
-__all__ = ["Client", "FlceError", "ForwardResult", "Gradients", "SharedMemoryRegion",
-           "from_wire", "to_torch", "to_wire", "RemoteLinearCrossEntropy"]
+__all__ = ["Client", "DEFAULT_PORT", "FlceError", "ForwardResult", "Gradients",
+           "SharedMemoryRegion", "check_loss_options", "from_wire", "to_torch", "to_wire",
+           "with_default_port", "RemoteLinearCrossEntropy"]
 
 
 def __getattr__(name):

@@ -46,6 +46,48 @@ _MODES = {
 }
 _MODE_NAMES = {v: k for k, v in _MODES.items()}
 
+DEFAULT_PORT = 50051
+
+
+def with_default_port(target: str) -> str:
+    """``target`` with ":50051" added when it names a host without a port
+    ("localhost", "10.0.0.7", "[::1]", "::1", "dns:///flce.svc"; gRPC would
+    dial 443). Targets with a port and other schemes are kept as they are."""
+    prefix, host = "", target
+    if target.startswith("dns:///"):
+        prefix, host = "dns:///", target[len("dns:///"):]
+    elif ":/" in target or target.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return target
+    if not host:
+        return target
+    if host.startswith("["):
+        return f"{prefix}{host}:{DEFAULT_PORT}" if host.endswith("]") else target
+    colons = host.count(":")
+    if colons == 0:
+        return f"{prefix}{host}:{DEFAULT_PORT}"
+    if colons > 1:
+        return f"{prefix}[{host}]:{DEFAULT_PORT}"
+    return target
+
+
+def check_loss_options(*, reduction: str = "mean", backward_mode: str = "auto",
+                       label_smoothing: float = 0.0, logit_softcap: Optional[float] = None,
+                       z_loss_scale: float = 0.0):
+    """Raises ValueError naming the argument and its choices for an option
+    the server would refuse; the checks the server makes, made early."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"reduction={reduction!r}: choose one of {', '.join(map(repr, _REDUCTIONS))}")
+    if backward_mode not in _MODES:
+        raise ValueError(
+            f"backward_mode={backward_mode!r}: choose one of {', '.join(map(repr, _MODES))}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing!r}: must be in [0, 1)")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap={logit_softcap!r}: must be > 0 (None: no softcap)")
+    if not z_loss_scale >= 0:
+        raise ValueError(f"z_loss_scale={z_loss_scale!r}: must be >= 0")
+
 
 def _crc32c_py(data: bytes, crc: int = 0) -> int:
     table = _crc32c_py.table
@@ -276,20 +318,26 @@ class Gradients:
 class Client:
     """A connection to one flce server ("host:port").
 
-    Plaintext unless ``tls`` (or any of the PEM arguments) is given:
-    ``root_certificates`` are the CAs to trust (None: the system's);
-    ``certificate_chain`` and ``private_key`` are this client's certificate
-    for a server that requires one (mutual TLS). ``token`` is sent as
-    "authorization: Bearer <token>" on every call."""
+    A host without a port means port 50051. Plaintext unless ``tls`` (or
+    any of the TLS arguments) is given: ``root_certificates`` are the CAs to
+    trust (None: the system's); ``certificate_chain`` and ``private_key``
+    are this client's certificate for a server that requires one (mutual
+    TLS); ``server_name`` is the name the server's certificate must carry
+    when it is not the host dialled (a pod dialled by IP whose certificate
+    names its Service). ``token`` is sent as "authorization: Bearer
+    <token>" on every call."""
 
     def __init__(self, target: str, timeout: float = 300.0,
                  max_message_bytes: int = 256 << 20, stream_chunk_bytes: int = 4 << 20, *,
                  tls: bool = False, root_certificates: Optional[bytes] = None,
                  certificate_chain: Optional[bytes] = None, private_key: Optional[bytes] = None,
-                 token: Optional[str] = None):
+                 server_name: Optional[str] = None, token: Optional[str] = None):
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
-        if tls or root_certificates or certificate_chain:
+        target = with_default_port(target)
+        if tls or root_certificates or certificate_chain or server_name:
+            if server_name:
+                options.append(("grpc.ssl_target_name_override", server_name))
             credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
                                                        certificate_chain)
             self._channel = grpc.secure_channel(target, credentials, options=options)
@@ -342,6 +390,9 @@ class Client:
         With ``shm``, the tensors travel through that shared-memory region;
         with ``cuda_ipc``, hidden and weight on the GPU are read by the
         server from this process's GPU memory (see :class:`CudaIpc`)."""
+        check_loss_options(reduction=reduction, backward_mode=backward_mode,
+                           label_smoothing=label_smoothing, logit_softcap=logit_softcap,
+                           z_loss_scale=z_loss_scale)
         ipc = CudaIpc(self) if cuda_ipc and (_is_cuda(hidden) or _is_cuda(weight)) else None
         try:
             r = pb.ForwardRequest()

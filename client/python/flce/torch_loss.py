@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from flce.client import Client, to_torch
+from flce.client import Client, check_loss_options, to_torch
 
 
 class _Session:
@@ -118,6 +118,9 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         super().__init__()
         if shared_memory and cuda_ipc:
             raise ValueError("choose shared_memory or cuda_ipc, not both")
+        check_loss_options(reduction=reduction, backward_mode=backward_mode,
+                           label_smoothing=label_smoothing, logit_softcap=logit_softcap,
+                           z_loss_scale=z_loss_scale)
         self.client = Client(client) if isinstance(client, str) else client
         self.ignore_index = ignore_index
         self.reduction = reduction
