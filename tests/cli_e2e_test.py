@@ -1,9 +1,10 @@
 """End to end: the real flce_server binary and the real `flce` CLI.
 
 Starts flce_server on a free loopback port, then drives it with the CLI the
-way a user would: health, info, the smoke matrix, and forward/backward on
-.npy files checked against a NumPy float64 computation written here
-independently of the C++ reference. Ends with SIGTERM and a clean exit.
+way a user would: --help, --version and flag values, health, info, stats,
+the smoke matrix, and forward/backward on .npy files checked against a
+NumPy float64 computation written here independently of the C++ reference,
+TLS with a server-name override. Ends with SIGTERM and a clean exit.
 
 Run by Bazel (tests/BUILD) with the two binaries' paths as arguments.
 """
@@ -20,6 +21,7 @@ import numpy as np
 from server_process import ServerProcess, run_tests
 
 SERVER, CLI = sys.argv[1], sys.argv[2]
+CERTS = os.path.join(os.environ.get("TEST_SRCDIR", "."), "flce", "tests", "testdata", "tls")
 
 
 def softmax_ce_reference(x, w, b, t, ignore_index, smoothing, reduction):
@@ -49,7 +51,8 @@ class CliEndToEndTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
-        cls.server = ServerProcess(SERVER, "--backend=auto", "--session_ttl=60s")
+        cls.server = ServerProcess(SERVER, "--backend=auto", "--session_ttl=60s",
+                                   "--session_memory_bytes=2GiB")
         cls.address = cls.server.address
 
     @classmethod
@@ -64,20 +67,63 @@ class CliEndToEndTest(unittest.TestCase):
                                                       result.stdout, result.stderr))
         return result
 
+    def run_binary(self, binary, *args):
+        return subprocess.run([binary, *args], capture_output=True, text=True, timeout=60)
+
+    def test_0_help_lists_the_flags_and_exits_0(self):
+        for binary, flags in [(SERVER, ["--listen_address", "--health_address",
+                                        "--drain_timeout", "--session_memory_bytes"]),
+                              (CLI, ["--server", "--tls_server_name", "--dtype", "--raw"])]:
+            for ask in ("--help", "-h"):
+                result = self.run_binary(binary, ask)
+                self.assertEqual(result.returncode, 0, result.stderr)
+                self.assertNotIn("No flags matched", result.stdout)
+                for flag in flags:
+                    self.assertIn(flag + "  (default", result.stdout, (binary, flag))
+            version = self.run_binary(binary, "--version")
+            self.assertEqual(version.returncode, 0)
+            self.assertRegex(version.stdout, r"^flce(_server)? \d+\.\d+\.\d+\n$")
+        self.assertIn("commands:", self.run_binary(CLI, "--help").stdout)
+
+    def test_0_flag_values_name_their_forms(self):
+        for args, form in [(["--session_ttl=600"], "e.g. 600s, 10m"),
+                           (["--session_memory_bytes=16G"], "e.g. 17179869184, 16GiB"),
+                           (["--max_message_bytes=lots"], "e.g. 17179869184, 16GiB")]:
+            result = self.run_binary(SERVER, "--insecure", *args)
+            self.assertNotEqual(result.returncode, 0)
+            self.assertIn(form, result.stderr, args)
+        result = self.run_binary(CLI, "--timeout=5", "health")
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("'5' has no unit", result.stderr)
+        bad = self.flce("smoke", "--dtype=bfloat17", check=False)
+        self.assertEqual(bad.returncode, 1)
+        self.assertIn("choose bf16, fp16 or fp32", bad.stderr)
+        self.assertIn("choose mean, sum or none",
+                      self.flce("smoke", "--reduction=avg", check=False).stderr)
+
     def test_1_health_and_info(self):
         self.assertIn("SERVING", self.flce("health").stdout)
         info = self.flce("info").stdout
         self.assertRegex(info, r"backend\s+cpu")
         self.assertRegex(info, r"max_sessions\s+1024")
+        self.assertRegex(info, r"session_memory\s+2147483648 bytes")  # --session_memory_bytes=2GiB
 
     def test_2_smoke_matrix_passes(self):
         out = self.flce("smoke", "--matrix", "--n=33", "--h=17", "--v=257").stdout
         self.assertIn("PASS: 15 passed, 0 failed", out)
         self.assertNotIn("FAIL", out)
-        # The smoke runs are counted in the server's stats.
+        self.assertIn("PASS", self.flce("smoke", "--dtype=bfloat16", "--n=5").stdout)
+        # The smoke runs are counted in the server's stats: a summary...
         stats = self.flce("stats").stdout
-        self.assertRegex(stats, r'rpc: "Forward"\s+code: "OK"\s+count: (1[5-9]|[2-9]\d)')
-        self.assertIn("serving: true", stats)
+        self.assertIn("SERVING", stats)
+        self.assertRegex(stats, r"\nForward +(1[6-9]|[2-9]\d) +0 +[\d.]+ ms")
+        self.assertRegex(stats, r"\nBackward +(1[6-9]|[2-9]\d) +0 ")
+        self.assertRegex(stats, r"sessions +0 live")
+        self.assertLess(len(stats.splitlines()), 40)
+        # ... or the message.
+        raw = self.flce("stats", "--raw").stdout
+        self.assertRegex(raw, r'rpc: "Forward"\s+code: "OK"\s+count: (1[6-9]|[2-9]\d)')
+        self.assertIn("serving: true", raw)
 
     def test_3_forward_backward_on_npy_files_match_numpy(self):
         rng = np.random.default_rng(5)
@@ -91,7 +137,8 @@ class CliEndToEndTest(unittest.TestCase):
             np.save(os.path.join(self.tmp, name + ".npy"), a)
         out_dir = os.path.join(self.tmp, "out")
         os.makedirs(out_dir, exist_ok=True)
-        fwd = self.flce("forward", "--dtype=fp32", "--hidden=" + self.tmp + "/x.npy",
+        # fp32 files are computed in fp32 (no --dtype): the 1e-5 bars below.
+        fwd = self.flce("forward", "--hidden=" + self.tmp + "/x.npy",
                         "--weight=" + self.tmp + "/w.npy", "--bias_npy=" + self.tmp + "/b.npy",
                         "--target=" + self.tmp + "/t.npy", "--label_smoothing=0.1",
                         "--need_backward", "--mode=recompute", "--out=" + out_dir).stdout
@@ -114,6 +161,28 @@ class CliEndToEndTest(unittest.TestCase):
         self.assertNotEqual(again.returncode, 0)
         self.assertIn("FAILED_PRECONDITION", again.stderr)
 
+    def test_3_forward_converts_to_one_dtype_and_says_so(self):
+        rng = np.random.default_rng(6)
+        x = rng.standard_normal((9, 8)).astype(np.float16)
+        w = (rng.standard_normal((31, 8)) / 3).astype(np.float32)
+        t = rng.integers(0, 31, 9).astype(np.int32)
+        for name, a in [("x16", x), ("w32", w), ("t32", t)]:
+            np.save(os.path.join(self.tmp, name + ".npy"), a)
+        args = ["forward", "--hidden=" + self.tmp + "/x16.npy",
+                "--weight=" + self.tmp + "/w32.npy", "--target=" + self.tmp + "/t32.npy",
+                "--out=" + self.tmp]
+        fwd = self.flce(*args)
+        self.assertIn("note: --weight is fp32; sending it as fp16", fwd.stderr)
+        self.assertIn("add --need_backward", fwd.stderr)
+        self.assertNotIn("session", fwd.stdout)
+        # --dtype converts every float input, and takes NumPy's names too.
+        fwd = self.flce(*args, "--dtype=float32", "--need_backward")
+        self.assertIn("note: --hidden is fp16; sending it as fp32", fwd.stderr)
+        self.assertRegex(fwd.stdout, r"session [0-9a-f]{32}")
+        self.assertNotIn("--need_backward", fwd.stderr)
+        missing = self.flce("backward", check=False)
+        self.assertIn("--session is required", missing.stderr)
+
     def test_4_bad_input_is_rejected_and_the_server_keeps_serving(self):
         np.save(os.path.join(self.tmp, "x5.npy"), np.zeros((3, 5), np.float32) + 1)
         np.save(os.path.join(self.tmp, "w4.npy"), np.ones((7, 4), np.float32))
@@ -134,6 +203,28 @@ class CliEndToEndTest(unittest.TestCase):
         missing = self.flce("backward", "--session=" + "ab" * 16, check=False)
         self.assertIn("NOT_FOUND", missing.stderr)
         self.assertIn("SERVING", self.flce("health").stdout)
+        # The access line of a failed call says why.
+        self.assertRegex(self.server.read_log(),
+                         r'rpc=Forward .*code=OUT_OF_RANGE ms=[\d.]+ error="target\[1\] = 9')
+
+    def test_4_tls_with_a_server_name_override(self):
+        # A certificate for flce.ml.svc only, dialled by IP as a worker dials a pod.
+        server = ServerProcess(SERVER, "--backend=cpu",
+                               "--tls_cert_file=" + os.path.join(CERTS, "service_server.crt"),
+                               "--tls_key_file=" + os.path.join(CERTS, "service_server.key"),
+                               tls=True)
+        self.addCleanup(server.kill)
+        ca = "--tls_ca_file=" + os.path.join(CERTS, "service_ca.crt")
+        run = lambda *a: subprocess.run([CLI, "--server=" + server.address, "--timeout=10s", ca,
+                                         *a], capture_output=True, text=True, timeout=60)
+        refused = run("health")
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("UNAVAILABLE", refused.stderr)
+        self.assertNotEqual(run("--tls_server_name=other.ml.svc", "health").returncode, 0)
+        ok = run("--tls_server_name=flce.ml.svc", "health")
+        self.assertEqual(ok.returncode, 0, ok.stderr)
+        self.assertIn("SERVING", ok.stdout)
+        self.assertIn("PASS", run("--tls_server_name=pod-3.flce.ml.svc", "smoke").stdout)
 
     def test_5_sigterm_drains_and_exits_zero(self):
         self.server.process.send_signal(signal.SIGTERM)

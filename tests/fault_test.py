@@ -173,6 +173,23 @@ class FaultTest(unittest.TestCase):
             flce.Client(server.address, timeout=5).info()  # plaintext to a TLS port
         self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
 
+    def test_python_client_dials_by_ip_with_a_server_name(self):
+        # The certificate names flce.ml.svc (and *.flce.ml.svc) only.
+        server = ServerProcess(SERVER, "--backend=cpu",
+                               "--tls_cert_file=" + os.path.join(CERTS, "service_server.crt"),
+                               "--tls_key_file=" + os.path.join(CERTS, "service_server.key"),
+                               tls=True)
+        self.addCleanup(server.kill)
+        with open(os.path.join(CERTS, "service_ca.crt"), "rb") as f:
+            ca = f.read()
+        with self.assertRaises(flce.FlceError) as e:
+            flce.Client(server.address, timeout=5, root_certificates=ca).info()
+        self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
+        client = flce.Client(server.address, root_certificates=ca, server_name="flce.ml.svc")
+        self.addCleanup(client.close)
+        x, w, t = problem(np.random.default_rng(3))
+        self.assertEqual(client.forward(x, t, w).num_valid, len(t))
+
 
 if __name__ == "__main__":
     sys.exit(run_tests(FaultTest, "fault"))

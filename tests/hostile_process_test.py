@@ -248,6 +248,15 @@ class HostileProcessTest(unittest.TestCase):
         list_services = b"\x3a\x00"  # ServerReflectionRequest{list_services: ""}
         self.assertIn(b"flce.v1.LossService", next(iter(reflection(iter([list_services]),
                                                                    timeout=30))))
+        # ... in grpc.reflection.v1 too, with the service's file descriptor.
+        reflection_v1 = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
+        symbol = b"\x22\x13flce.v1.LossService"  # {file_containing_symbol: ...}
+        answers = list(reflection_v1(iter([list_services, symbol]), timeout=30))
+        self.assertEqual(len(answers), 2)
+        self.assertIn(b"grpc.reflection.v1.ServerReflection", answers[0])
+        self.assertIn(b"LossService", answers[1])
+        self.assertIn(b"flce/v1/loss_service.proto", answers[1])
         tokens = os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), "tokens")
         with open(tokens, "w") as f:
             f.write("alice s3cret\n")
@@ -255,11 +264,12 @@ class HostileProcessTest(unittest.TestCase):
         self.addCleanup(locked.kill)
         locked_channel = grpc.insecure_channel(locked.address)
         self.addCleanup(locked_channel.close)
-        with self.assertRaises(grpc.RpcError) as e:
-            next(iter(locked_channel.stream_stream(
-                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")(
-                    iter([list_services]), timeout=30)))
-        self.assertEqual(e.exception.code(), grpc.StatusCode.UNIMPLEMENTED)
+        for version in ("v1alpha", "v1"):
+            with self.assertRaises(grpc.RpcError) as e:
+                next(iter(locked_channel.stream_stream(
+                    f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo")(
+                        iter([list_services]), timeout=30)))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNIMPLEMENTED, version)
 
     # 7, shutdown. With a stalled stream, a metrics client sending a byte now
     # and then, and a long computation, SIGTERM still ends the process within

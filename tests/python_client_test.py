@@ -286,6 +286,28 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(e.exception.code, grpc.StatusCode.OUT_OF_RANGE)
         self.assertIn("target[1] = 9", e.exception.details)
 
+    def test_bad_options_are_value_errors_when_the_module_is_built(self):
+        for kwargs, named in [({"reduction": "avg"}, "reduction='avg': choose one of 'mean'"),
+                              ({"backward_mode": "fast"}, "backward_mode='fast'"),
+                              ({"label_smoothing": 1.0}, "label_smoothing=1.0"),
+                              ({"logit_softcap": 0.0}, "logit_softcap=0.0"),
+                              ({"z_loss_scale": -1.0}, "z_loss_scale=-1.0")]:
+            with self.assertRaises(ValueError) as e:
+                flce.RemoteLinearCrossEntropy(self.client, **kwargs)
+            self.assertIn(named, str(e.exception))
+        with self.assertRaises(ValueError):
+            self.client.forward(np.ones((2, 3), np.float32), np.array([0, 1]),
+                                np.ones((4, 3), np.float32), reduction="avg")
+
+    def test_a_host_without_a_port_means_50051(self):
+        for target, want in [("localhost", "localhost:50051"), ("10.0.0.7", "10.0.0.7:50051"),
+                             ("[::1]", "[::1]:50051"), ("::1", "[::1]:50051"),
+                             ("dns:///flce.ml.svc", "dns:///flce.ml.svc:50051"),
+                             ("localhost:7", "localhost:7"), ("[::1]:7", "[::1]:7"),
+                             ("dns:///flce.ml.svc:7", "dns:///flce.ml.svc:7"),
+                             ("unix:/run/flce.sock", "unix:/run/flce.sock")]:
+            self.assertEqual(flce.with_default_port(target), want)
+
     def test_example_training_script_learns(self):
         import train_tiny_lm
 
