@@ -174,7 +174,7 @@ int Fail(const absl::Status &status) {
   if (status.code() == absl::StatusCode::kUnavailable) {
     std::fprintf(stderr, "hint: is flce_server running at %s? (--server=host:port)\n",
                  WithDefaultPort(absl::GetFlag(FLAGS_server)).c_str());
-  } else if (status.code() == absl::StatusCode::kUnimplemented) {
+  } else if (status.code() == absl::StatusCode::kUnimplemented && status.message().empty()) {
     std::fprintf(stderr,
                  "hint: %s does not serve flce.v1.LossService (a --health_address port "
                  "serves only health); use the server's --listen_address\n",

@@ -233,6 +233,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
       return absl::UnavailableError(
           absl::StrCat("--health_address: cannot listen on ", options.health_address));
     }
+    SPDLOG_INFO("health (grpc.health.v1 only, plaintext) on port {} ({})", s->health_port_,
+                options.health_address);
   }
   s->SetServing(true);
   s->reaper_ = std::thread([raw] { raw->ReaperLoop(); });

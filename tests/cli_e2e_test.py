@@ -52,7 +52,8 @@ class CliEndToEndTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
         cls.server = ServerProcess(SERVER, "--backend=auto", "--session_ttl=60s",
-                                   "--session_memory_bytes=2GiB")
+                                   "--session_memory_bytes=2GiB",
+                                   "--health_address=127.0.0.1:0")
         cls.address = cls.server.address
 
     @classmethod
@@ -107,6 +108,17 @@ class CliEndToEndTest(unittest.TestCase):
         self.assertRegex(info, r"backend\s+cpu")
         self.assertRegex(info, r"max_sessions\s+1024")
         self.assertRegex(info, r"session_memory\s+2147483648 bytes")  # --session_memory_bytes=2GiB
+        # The health-only port answers health, and says what it is to anything else.
+        port = re.search(r"health \(grpc.health.v1 only, plaintext\) on port (\d+)",
+                         self.server.read_log()).group(1)
+        health_port = subprocess.run([CLI, "--server=127.0.0.1:" + port, "health"],
+                                     capture_output=True, text=True, timeout=60)
+        self.assertIn("SERVING", health_port.stdout)
+        wrong = subprocess.run([CLI, "--server=127.0.0.1:" + port, "info"],
+                               capture_output=True, text=True, timeout=60)
+        self.assertEqual(wrong.returncode, 1)
+        self.assertIn("UNIMPLEMENTED: this port serves only grpc.health.v1 (--health_address)",
+                      wrong.stderr)
 
     def test_2_smoke_matrix_passes(self):
         out = self.flce("smoke", "--matrix", "--n=33", "--h=17", "--v=257").stdout

@@ -2,12 +2,14 @@
 # Runs flce's whole test suite: installs what is missing, builds, runs every
 # Bazel test, then the unit/integration/security tests again under ASan and
 # UBSan (--config=asan) and the fuzzer for FUZZ_SECONDS (--config=fuzz,
-# clang + libFuzzer), each in its own Bazel output base; prints
+# clang + libFuzzer), each in its own Bazel output base, then builds and runs
+# the container image (deploy/container_test.sh, podman + buildah); prints
 # "N passed, M failed[, K skipped]" counted from the tests' own result files
-# (every test case, not every target) over all three. Exits non-zero on any
+# (every test case, not every target) over all four. Exits non-zero on any
 # failure. Tests tagged `gpu` skip cleanly without a device (REQUIRE_GPU=1
 # makes a missing device a failure). FLCE_QUICK=1 runs the first stage only.
-# Extra arguments go to the first stage's `bazel test`.
+# Extra arguments go to the first stage's `bazel test`. bazel-bin and the
+# other convenience links stay on the first stage's (the release) build.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
@@ -25,11 +27,14 @@ run_stage() {
   local patterns=()
   while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do patterns+=("$1"); shift; done
   shift
-  local startup=()
-  if [ -n "$suffix" ]; then startup=(--output_base="$(bazel info output_base 2>/dev/null)-$suffix"); fi
+  local startup=() links=()
+  if [ -n "$suffix" ]; then
+    startup=(--output_base="$(bazel info output_base 2>/dev/null)-$suffix")
+    links=(--symlink_prefix=/)  # no bazel-* links: they stay on the main build
+  fi
   echo "== $name: bazel test ${patterns[*]} $*" >&2
-  bazel "${startup[@]}" test "${patterns[@]}" --build_event_json_file="$scratch/$name.bep" "$@" \
-    || status=1
+  bazel "${startup[@]}" test "${patterns[@]}" --build_event_json_file="$scratch/$name.bep" \
+    "${links[@]}" "$@" || status=1
   local query
   query="tests($(printf '%s + ' "${patterns[@]}" | sed 's/ + $//'))"
   bazel query "$query" 2>/dev/null > "$scratch/$name.targets"
@@ -43,6 +48,13 @@ if [ -z "${FLCE_QUICK:-}" ]; then
     //tests:hostile_client_test \
     //fuzz:request_fuzz_test -- --config=asan
   run_stage fuzz fuzz //fuzz/... -- --config=fuzz --test_env=FUZZ_SECONDS="${FUZZ_SECONDS:-60}"
+  # The image, built from deploy/docker/Dockerfile and run (as root: podman's
+  # rootful mode; the base images come from debootstrap).
+  echo "== container: deploy/container_test.sh" >&2
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO deploy/container_test.sh "$scratch/container.xml" bazel-bin/client/flce || status=1
+  phases+=("container|junit:$scratch/container.xml|")
 fi
 
 /usr/bin/python3 - "${phases[@]}" <<'PY'
@@ -54,6 +66,25 @@ from urllib.parse import unquote, urlparse
 passed = failed = skipped = 0
 for phase in sys.argv[1:]:
     name, bep_path, targets_path = phase.split("|")
+    if bep_path.startswith("junit:"):  # a stage outside Bazel: its JUnit file
+        p0, f0, s0 = passed, failed, skipped
+        try:
+            cases = list(ET.parse(bep_path[len("junit:"):]).getroot().iter("testcase"))
+        except (OSError, ET.ParseError):
+            cases = []
+        if not cases:
+            print("%s: no results (did not run)" % name)
+            failed += 1
+        for case in cases:
+            if case.find("failure") is not None or case.find("error") is not None:
+                print("%s: %s failed" % (name, case.get("name")))
+                failed += 1
+            elif case.find("skipped") is not None:
+                skipped += 1
+            else:
+                passed += 1
+        print("%s: %d passed, %d failed, %d skipped" % (name, passed - p0, failed - f0, skipped - s0))
+        continue
     with open(targets_path) as f:
         targets = [line.strip() for line in f if line.strip()]
     results = {}  # label -> list of (status, test.xml path)
