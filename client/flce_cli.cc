@@ -13,17 +13,19 @@
 
 #include <unistd.h>
 
-#include <atomic>
 #include <cctype>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -172,7 +174,10 @@ std::unique_ptr<LossClient> MakeClient() {
 int Fail(const absl::Status &status) {
   std::fprintf(stderr, "error: %s\n", status.ToString().c_str());
   if (status.code() == absl::StatusCode::kUnavailable) {
-    std::fprintf(stderr, "hint: is flce_server running at %s? (--server=host:port)\n",
+    std::fprintf(stderr,
+                 "hint: is flce_server running at %s (--server=host:port), and does it speak "
+                 "what this client does (TLS: --tls_ca_file, --tls_server_name; plaintext: "
+                 "neither)?\n",
                  WithDefaultPort(absl::GetFlag(FLAGS_server)).c_str());
   } else if (status.code() == absl::StatusCode::kUnimplemented && status.message().empty()) {
     std::fprintf(stderr,
@@ -488,7 +493,10 @@ absl::Status ForwardCommand() {
   f.mode = *mode;
   f.want_lse = true;
   f.want_per_row_loss = true;
+  std::optional<Progress> progress(std::in_place);
+  progress->Phase("Forward on the server");
   auto fwd = MakeClient()->Forward(f);
+  progress.reset();
   if (!fwd.ok()) return fwd.status();
   if (fwd->loss.num_elements() == 1) {
     std::printf("loss %.9g\n", fwd->loss.data_as<float>()[0]);
@@ -529,7 +537,10 @@ absl::Status BackwardCommand() {
     g = std::move(*read);
     b.grad_output = g->view();
   }
+  std::optional<Progress> progress(std::in_place);
+  progress->Phase("Backward on the server");
   auto grads = MakeClient()->Backward(b);
+  progress.reset();
   if (!grads.ok()) return grads.status();
   std::printf("engine %.1f ms\n", grads->times.engine_ms);
   absl::Status s = Save("grad_hidden", grads->grad_hidden);

@@ -28,7 +28,9 @@ void HandleHelp(int argc, char **argv, absl::string_view main_file) {
   for (int i = 1; i < argc; ++i) {
     const absl::string_view arg = argv[i];
     if (arg == "--") break;
-    help = help || arg == "--help" || arg == "-help" || arg == "-h" || arg == "--helpshort";
+    // -h is help unless the program has a flag h (flce's hidden size).
+    help = help || arg == "--help" || arg == "-help" || arg == "--helpshort" ||
+           (arg == "-h" && absl::FindCommandLineFlag("h") == nullptr);
   }
   if (!help) return;
   std::vector<const absl::CommandLineFlag *> flags;

@@ -11,7 +11,8 @@ namespace flce {
 // <kVersion>"). Call before absl::ParseCommandLine.
 void InitUsage(absl::string_view program, absl::string_view usage);
 
-// If argv asks for help (--help, -h, -help, --helpshort), prints the usage
+// If argv asks for help (--help, -help, --helpshort; -h where the program
+// has no flag of that name), prints the usage
 // text and every flag defined in `main_file` (the file holding main(), e.g.
 // "server/main.cc"): name, default and meaning, sorted; then exits 0.
 // --helpfull stays absl's (every flag, libraries' too). Call before

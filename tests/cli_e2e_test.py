@@ -18,7 +18,7 @@ import tempfile
 import unittest
 import numpy as np
 
-from server_process import ServerProcess, run_tests
+from server_process import ServerProcess, run_tests, tls_flags
 
 SERVER, CLI = sys.argv[1], sys.argv[2]
 CERTS = os.path.join(os.environ.get("TEST_SRCDIR", "."), "flce", "tests", "testdata", "tls")
@@ -75,7 +75,7 @@ class CliEndToEndTest(unittest.TestCase):
         for binary, flags in [(SERVER, ["--listen_address", "--health_address",
                                         "--drain_timeout", "--session_memory_bytes"]),
                               (CLI, ["--server", "--tls_server_name", "--dtype", "--raw"])]:
-            for ask in ("--help", "-h"):
+            for ask in ("--help", "-help") + (("-h",) if binary == SERVER else ()):
                 result = self.run_binary(binary, ask)
                 self.assertEqual(result.returncode, 0, result.stderr)
                 self.assertNotIn("No flags matched", result.stdout)
@@ -221,9 +221,7 @@ class CliEndToEndTest(unittest.TestCase):
 
     def test_4_tls_with_a_server_name_override(self):
         # A certificate for flce.ml.svc only, dialled by IP as a worker dials a pod.
-        server = ServerProcess(SERVER, "--backend=cpu",
-                               "--tls_cert_file=" + os.path.join(CERTS, "service_server.crt"),
-                               "--tls_key_file=" + os.path.join(CERTS, "service_server.key"),
+        server = ServerProcess(SERVER, "--backend=cpu", *tls_flags(CERTS, "service_server"),
                                tls=True)
         self.addCleanup(server.kill)
         ca = "--tls_ca_file=" + os.path.join(CERTS, "service_ca.crt")

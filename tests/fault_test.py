@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 import flce
-from server_process import ServerProcess, run_tests, wait_for
+from server_process import ServerProcess, run_tests, tls_flags, wait_for
 
 SERVER = sys.argv[1]
 CERTS = os.path.join(os.environ.get("TEST_SRCDIR", "."), "flce", "tests", "testdata", "tls")
@@ -153,9 +153,7 @@ class FaultTest(unittest.TestCase):
         tokens = os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), "tokens")
         with open(tokens, "w") as f:
             f.write("carol token-carol\n")
-        server = ServerProcess(SERVER, "--backend=cpu",
-                               "--tls_cert_file=" + os.path.join(CERTS, "server.crt"),
-                               "--tls_key_file=" + os.path.join(CERTS, "server.key"),
+        server = ServerProcess(SERVER, "--backend=cpu", *tls_flags(CERTS, "server"),
                                "--auth_tokens_file=" + tokens, tls=True)
         self.addCleanup(server.kill)
         with open(os.path.join(CERTS, "ca.crt"), "rb") as f:
@@ -175,9 +173,7 @@ class FaultTest(unittest.TestCase):
 
     def test_python_client_dials_by_ip_with_a_server_name(self):
         # The certificate names flce.ml.svc (and *.flce.ml.svc) only.
-        server = ServerProcess(SERVER, "--backend=cpu",
-                               "--tls_cert_file=" + os.path.join(CERTS, "service_server.crt"),
-                               "--tls_key_file=" + os.path.join(CERTS, "service_server.key"),
+        server = ServerProcess(SERVER, "--backend=cpu", *tls_flags(CERTS, "service_server"),
                                tls=True)
         self.addCleanup(server.kill)
         with open(os.path.join(CERTS, "service_ca.crt"), "rb") as f:

@@ -17,6 +17,12 @@ def wait_for(predicate, what, timeout=30.0):
     raise AssertionError("timed out waiting for " + what)
 
 
+def tls_flags(certs, name):
+    """The server flags for tests/testdata/tls/<name>.crt and <name>.key."""
+    return ("--tls_cert_file=" + os.path.join(certs, name + ".crt"),
+            "--tls_key_file=" + os.path.join(certs, name + ".key"))
+
+
 class ServerProcess:
     """flce_server on 127.0.0.1 with the given flags; ``address`` once up.
     Plaintext (--insecure) unless ``tls`` (the flags then name the
