@@ -11,20 +11,14 @@
 //   flce backward --session=ID [--grad_output=g.npy] --out=DIR
 //   flce release --session=ID
 
-#include <unistd.h>
-
 #include <cctype>
-#include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <mutex>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -33,9 +27,11 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/loss_client.h"
 #include "client/npy.h"
+#include "client/progress.h"
 #include "client/stats_summary.h"
 #include "common/flag_types.h"
 #include "common/usage.h"
@@ -230,72 +226,6 @@ int Health() {
   std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*status).c_str());
   return *status == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
 }
-
-// What a command is doing, for a person waiting, on stderr: on a terminal,
-// one line rewritten in place once a phase has taken over a second;
-// elsewhere (a log, a pipe), a line every 5 s of a phase that lasts.
-class Progress {
- public:
-  Progress() : tty_(isatty(STDERR_FILENO) == 1), ticker_([this] { Tick(); }) {}
-  ~Progress() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      ClearLocked();
-    }
-    wake_.notify_all();
-    ticker_.join();
-  }
-  void Phase(std::string name) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ClearLocked();
-    phase_ = std::move(name);
-    fraction_ = -1;
-    start_ = absl::Now();
-    next_line_ = absl::Seconds(5);
-  }
-  void Fraction(double f) {
-    std::lock_guard<std::mutex> lock(mu_);
-    fraction_ = f;
-  }
-  void Done() { Phase(""); }
-
- private:
-  void Tick() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      wake_.wait_for(lock, std::chrono::milliseconds(250));
-      if (stop_ || phase_.empty()) continue;
-      const absl::Duration elapsed = absl::Now() - start_;
-      const std::string pct =
-          fraction_ >= 0 ? absl::StrFormat(" %.0f%%", 100 * fraction_) : std::string();
-      if (tty_ && elapsed > absl::Seconds(1)) {
-        std::fprintf(stderr, "\r  %s… %.0f s%s\x1b[K", phase_.c_str(),
-                     absl::ToDoubleSeconds(elapsed), pct.c_str());
-        printed_ = true;
-      } else if (!tty_ && elapsed >= next_line_) {
-        std::fprintf(stderr, "  %s… %.0f s%s\n", phase_.c_str(), absl::ToDoubleSeconds(elapsed),
-                     pct.c_str());
-        next_line_ += absl::Seconds(5);
-      }
-      std::fflush(stderr);
-    }
-  }
-  void ClearLocked() {
-    if (tty_ && printed_) std::fprintf(stderr, "\r\x1b[K");
-    printed_ = false;
-  }
-
-  const bool tty_;
-  std::mutex mu_;
-  std::condition_variable wake_;
-  std::string phase_;
-  double fraction_ = -1;
-  absl::Time start_;
-  absl::Duration next_line_;
-  bool printed_ = false, stop_ = false;
-  std::thread ticker_;  // last: starts once the rest is set up
-};
 
 // One smoke case: Forward + Backward on the server, judged against fp64.
 bool SmokeOne(LossClient &client, const RandomProblemSpec &spec, BackwardMode mode) {
