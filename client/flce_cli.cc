@@ -3,10 +3,8 @@
 //   flce info                          server version, backend, devices, limits
 //   flce health                        grpc.health.v1 status; exit 0 if SERVING
 //   flce stats [--raw]                 requests, latency, memory (GetStats)
-//   flce smoke [--n ... --matrix]      random problem → Forward + Backward on
-//   the
-//                                      server → compared with the fp64
-//                                      reference
+//   flce smoke [--n ... --matrix]      random problem → Forward + Backward on the
+//                                      server → compared with the fp64 reference
 //   flce forward --hidden=x.npy --weight=w.npy --target=t.npy --out=DIR
 //   flce backward --session=ID [--grad_output=g.npy] --out=DIR
 //   flce release --session=ID
@@ -59,10 +57,8 @@ ABSL_FLAG(int64_t, n, 64, "smoke: rows (tokens)");
 ABSL_FLAG(int64_t, h, 128, "smoke: hidden size");
 ABSL_FLAG(int64_t, v, 1000, "smoke: vocabulary size");
 ABSL_FLAG(std::string, dtype, "",
-          "bf16, fp16 or fp32 (also bfloat16, float16, half, float32, float). "
-          "smoke: the "
-          "problem's (default bf16); forward: what X, W and b are sent as "
-          "(default: the "
+          "bf16, fp16 or fp32 (also bfloat16, float16, half, float32, float). smoke: the "
+          "problem's (default bf16); forward: what X, W and b are sent as (default: the "
           "hidden .npy's dtype; other float inputs are converted to it)");
 ABSL_FLAG(std::string, reduction, "mean", "mean, sum or none");
 ABSL_FLAG(std::string, mode, "auto", "backward mode: auto, store_grads or recompute");
@@ -92,17 +88,17 @@ ABSL_FLAG(bool, raw, false, "stats: the GetStats message in protobuf text format
 namespace flce {
 namespace {
 
-absl::StatusOr<DType> ParseDType(const std::string &s) {
+absl::StatusOr<DType> ParseDType(const std::string& s) {
   if (s == "bf16" || s == "bfloat16") return DType::kBFloat16;
   if (s == "fp16" || s == "float16" || s == "half") return DType::kFloat16;
   if (s == "fp32" || s == "float32" || s == "float") return DType::kFloat32;
   return absl::InvalidArgumentError(
       absl::StrCat("--dtype: unknown '", s,
-                   "'; choose bf16, fp16 or fp32 (also written bfloat16, "
-                   "float16 or half, float32 or float)"));
+                   "'; choose bf16, fp16 or fp32 (also written bfloat16, float16 or half, "
+                   "float32 or float)"));
 }
 
-absl::StatusOr<Reduction> ParseReduction(const std::string &s) {
+absl::StatusOr<Reduction> ParseReduction(const std::string& s) {
   if (s == "mean") return Reduction::kMean;
   if (s == "sum") return Reduction::kSum;
   if (s == "none") return Reduction::kNone;
@@ -110,7 +106,7 @@ absl::StatusOr<Reduction> ParseReduction(const std::string &s) {
       absl::StrCat("--reduction: unknown '", s, "'; choose mean, sum or none"));
 }
 
-absl::StatusOr<BackwardMode> ParseMode(const std::string &s) {
+absl::StatusOr<BackwardMode> ParseMode(const std::string& s) {
   if (s == "auto") return BackwardMode::kAuto;
   if (s == "store_grads") return BackwardMode::kStoreGrads;
   if (s == "recompute") return BackwardMode::kRecompute;
@@ -132,7 +128,7 @@ absl::StatusOr<LossOptions> OptionsFromFlags() {
 
 // The contents of `path` without trailing whitespace; exits naming `flag`
 // if it cannot be read.
-std::string ReadOrDie(const std::string &path, const char *flag) {
+std::string ReadOrDie(const std::string& path, const char* flag) {
   std::ifstream in(path);
   if (!in) {
     std::fprintf(stderr, "error: %s: cannot read %s\n", flag, path.c_str());
@@ -161,13 +157,13 @@ std::unique_ptr<LossClient> MakeClient() {
   const std::string token_file = absl::GetFlag(FLAGS_token_file);
   if (!token_file.empty()) {
     options.token = ReadOrDie(token_file, "--token_file");
-  } else if (const char *token = std::getenv("FLCE_TOKEN")) {
+  } else if (const char* token = std::getenv("FLCE_TOKEN")) {
     options.token = token;
   }
   return LossClient::Create(absl::GetFlag(FLAGS_server), options);
 }
 
-int Fail(const absl::Status &status) {
+int Fail(const absl::Status& status) {
   std::fprintf(stderr, "error: %s\n", status.ToString().c_str());
   if (status.code() == absl::StatusCode::kUnavailable) {
     std::fprintf(stderr,
@@ -189,16 +185,14 @@ int Info() {
   if (!info.ok()) return Fail(info.status());
   std::printf("version          %s\nbackend          %s\n", info->version().c_str(),
               info->backend().c_str());
-  for (const auto &d : info->devices()) {
+  for (const auto& d : info->devices()) {
     std::printf("device           %s (%lld bytes)\n", d.name().c_str(),
                 static_cast<long long>(d.total_memory_bytes()));
   }
-  const auto &l = info->limits();
+  const auto& l = info->limits();
   std::printf(
-      "max_sessions     %lld\nsession_memory   %lld bytes\nsession_ttl      "
-      "%.0f s\n"
-      "max_message      %lld bytes\nmax_queued       %lld\nlive_sessions    "
-      "%lld\n"
+      "max_sessions     %lld\nsession_memory   %lld bytes\nsession_ttl      %.0f s\n"
+      "max_message      %lld bytes\nmax_queued       %lld\nlive_sessions    %lld\n"
       "session_bytes    %lld\nrunning          %lld\nqueued           %lld\n",
       static_cast<long long>(l.max_sessions()),
       static_cast<long long>(l.session_memory_budget_bytes()), l.session_ttl_seconds(),
@@ -228,7 +222,7 @@ int Health() {
 }
 
 // One smoke case: Forward + Backward on the server, judged against fp64.
-bool SmokeOne(LossClient &client, const RandomProblemSpec &spec, BackwardMode mode) {
+bool SmokeOne(LossClient& client, const RandomProblemSpec& spec, BackwardMode mode) {
   Progress progress;
   progress.Phase(
       absl::StrFormat("making a random %lldx%lldx%lld problem", static_cast<long long>(spec.rows),
@@ -344,7 +338,7 @@ int Smoke() {
   return failed == 0 ? 0 : 1;
 }
 
-absl::StatusOr<HostTensor> ReadInput(const std::string &path, const char *flag) {
+absl::StatusOr<HostTensor> ReadInput(const std::string& path, const char* flag) {
   if (path.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, " is required"));
   }
@@ -357,7 +351,7 @@ bool IsFloat(DType d) {
 
 // `t` as `to` (a float tensor; other dtypes are left for the server to
 // refuse), saying so on stderr when it converts.
-HostTensor ConvertTo(HostTensor t, DType to, const char *flag, const char *why) {
+HostTensor ConvertTo(HostTensor t, DType to, const char* flag, const char* why) {
   if (!IsFloat(t.dtype) || t.dtype == to) return t;
   std::fprintf(stderr, "note: --%s is %s; sending it as %s (%s)\n", flag, DTypeName(t.dtype),
                DTypeName(to), why);
@@ -367,7 +361,7 @@ HostTensor ConvertTo(HostTensor t, DType to, const char *flag, const char *why) 
   return converted;
 }
 
-absl::Status Save(const std::string &name, const HostTensor &t) {
+absl::Status Save(const std::string& name, const HostTensor& t) {
   const std::string path = absl::StrCat(absl::GetFlag(FLAGS_out), "/", name, ".npy");
   absl::Status s = WriteNpy(path, t.view());
   if (s.ok()) {
@@ -387,7 +381,7 @@ absl::Status ForwardCommand() {
   // X, W and b go as one dtype: --dtype, else the hidden states'.
   const std::string dtype_flag = absl::GetFlag(FLAGS_dtype);
   DType dtype = hidden->dtype;
-  const char *why = "the hidden states' dtype; --dtype chooses another";
+  const char* why = "the hidden states' dtype; --dtype chooses another";
   if (!dtype_flag.empty()) {
     auto parsed = ParseDType(dtype_flag);
     if (!parsed.ok()) return parsed.status();
@@ -438,8 +432,7 @@ absl::Status ForwardCommand() {
     std::printf("session %s (%s)\n", fwd->session_id.c_str(), BackwardModeName(fwd->mode));
   } else {
     std::fprintf(stderr,
-                 "note: no session kept; add --need_backward to run "
-                 "'flce backward' on this "
+                 "note: no session kept; add --need_backward to run 'flce backward' on this "
                  "loss\n");
   }
   for (auto s : {Save("loss", fwd->loss), Save("z_loss", fwd->z_loss), Save("lse", *fwd->lse),
@@ -490,16 +483,14 @@ absl::Status ReleaseCommand() {
 }  // namespace
 }  // namespace flce
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   flce::InitUsage("flce",
                   "flce COMMAND [--flags]: the command-line client of flce_server\n"
                   "commands:\n"
                   "  info       the server's version, backend, devices and limits\n"
                   "  health     grpc.health.v1 status; exit 0 if SERVING\n"
-                  "  stats      requests, errors, latency, tokens/s, memory (--raw: the "
-                  "message)\n"
-                  "  smoke      a random problem on the server, checked against an fp64 "
-                  "reference\n"
+                  "  stats      requests, errors, latency, tokens/s, memory (--raw: the message)\n"
+                  "  smoke      a random problem on the server, checked against an fp64 reference\n"
                   "  forward    Forward on your .npy files (--hidden, --weight, --target)\n"
                   "  backward   Backward of a session (--session), gradients into --out\n"
                   "  release    free a session (--session)\n"
@@ -507,11 +498,10 @@ int main(int argc, char **argv) {
                   "  flce --server=localhost:50051 health\n"
                   "  flce smoke --dtype=bf16 --n=64 --h=128 --v=1000\n"
                   "  flce smoke --matrix\n"
-                  "  flce forward --hidden=x.npy --weight=w.npy --target=t.npy "
-                  "--need_backward\n"
+                  "  flce forward --hidden=x.npy --weight=w.npy --target=t.npy --need_backward\n"
                   "  flce backward --session=ID --out=grads/");
   flce::HandleHelp(argc, argv, "client/flce_cli.cc");
-  std::vector<char *> args = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
     return 2;

@@ -12,7 +12,7 @@
 
 namespace flce {
 
-double HistogramQuantile(const v1::Histogram &h, double q) {
+double HistogramQuantile(const v1::Histogram& h, double q) {
   int64_t total = 0;
   for (int64_t c : h.counts()) total += c;
   if (total == 0) return std::nan("");
@@ -34,7 +34,7 @@ double HistogramQuantile(const v1::Histogram &h, double q) {
 }
 
 std::string HumanBytes(double bytes) {
-  static const char *kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int unit = 0;
   while (std::fabs(bytes) >= 1024 && unit < 5) {
     bytes /= 1024;
@@ -68,7 +68,7 @@ std::string Rate(double per_second) {
 
 }  // namespace
 
-std::string StatsSummary(const v1::GetStatsResponse &s) {
+std::string StatsSummary(const v1::GetStatsResponse& s) {
   std::string out =
       absl::StrCat("server      ", s.serving() ? "SERVING" : "NOT_SERVING (draining or failed)");
   if (s.uptime_seconds() > 0) absl::StrAppend(&out, ", up ", Uptime(s.uptime_seconds()));
@@ -78,7 +78,7 @@ std::string StatsSummary(const v1::GetStatsResponse &s) {
   std::map<std::string, int64_t> ok, errors;
   std::map<std::string, std::map<std::string, int64_t>> by_code;
   std::set<std::string> rpcs;
-  for (const auto &r : s.requests()) {
+  for (const auto& r : s.requests()) {
     rpcs.insert(r.rpc());
     if (r.code() == "OK") {
       ok[r.rpc()] += r.count();
@@ -87,14 +87,14 @@ std::string StatsSummary(const v1::GetStatsResponse &s) {
       by_code[r.rpc()][r.code()] += r.count();
     }
   }
-  for (const auto &[rpc, h] : s.request_duration()) rpcs.insert(rpc);
+  for (const auto& [rpc, h] : s.request_duration()) rpcs.insert(rpc);
   if (rpcs.empty()) {
     absl::StrAppend(&out, "no requests yet\n");
   } else {
     absl::StrAppend(
         &out, absl::StrFormat("%-22s %8s %7s %10s %10s %11s %11s %10s\n", "rpc", "ok", "errors",
                               "p50", "p99", "engine p50", "engine p99", "tokens/s"));
-    for (const std::string &rpc : rpcs) {
+    for (const std::string& rpc : rpcs) {
       const auto latency = s.request_duration().find(rpc);
       const auto engine = s.engine_duration().find(rpc);
       const auto tokens = s.tokens().find(rpc);
@@ -113,9 +113,9 @@ std::string StatsSummary(const v1::GetStatsResponse &s) {
       absl::StrAppend(&out, absl::StrFormat("%-22s %8d %7d %10s %10s %11s %11s %10s\n", rpc,
                                             ok[rpc], errors[rpc], p50, p99, e50, e99, rate));
     }
-    for (const auto &[rpc, codes] : by_code) {
+    for (const auto& [rpc, codes] : by_code) {
       std::vector<std::string> parts;
-      for (const auto &[code, count] : codes) parts.push_back(absl::StrCat(code, " ", count));
+      for (const auto& [code, count] : codes) parts.push_back(absl::StrCat(code, " ", count));
       absl::StrAppend(&out, "  errors of ", rpc, ": ", absl::StrJoin(parts, ", "), "\n");
     }
   }
@@ -124,8 +124,8 @@ std::string StatsSummary(const v1::GetStatsResponse &s) {
                   "per engine second)\n\n");
 
   int64_t received = 0, sent = 0;
-  for (const auto &[rpc, b] : s.received_bytes()) received += b;
-  for (const auto &[rpc, b] : s.sent_bytes()) sent += b;
+  for (const auto& [rpc, b] : s.received_bytes()) received += b;
+  for (const auto& [rpc, b] : s.sent_bytes()) sent += b;
   absl::StrAppend(
       &out,
       absl::StrFormat("queue       %d queued, %d running; wait p50 %s, p99 %s\n",

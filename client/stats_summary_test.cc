@@ -48,8 +48,8 @@ TEST(StatsSummaryTest, ShowsRequestsErrorsLatencyTokensAndMemory) {
   v1::GetStatsResponse s;
   s.set_serving(true);
   s.set_uptime_seconds(3725);
-  auto add = [&](const char *rpc, const char *code, int64_t n) {
-    auto *r = s.add_requests();
+  auto add = [&](const char* rpc, const char* code, int64_t n) {
+    auto* r = s.add_requests();
     r->set_rpc(rpc);
     r->set_code(code);
     r->set_count(n);

@@ -13,19 +13,14 @@ namespace flce {
 namespace {
 
 constexpr const char kByteForms[] =
-    "expected a byte count: an integer, or a number with a unit (B, KiB, MiB, "
-    "GiB, TiB, "
-    "also written Ki, Mi, Gi, Ti; or decimal KB, MB, GB, TB), e.g. "
-    "17179869184, 16GiB, "
-    "512MiB";
+    "expected a byte count: an integer, or a number with a unit (B, KiB, MiB, GiB, TiB, also "
+    "written Ki, Mi, Gi, Ti; or decimal KB, MB, GB, TB), e.g. 17179869184, 16GiB, 512MiB";
 
 constexpr const char kDurationForms[] =
-    "expected a duration with its unit (ns, us, ms, s, m, h), e.g. 600s, 10m, "
-    "1h30m, 250ms; "
-    "or 0";
+    "expected a duration with its unit (ns, us, ms, s, m, h), e.g. 600s, 10m, 1h30m, 250ms; or 0";
 
 struct Unit {
-  const char *name;
+  const char* name;
   double scale;
 };
 
@@ -38,7 +33,7 @@ constexpr Unit kUnits[] = {
 
 }  // namespace
 
-bool AbslParseFlag(absl::string_view text, ByteCount *out, std::string *error) {
+bool AbslParseFlag(absl::string_view text, ByteCount* out, std::string* error) {
   text = absl::StripAsciiWhitespace(text);
   int64_t integer = 0;
   if (absl::SimpleAtoi(text, &integer)) {
@@ -49,7 +44,7 @@ bool AbslParseFlag(absl::string_view text, ByteCount *out, std::string *error) {
     out->bytes = integer;
     return true;
   }
-  for (const Unit &unit : kUnits) {
+  for (const Unit& unit : kUnits) {
     absl::string_view number = text;
     if (!absl::ConsumeSuffix(&number, unit.name)) continue;
     number = absl::StripTrailingAsciiWhitespace(number);
@@ -70,10 +65,10 @@ bool AbslParseFlag(absl::string_view text, ByteCount *out, std::string *error) {
 }
 
 std::string AbslUnparseFlag(ByteCount value) {
-  static constexpr std::pair<int, const char *> kBinary[] = {
+  static constexpr std::pair<int, const char*> kBinary[] = {
       {40, "TiB"}, {30, "GiB"}, {20, "MiB"}, {10, "KiB"}};
   if (value.bytes > 0) {
-    for (const auto &[shift, name] : kBinary) {
+    for (const auto& [shift, name] : kBinary) {
       const int64_t unit = int64_t{1} << shift;
       if (value.bytes % unit == 0) return absl::StrCat(value.bytes / unit, name);
     }
@@ -81,7 +76,7 @@ std::string AbslUnparseFlag(ByteCount value) {
   return absl::StrCat(value.bytes);
 }
 
-bool AbslParseFlag(absl::string_view text, DurationFlag *out, std::string *error) {
+bool AbslParseFlag(absl::string_view text, DurationFlag* out, std::string* error) {
   text = absl::StripAsciiWhitespace(text);
   if (text == "0") {
     out->value = absl::ZeroDuration();

@@ -20,7 +20,7 @@ struct ByteCount {
   int64_t bytes = 0;
 };
 
-bool AbslParseFlag(absl::string_view text, ByteCount *out, std::string *error);
+bool AbslParseFlag(absl::string_view text, ByteCount* out, std::string* error);
 // The shortest exact form: "16GiB", "64KiB", or the integer.
 std::string AbslUnparseFlag(ByteCount value);
 
@@ -32,7 +32,7 @@ struct DurationFlag {
   absl::Duration value;
 };
 
-bool AbslParseFlag(absl::string_view text, DurationFlag *out, std::string *error);
+bool AbslParseFlag(absl::string_view text, DurationFlag* out, std::string* error);
 std::string AbslUnparseFlag(DurationFlag value);
 
 }  // namespace flce

@@ -11,14 +11,14 @@ namespace {
 
 using ::testing::HasSubstr;
 
-int64_t Bytes(const std::string &text) {
+int64_t Bytes(const std::string& text) {
   ByteCount b;
   std::string error;
   EXPECT_TRUE(absl::ParseFlag(text, &b, &error)) << text << ": " << error;
   return b.bytes;
 }
 
-std::string ByteError(const std::string &text) {
+std::string ByteError(const std::string& text) {
   ByteCount b;
   std::string error;
   EXPECT_FALSE(absl::ParseFlag(text, &b, &error)) << text;
@@ -39,7 +39,7 @@ TEST(ByteCountTest, TakesIntegersAndUnits) {
 }
 
 TEST(ByteCountTest, RefusalsNameTheForms) {
-  for (const char *bad : {"16G", "sixteen", "GiB", "-1", "-2GiB", "16 gib", ""}) {
+  for (const char* bad : {"16G", "sixteen", "GiB", "-1", "-2GiB", "16 gib", ""}) {
     EXPECT_THAT(ByteError(bad), HasSubstr("e.g. 17179869184, 16GiB")) << bad;
   }
   EXPECT_THAT(ByteError("9000000TiB"), HasSubstr("2^63"));
@@ -57,8 +57,8 @@ TEST(ByteCountTest, UnparsesToTheShortestExactForm) {
 }
 
 TEST(DurationFlagTest, TakesDurationsWithUnits) {
-  for (const auto &[text, want] :
-       {std::pair<const char *, absl::Duration>{"600s", absl::Seconds(600)},
+  for (const auto& [text, want] :
+       {std::pair<const char*, absl::Duration>{"600s", absl::Seconds(600)},
         {"10m", absl::Minutes(10)},
         {"1h30m", absl::Minutes(90)},
         {"250ms", absl::Milliseconds(250)},

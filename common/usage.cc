@@ -23,7 +23,7 @@ void InitUsage(absl::string_view program, absl::string_view usage) {
   absl::SetFlagsUsageConfig(config);
 }
 
-void HandleHelp(int argc, char **argv, absl::string_view main_file) {
+void HandleHelp(int argc, char** argv, absl::string_view main_file) {
   bool help = false;
   for (int i = 1; i < argc; ++i) {
     const absl::string_view arg = argv[i];
@@ -33,14 +33,14 @@ void HandleHelp(int argc, char **argv, absl::string_view main_file) {
            (arg == "-h" && absl::FindCommandLineFlag("h") == nullptr);
   }
   if (!help) return;
-  std::vector<const absl::CommandLineFlag *> flags;
-  for (const auto &[name, flag] : absl::GetAllFlags()) {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
     if (absl::EndsWith(flag->Filename(), main_file)) flags.push_back(flag);
   }
   std::sort(flags.begin(), flags.end(),
-            [](const auto *a, const auto *b) { return a->Name() < b->Name(); });
+            [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
   std::string text = absl::StrCat(absl::ProgramUsageMessage(), "\n\nflags:\n");
-  for (const absl::CommandLineFlag *flag : flags) {
+  for (const absl::CommandLineFlag* flag : flags) {
     std::string value = flag->DefaultValue();
     if (value.empty()) value = "\"\"";
     absl::StrAppend(&text, "  --", flag->Name(), "  (default ", value, ")\n      ", flag->Help(),

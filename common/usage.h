@@ -17,7 +17,7 @@ void InitUsage(absl::string_view program, absl::string_view usage);
 // "server/main.cc"): name, default and meaning, sorted; then exits 0.
 // --helpfull stays absl's (every flag, libraries' too). Call before
 // absl::ParseCommandLine.
-void HandleHelp(int argc, char **argv, absl::string_view main_file);
+void HandleHelp(int argc, char** argv, absl::string_view main_file);
 
 }  // namespace flce
 
