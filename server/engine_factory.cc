@@ -12,13 +12,7 @@ namespace {
 
 absl::StatusOr<std::unique_ptr<LossEngine>> CreateCudaEngine(const EngineOptions& options) {
 #ifdef FLCE_WITH_CUDA
-  CudaEngineOptions cuda;
-  cuda.device = options.cuda_device;
-  cuda.lanes = options.cuda_lanes;
-  cuda.chunk_bytes = options.cuda_chunk_bytes;
-  cuda.tune_gemms = options.cuda_tune_gemms;
-  cuda.one_pass_rows = options.cuda_one_pass_rows;
-  absl::StatusOr<std::unique_ptr<CudaEngine>> engine = CudaEngine::Create(cuda);
+  absl::StatusOr<std::unique_ptr<CudaEngine>> engine = CudaEngine::Create(options.cuda);
   if (!engine.ok()) return engine.status();
   return std::unique_ptr<LossEngine>(std::move(*engine));
 #else

@@ -6,17 +6,14 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/cpu/cpu_engine.h"
+#include "kernels/cuda/cuda_engine_options.h"
 #include "kernels/loss_engine.h"
 
 namespace flce {
 
 struct EngineOptions {
   CpuEngineOptions cpu;
-  int cuda_device = 0;
-  int cuda_lanes = 2;
-  int64_t cuda_chunk_bytes = int64_t{1016} << 20;
-  bool cuda_tune_gemms = true;
-  bool cuda_one_pass_rows = true;
+  CudaEngineOptions cuda;  // used when the build has the CUDA engine
 };
 
 // True if this build has the CUDA engine.

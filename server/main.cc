@@ -70,17 +70,24 @@ ABSL_FLAG(int, max_queued_requests, 64,
           "requests that may wait for a worker; more are RESOURCE_EXHAUSTED");
 ABSL_FLAG(flce::ByteCount, max_message_bytes, flce::ByteCount{int64_t{256} << 20},
           "largest request or response message");
-ABSL_FLAG(flce::ByteCount, cpu_chunk_bytes, flce::ByteCount{int64_t{64} << 20},
+ABSL_FLAG(flce::ByteCount, cpu_chunk_bytes, flce::ByteCount{flce::CpuEngineOptions().chunk_bytes},
           "CPU engine: bytes of fp32 logits per token chunk");
-ABSL_FLAG(int, cuda_device, 0, "CUDA engine: device ordinal");
-ABSL_FLAG(int, cuda_lanes, 2, "CUDA engine: concurrent calls (streams)");
+ABSL_FLAG(flce::ByteCount, cpu_workspace_cache_bytes,
+          flce::ByteCount{flce::CpuEngineOptions().workspace_cache_bytes},
+          "CPU engine: freed workspace (logits chunks, converted weights) kept for reuse");
+ABSL_FLAG(int, cuda_device, flce::CudaEngineOptions().device, "CUDA engine: device ordinal");
+ABSL_FLAG(int, cuda_lanes, flce::CudaEngineOptions().lanes,
+          "CUDA engine: concurrent calls (streams)");
 ABSL_FLAG(flce::ByteCount, cuda_chunk_bytes,
-          flce::ByteCount{flce::EngineOptions().cuda_chunk_bytes},
+          flce::ByteCount{flce::CudaEngineOptions().chunk_bytes},
           "CUDA engine: most bytes of logits (input dtype) per token chunk");
-ABSL_FLAG(bool, cuda_tune_gemms, flce::EngineOptions().cuda_tune_gemms,
+ABSL_FLAG(int64_t, cuda_min_slice_columns, flce::CudaEngineOptions().min_slice_columns,
+          "CUDA engine: RECOMPUTE's backward takes all rows at once over vocabulary slices of "
+          "at least this many columns when they fit --cuda_chunk_bytes, else token chunks");
+ABSL_FLAG(bool, cuda_tune_gemms, flce::CudaEngineOptions().tune_gemms,
           "CUDA engine: time each GEMM shape's cuBLASLt candidates on its first call and keep "
           "the fastest that gives cuBLAS's default bits (that call waits for the trials)");
-ABSL_FLAG(bool, cuda_one_pass_rows, flce::EngineOptions().cuda_one_pass_rows,
+ABSL_FLAG(bool, cuda_one_pass_rows, flce::CudaEngineOptions().one_pass_rows,
           "CUDA engine: STORE_GRADS reads each logit once where it can (bf16/fp32 without "
           "label smoothing); false: always twice");
 ABSL_FLAG(std::string, tls_cert_file, "",
@@ -194,11 +201,13 @@ int main(int argc, char** argv) {
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   options.engine.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes).bytes;
-  options.engine.cuda_device = absl::GetFlag(FLAGS_cuda_device);
-  options.engine.cuda_lanes = absl::GetFlag(FLAGS_cuda_lanes);
-  options.engine.cuda_chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes).bytes;
-  options.engine.cuda_tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
-  options.engine.cuda_one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
+  options.engine.cpu.workspace_cache_bytes = absl::GetFlag(FLAGS_cpu_workspace_cache_bytes).bytes;
+  options.engine.cuda.device = absl::GetFlag(FLAGS_cuda_device);
+  options.engine.cuda.lanes = absl::GetFlag(FLAGS_cuda_lanes);
+  options.engine.cuda.chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes).bytes;
+  options.engine.cuda.min_slice_columns = absl::GetFlag(FLAGS_cuda_min_slice_columns);
+  options.engine.cuda.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
+  options.engine.cuda.one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
 
   absl::StatusOr<std::unique_ptr<flce::LossServer>> server =
       flce::LossServer::Start(options);

@@ -72,8 +72,13 @@ class CliEndToEndTest(unittest.TestCase):
         return subprocess.run([binary, *args], capture_output=True, text=True, timeout=60)
 
     def test_0_help_lists_the_flags_and_exits_0(self):
+        # Every engine option (CpuEngineOptions, CudaEngineOptions) has its flag.
+        engine_flags = ["--cpu_chunk_bytes", "--cpu_workspace_cache_bytes", "--cuda_device",
+                        "--cuda_lanes", "--cuda_chunk_bytes", "--cuda_min_slice_columns",
+                        "--cuda_tune_gemms", "--cuda_one_pass_rows"]
         for binary, flags in [(SERVER, ["--listen_address", "--health_address",
-                                        "--drain_timeout", "--session_memory_bytes"]),
+                                        "--drain_timeout", "--session_memory_bytes"] +
+                               engine_flags),
                               (CLI, ["--server", "--tls_server_name", "--dtype", "--raw"])]:
             for ask in ("--help", "-help") + (("-h",) if binary == SERVER else ()):
                 result = self.run_binary(binary, ask)

@@ -1,0 +1,40 @@
+#ifndef FLCE_KERNELS_CUDA_CUDA_ENGINE_OPTIONS_H_
+#define FLCE_KERNELS_CUDA_CUDA_ENGINE_OPTIONS_H_
+
+// The CUDA engine's options, defined once: plain C++ without CUDA, so that
+// the server embeds them (server/engine_factory.h) and maps each to a flag
+// (server/main.cc) in builds without a toolkit too.
+
+#include <cstdint>
+
+namespace flce {
+
+struct CudaEngineOptions {
+  int device = 0;
+  // Calls that run concurrently, each on its own stream and cuBLAS handle.
+  int lanes = 2;
+  // Upper bound on the logits chunk (rows × V in the input dtype); a chunk
+  // holds at least kMinChunkRows rows. Large chunks keep the GEMMs near
+  // peak and re-read the fp32 dW accumulator less often; the chunk is most
+  // of the engine's memory beyond X, W, dX, dW (the default leaves 8 MiB of
+  // a GiB for the per-row buffers).
+  int64_t chunk_bytes = int64_t{1016} << 20;
+  // The RECOMPUTE backward takes all rows at once, slicing the vocabulary
+  // (rows × slice columns within chunk_bytes), when a slice of at least
+  // this many columns fits; else it runs over token chunks like Forward.
+  int64_t min_slice_columns = 2048;
+  // The first GEMM of each shape (beta 0) times cuBLAS's default algorithm
+  // against cuBLASLt's other candidates and keeps the fastest whose output
+  // is bit-identical to the default's (GemmRunner): results never change,
+  // the first call of a shape waits for the trials.
+  bool tune_gemms = true;
+  // STORE_GRADS Forward reads each logit once where the rows allow it
+  // (no label smoothing, bf16 or fp32: LaunchOnePassRows), else twice. A call whose
+  // rows fall outside the one-pass kernel's range runs again with two
+  // passes (forward_reruns()). Off: always two passes (benchmarks compare).
+  bool one_pass_rows = true;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_CUDA_CUDA_ENGINE_OPTIONS_H_
