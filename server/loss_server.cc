@@ -180,7 +180,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   limits.max_message_bytes = options.max_message_bytes;
   s->service_ = std::make_unique<LossServiceImpl>(
       s->core_.get(), s->queue_.get(), limits, s->admission_.get(), s->shared_memory_.get(),
-      s->auth_.get(), &s->metrics_, [raw] { return raw->Metrics().gauges; },
+      s->auth_.get(), &s->metrics_, [raw] { return raw->CurrentGauges(); },
       [raw] { raw->MarkUnhealthy(); });
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -290,7 +290,9 @@ int LossServer::metrics_port() const {
   return metrics_http_ ? metrics_http_->port() : 0;
 }
 
-MetricsSnapshot LossServer::Metrics() const {
+MetricsSnapshot LossServer::Metrics() const { return metrics_.Snapshot(CurrentGauges()); }
+
+Gauges LossServer::CurrentGauges() const {
   Gauges g;
   g.queued_requests = queue_->queued();
   g.running_requests = queue_->running();
@@ -308,7 +310,7 @@ MetricsSnapshot LossServer::Metrics() const {
   g.serving = serving_.load();
   g.sessions_expired = sessions_->expired_total();
   g.engine_forward_reruns = engine_->forward_reruns();
-  return metrics_.Snapshot(g);
+  return g;
 }
 
 void LossServer::MarkUnhealthy() {

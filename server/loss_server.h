@@ -94,6 +94,8 @@ class LossServer {
 
   // The counters and the current gauges (what /metrics and GetStats show).
   MetricsSnapshot Metrics() const;
+  // The gauges alone, read from their owners now.
+  Gauges CurrentGauges() const;
   const LossEngine& engine() const { return *engine_; }
 
   // Turns health NOT_SERVING for good (the engine reported a sticky failure).

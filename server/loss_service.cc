@@ -1059,12 +1059,9 @@ class TakeGradReactor final : public WriteStream {
     DType dtype = DType::kFloat32;
     if (r.dtype() != v1::DTYPE_UNSPECIFIED) {
       FLCE_ASSIGN_OR_RETURN(dtype, FromProto(r.dtype(), "dtype"));
-      if (dtype != DType::kFloat32 && dtype != weight_->weight().dtype) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "dtype: ", DTypeName(dtype), " not supported; expected fp32 or the weight's ",
-            DTypeName(weight_->weight().dtype)));
-      }
     }
+    // Refused before anything is taken.
+    FLCE_RETURN_IF_ERROR(weight_->CheckGradDType(dtype, "dtype"));
     FLCE_ASSIGN_OR_RETURN(RegisteredWeight::Grad grad,
                           weight_->TakeGrad(/*pending=*/true, r.resume_take()));
     grad_ = std::move(grad);
@@ -1078,12 +1075,7 @@ class TakeGradReactor final : public WriteStream {
         weight_->ConfirmTake();
       }
     });
-    const int64_t elem = DTypeSize(dtype);
-    const int64_t dw = grad_->dw.num_elements();
-    const int64_t db = grad_->db ? grad_->db->num_elements() : 0;
-    payload_.resize(static_cast<size_t>((dw + db) * elem));
-    FromFloat(dtype, grad_->dw.data_as<float>(), dw, &payload_[0]);
-    if (grad_->db) FromFloat(dtype, grad_->db->data_as<float>(), db, &payload_[dw * elem]);
+    FLCE_ASSIGN_OR_RETURN(payload_, weight_->GradBytes(*grad_, dtype, "dtype"));
     v1::WeightGradHeader* header = chunk_.mutable_header();
     FillWeightInfo(*weight_, header->mutable_weight());
     header->set_dtype(ToProto(dtype));

@@ -212,6 +212,25 @@ std::optional<GradientDestination> RegisteredWeight::DeviceGrad::db() const
 
 void RegisteredWeight::DeviceGrad::Added() { ++weight_->device_backwards_; }
 
+absl::Status RegisteredWeight::CheckGradDType(DType dtype, absl::string_view field) const {
+  if (dtype == DType::kFloat32 || dtype == weight_.dtype) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", DTypeName(dtype),
+                                                 " not supported; expected fp32 or the weight's ",
+                                                 DTypeName(weight_.dtype)));
+}
+
+absl::StatusOr<std::string> RegisteredWeight::GradBytes(const Grad& grad, DType dtype,
+                                                        absl::string_view field) const {
+  FLCE_RETURN_IF_ERROR(CheckGradDType(dtype, field));
+  const int64_t elem = DTypeSize(dtype);
+  const int64_t dw = grad.dw.num_elements();
+  const int64_t db = grad.db ? grad.db->num_elements() : 0;
+  std::string bytes(static_cast<size_t>((dw + db) * elem), '\0');
+  FromFloat(dtype, grad.dw.data_as<float>(), dw, &bytes[0]);
+  if (grad.db) FromFloat(dtype, grad.db->data_as<float>(), db, &bytes[dw * elem]);
+  return bytes;
+}
+
 void RegisteredWeight::RestoreGrad(Grad grad) {
   absl::MutexLock lock(&mu_);
   MergeGrad(std::move(grad));

@@ -124,6 +124,13 @@ class RegisteredWeight {
   // Puts a taken gradient back (its delivery failed), so nothing is lost.
   void RestoreGrad(Grad grad);
 
+  // A gradient is given in fp32 as summed, or rounded once to the weight's
+  // own dtype; INVALID_ARGUMENT naming `field` for any other dtype.
+  absl::Status CheckGradDType(DType dtype, absl::string_view field) const;
+  // `grad`'s bytes in `dtype` (dW then db, little-endian).
+  absl::StatusOr<std::string> GradBytes(const Grad& grad, DType dtype,
+                                        absl::string_view field) const;
+
   int64_t accumulated_backwards() const;
 
   // The accumulator on the engine's device, held by one Backward at a time

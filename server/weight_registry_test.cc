@@ -137,6 +137,35 @@ TEST(WeightRegistryTest, GradientAccumulatesTakesAndRestores) {
   EXPECT_EQ(again->dw.data_as<float>()[0], 4.0f);
 }
 
+TEST(WeightRegistryTest, GradBytesAreFp32OrTheWeightsDTypeRoundedOnce) {
+  WeightRegistry registry(1 << 20);
+  HostTensor w16(DType::kBFloat16, {2, 2});
+  HostTensor b16(DType::kBFloat16, {2});
+  auto w = *registry.Put("w", "", std::move(w16), std::move(b16));
+  HostTensor db(DType::kFloat32, {2});
+  db.mutable_data<float>()[0] = db.mutable_data<float>()[1] = 0.5f;
+  w->AccumulateGrad(Weight(2, 2, 1.0f + 1.0f / 512), db);  // not a bf16 value
+  auto grad = w->TakeGrad();
+  ASSERT_TRUE(grad.ok());
+  auto fp32 = w->GradBytes(*grad, DType::kFloat32, "dtype");
+  ASSERT_TRUE(fp32.ok());
+  ASSERT_EQ(fp32->size(), 6 * 4u);
+  float first;
+  std::memcpy(&first, fp32->data(), 4);
+  EXPECT_EQ(first, 1.0f + 1.0f / 512);
+  auto bf16 = w->GradBytes(*grad, DType::kBFloat16, "dtype");
+  ASSERT_TRUE(bf16.ok());
+  ASSERT_EQ(bf16->size(), 6 * 2u);
+  uint16_t bits;
+  std::memcpy(&bits, bf16->data(), 2);
+  EXPECT_EQ(bits, 0x3f80);  // 1 + 2^-9 rounds to 1 in bf16 (ties to even)
+  std::memcpy(&bits, bf16->data() + 4 * 2, 2);
+  EXPECT_EQ(bits, 0x3f00);  // db's 0.5 after dW's four elements
+  EXPECT_THAT(w->GradBytes(*grad, DType::kFloat16, "dtype"),
+              StatusIs(Code::kInvalidArgument, HasSubstr("dtype: fp16 not supported")));
+  EXPECT_TRUE(w->CheckGradDType(DType::kBFloat16, "dtype").ok());
+}
+
 // Large gradients are summed on OpenBLAS's threads: the same bits as adding
 // element by element in fp32.
 TEST(WeightRegistryTest, LargeGradientsSumExactlyAsPlainFloatAdds) {
