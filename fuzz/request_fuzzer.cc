@@ -23,13 +23,13 @@ namespace {
 // One host region "region" of 4 KiB, for slices to name.
 class FakeRegions : public SliceResolver {
  public:
-  absl::StatusOr<SliceMemory> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
+  absl::StatusOr<SliceMemory> Resolve(const SliceRef& slice, int64_t bytes,
                                       const std::string& field) const override {
-    if (slice.region_id() != "region") return absl::NotFoundError(field);
-    if (slice.offset() < 0 || bytes < 0 || slice.offset() > kBytes - bytes) {
+    if (slice.region_id != "region") return absl::NotFoundError(field);
+    if (slice.offset < 0 || bytes < 0 || slice.offset > kBytes - bytes) {
       return absl::InvalidArgumentError(field);
     }
-    return SliceMemory{const_cast<char*>(memory_) + slice.offset(), MemorySpace::kHost};
+    return SliceMemory{const_cast<char*>(memory_) + slice.offset, MemorySpace::kHost};
   }
 
  private:

@@ -153,7 +153,7 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& f
       return absl::FailedPreconditionError(absl::StrCat(
           field, ": shared memory is not enabled on this server (--enable_shared_memory)"));
     }
-    auto memory = shm->Resolve(tensor.shm(), expected, field);
+    auto memory = shm->Resolve(ToSliceRef(tensor.shm()), expected, field);
     if (!memory.ok()) return memory.status();
     if (memory->space != MemorySpace::kHost && !allow_device) {
       return absl::InvalidArgumentError(absl::StrCat(

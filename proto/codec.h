@@ -34,13 +34,25 @@ struct SliceMemory {
 };
 
 // Finds the memory of a shared-memory slice.
+// Where bytes live in a registered shared-memory region: the wire's
+// SharedMemorySlice as the server's own type, so that what lies below the
+// decoding (LossCore) sees no wire type.
+struct SliceRef {
+  std::string region_id;
+  int64_t offset = 0;  // bytes from the region's start
+};
+
+inline SliceRef ToSliceRef(const v1::SharedMemorySlice& slice) {
+  return SliceRef{slice.region_id(), slice.offset()};
+}
+
 class SliceResolver {
  public:
   virtual ~SliceResolver() = default;
   // The address of `bytes` bytes at `slice`, valid as long as this resolver.
   // NOT_FOUND for an unknown region, INVALID_ARGUMENT (naming `field`) if the
   // bytes do not lie inside it.
-  virtual absl::StatusOr<SliceMemory> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
+  virtual absl::StatusOr<SliceMemory> Resolve(const SliceRef& slice, int64_t bytes,
                                               const std::string& field) const = 0;
   // After a call: OK unless memory resolved by this resolver was taken
   // away under it (a client shrank its shared-memory object), in which case

@@ -114,7 +114,7 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   const int64_t dw_bytes = lease.info.vocab * lease.info.hidden * elem;
   const int64_t db_bytes = lease.info.has_bias ? lease.info.vocab * elem : 0;
   BackwardSpec spec;
-  auto resolve = [&](const std::optional<v1::SharedMemorySlice>& slice, int64_t bytes,
+  auto resolve = [&](const std::optional<SliceRef>& slice, int64_t bytes,
                      const char* field, std::optional<GradientDestination>* to) -> absl::Status {
     if (!slice || !status.ok()) return status;
     FLCE_ASSIGN_OR_RETURN(SliceMemory memory, call.shm->Resolve(*slice, bytes, field));

@@ -217,9 +217,9 @@ absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& r,
                                             std::shared_ptr<SliceResolver> shm) {
   BackwardCall call;
   call.shm = std::move(shm);
-  if (r.has_grad_hidden_out()) call.grad_hidden_out = r.grad_hidden_out();
-  if (r.has_grad_weight_out()) call.grad_weight_out = r.grad_weight_out();
-  if (r.has_grad_bias_out()) call.grad_bias_out = r.grad_bias_out();
+  if (r.has_grad_hidden_out()) call.grad_hidden_out = ToSliceRef(r.grad_hidden_out());
+  if (r.has_grad_weight_out()) call.grad_weight_out = ToSliceRef(r.grad_weight_out());
+  if (r.has_grad_bias_out()) call.grad_bias_out = ToSliceRef(r.grad_bias_out());
   if ((call.grad_hidden_out || call.grad_weight_out || call.grad_bias_out) && !call.shm) {
     return absl::FailedPreconditionError(
         "grad_*_out: shared memory is not enabled on this server (--enable_shared_memory)");

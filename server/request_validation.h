@@ -54,7 +54,7 @@ struct BackwardCall {
   std::optional<DType> grad_dtype;
   bool accumulate_weight_grad = false;
   // Shared-memory destinations of the gradients, if asked for.
-  std::optional<v1::SharedMemorySlice> grad_hidden_out, grad_weight_out, grad_bias_out;
+  std::optional<SliceRef> grad_hidden_out, grad_weight_out, grad_bias_out;
   std::shared_ptr<SliceResolver> shm;
   // Largest response the gradients may make (a unary Backward); 0: no
   // bound (streamed).

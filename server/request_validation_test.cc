@@ -63,12 +63,12 @@ TEST_F(RequestValidationTest, ValidRequestDecodes) {
 class OneRegion : public SliceResolver {
  public:
   explicit OneRegion(std::string* memory) : memory_(memory) {}
-  absl::StatusOr<SliceMemory> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
+  absl::StatusOr<SliceMemory> Resolve(const SliceRef& slice, int64_t bytes,
                                       const std::string&) const override {
-    if (slice.offset() + bytes > static_cast<int64_t>(memory_->size())) {
+    if (slice.offset + bytes > static_cast<int64_t>(memory_->size())) {
       return absl::InvalidArgumentError("out of the region");
     }
-    return SliceMemory{&(*memory_)[slice.offset()], MemorySpace::kHost};
+    return SliceMemory{&(*memory_)[slice.offset], MemorySpace::kHost};
   }
 
  private:

@@ -70,28 +70,28 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
   Holds(const SharedMemoryRegistry* registry, std::string principal)
       : registry_(registry), principal_(std::move(principal)) {}
 
-  absl::StatusOr<SliceMemory> Resolve(const v1::SharedMemorySlice& slice, int64_t bytes,
+  absl::StatusOr<SliceMemory> Resolve(const SliceRef& slice, int64_t bytes,
                                       const std::string& field) const override {
     std::shared_ptr<SharedRegion> region;
     {
       absl::MutexLock lock(&registry_->mu_);
-      auto it = registry_->regions_.find(slice.region_id());
+      auto it = registry_->regions_.find(slice.region_id);
       if (it == registry_->regions_.end() || it->second.principal != principal_) {
         return absl::NotFoundError(
-            absl::StrCat(field, ".shm: unknown region '", slice.region_id().substr(0, 64), "'"));
+            absl::StrCat(field, ".shm: unknown region '", slice.region_id.substr(0, 64), "'"));
       }
       region = it->second.region;
     }
-    if (slice.offset() < 0 || bytes < 0 || slice.offset() > region->bytes() - bytes) {
+    if (slice.offset < 0 || bytes < 0 || slice.offset > region->bytes() - bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, ".shm: ", bytes, " bytes at offset ", slice.offset(),
+          field, ".shm: ", bytes, " bytes at offset ", slice.offset,
           " do not lie inside the region's ", region->bytes(), " bytes"));
     }
     absl::Status usable = region->CheckUsable(field);
     if (!usable.ok()) return usable;
     absl::MutexLock lock(&mu_);
     held_.push_back(region);
-    return SliceMemory{region->base() + slice.offset(), region->space()};
+    return SliceMemory{region->base() + slice.offset, region->space()};
   }
 
   absl::Status CheckIntact() const override {

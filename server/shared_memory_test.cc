@@ -19,12 +19,7 @@ namespace {
 using ::testing::HasSubstr;
 using Code = absl::StatusCode;
 
-v1::SharedMemorySlice Slice(const std::string& region, int64_t offset) {
-  v1::SharedMemorySlice s;
-  s.set_region_id(region);
-  s.set_offset(offset);
-  return s;
-}
+SliceRef Slice(const std::string& region, int64_t offset) { return SliceRef{region, offset}; }
 
 TEST(SharedMemoryTest, RegionsAreBoundedInCountAndBytes) {
   SharedMemoryLimits limits;
