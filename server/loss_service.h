@@ -159,6 +159,28 @@ class LossServiceImpl final : public RawLossService {
   std::atomic<bool> draining_{false};
 };
 
+// The unary calls' start, used by every handler file.
+
+template <typename Request, typename Response>
+UnaryCall<Request, Response>* LossServiceImpl::NewUnary(Context* context, const Bytes* in,
+                                                        Bytes* out, const char* rpc) {
+  return new UnaryCall<Request, Response>(context, in, out, metrics_, rpc,
+                                          limits_.max_message_bytes);
+}
+
+template <typename Request, typename Response>
+std::optional<std::string> LossServiceImpl::Accept(UnaryCall<Request, Response>* call,
+                                                   bool new_work) {
+  absl::StatusOr<std::string> principal =
+      new_work ? Admit(call->context()) : Authenticate(call->context());
+  if (!principal.ok()) {
+    call->Reply(principal.status());
+    return std::nullopt;
+  }
+  if (!call->Parse(*admission_, *principal)) return std::nullopt;
+  return *std::move(principal);
+}
+
 }  // namespace flce
 
 #endif  // FLCE_SERVER_LOSS_SERVICE_H_

@@ -1,0 +1,441 @@
+// LossServiceImpl's compute handlers: Forward, Backward, ForwardStream and
+// BackwardStream.
+
+#include "server/loss_service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "kernels/status_macros.h"
+#include "proto/codec.h"
+#include "server/handler_support.h"
+#include "server/stream_call.h"
+
+namespace flce {
+namespace {
+
+// A gradient into the response: its bytes, or (written to the caller's
+// shared memory already) its dtype and shape with the slice.
+void EncodeGradient(HostTensor&& t, bool in_shm, const v1::SharedMemorySlice& slice,
+                    v1::Tensor* out) {
+  if (!in_shm) {
+    MoveToProto(std::move(t), out);
+    return;
+  }
+  out->set_dtype(ToProto(t.dtype));
+  out->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+  *out->mutable_shm() = slice;
+}
+
+std::string ProblemDetail(const LossProblem& p) {
+  return absl::StrCat("n=", p.rows(), " h=", p.hidden_size(), " v=", p.vocab(),
+                      " dtype=", DTypeName(p.hidden.dtype), " ");
+}
+
+// Bytes a Forward response takes beyond its framing: the per-row tensors.
+int64_t ForwardResponseBytes(const ForwardCall& call) {
+  const int64_t rows = call.problem.rows();
+  int64_t tensors = static_cast<int64_t>(call.want_lse) + call.want_per_row_loss;
+  if (call.problem.options.reduction == Reduction::kNone) tensors += 2;  // loss, z_loss
+  return tensors * rows * 4;
+}
+
+}  // namespace
+
+// --- Forward ---------------------------------------------------------------
+
+absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& principal,
+                                             const ForwardCall& forward,
+                                             v1::ForwardResponse* response, absl::Time queued) {
+  Context* context = call->context();
+  const absl::Time engine_start = absl::Now();
+  absl::StatusOr<ForwardOutcome> outcome = core_->Forward(forward, principal, CancelFor(context));
+  metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
+  metrics_->RecordEngine(call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),
+                         outcome.ok() ? forward.problem.rows() : 0);
+  if (!outcome.ok()) return Explain(outcome.status(), context);
+  // The session lives only if the client learns its id.
+  if (!outcome->session_id.empty()) {
+    call->WhenOver([this, id = outcome->session_id, principal](bool delivered) {
+      if (!delivered) core_->Release(id, principal);
+    });
+  }
+  FLCE_RETURN_IF_ERROR(CheckAlive(context, "while computing"));
+  ForwardResult& r = outcome->result;
+  MoveToProto(std::move(r.loss), response->mutable_loss());
+  MoveToProto(std::move(r.z_loss), response->mutable_z_loss());
+  if (r.lse) MoveToProto(std::move(*r.lse), response->mutable_lse());
+  if (r.per_row_loss) MoveToProto(std::move(*r.per_row_loss), response->mutable_per_row_loss());
+  response->set_num_valid(r.num_valid);
+  response->set_num_correct(r.num_correct);
+  response->set_session_id(outcome->session_id);
+  response->set_backward_mode(ToProto(outcome->mode));
+  response->mutable_stats()->set_queue_ms(absl::ToDoubleMilliseconds(engine_start - queued));
+  response->mutable_stats()->set_engine_ms(MillisSince(engine_start));
+  call->record().PrependDetail(SessionDetail(outcome->session_id));
+  return absl::OkStatus();
+}
+
+void LossServiceImpl::StartForward(Call* call, const std::string& principal,
+                                   const v1::ForwardRequest* request,
+                                   v1::ForwardResponse* response) {
+  absl::StatusOr<ForwardCall> decoded = GuardMemory(
+      [&]() -> absl::StatusOr<ForwardCall> {
+        return DecodeForward(*request, core_->weights(), principal, ResolverFor(principal));
+      },
+      call->record().rpc());
+  if (!decoded.ok()) {
+    call->Reply(decoded.status());
+    return;
+  }
+  call->record().SetDetail(ProblemDetail(decoded->problem));
+  // Refused before any compute rather than computed and then undeliverable.
+  const int64_t response_bytes = ForwardResponseBytes(*decoded);
+  if (response_bytes > limits_.max_message_bytes - 4096) {
+    call->Reply(absl::ResourceExhaustedError(absl::StrCat(
+        "Forward: the response's per-row outputs take ", response_bytes,
+        " bytes, over the server's message limit of ", limits_.max_message_bytes,
+        " (--max_message_bytes); ask for fewer outputs or split the batch")));
+    return;
+  }
+  auto forward = std::make_shared<ForwardCall>(*std::move(decoded));
+  Run(
+      call,
+      [=](absl::Time queued) {
+        return ComputeForward(call, principal, *forward, response, queued);
+      },
+      [call](const absl::Status& status) { call->Reply(status); });
+}
+
+LossServiceImpl::Unary* LossServiceImpl::Forward(Context* context, const Bytes* in, Bytes* out) {
+  auto* call = NewUnary<v1::ForwardRequest, v1::ForwardResponse>(context, in, out, "Forward");
+  if (std::optional<std::string> principal = Accept(call, /*new_work=*/true)) {
+    StartForward(call, *principal, &call->request(), call->response());
+  }
+  return call;
+}
+
+// --- Backward --------------------------------------------------------------
+
+void LossServiceImpl::StartBackward(Call* call, const std::string& principal,
+                                    const v1::BackwardRequest* request,
+                                    int64_t max_response_bytes,
+                                    std::shared_ptr<BackwardOutcome> outcome,
+                                    std::shared_ptr<CallStats> stats,
+                                    std::function<void(const absl::Status&)> done) {
+  absl::StatusOr<BackwardCall> decoded = GuardMemory(
+      [&]() -> absl::StatusOr<BackwardCall> {
+        return DecodeBackward(*request, ResolverFor(principal));
+      },
+      call->record().rpc());
+  if (!decoded.ok()) {
+    done(decoded.status());
+    return;
+  }
+  decoded->max_response_bytes = max_response_bytes;
+  call->record().SetDetail(SessionDetail(decoded->session_id));
+  // The session is consumed only once the gradients reached the client.
+  call->WhenOver([this, outcome](bool delivered) { core_->Settle(*outcome, delivered); });
+  auto backward = std::make_shared<BackwardCall>(*std::move(decoded));
+  Run(
+      call,
+      [=](absl::Time queued) -> absl::Status {
+        Context* context = call->context();
+        const absl::Time engine_start = absl::Now();
+        absl::StatusOr<BackwardOutcome> grads =
+            core_->Backward(*backward, principal, CancelFor(context));
+        metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
+        metrics_->RecordEngine(
+            call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),
+            grads.ok() && !grads->grad_hidden.shape.empty() ? grads->grad_hidden.shape[0] : 0);
+        if (!grads.ok()) return Explain(grads.status(), context);
+        *outcome = *std::move(grads);
+        stats->queue_ms = absl::ToDoubleMilliseconds(engine_start - queued);
+        stats->engine_ms = MillisSince(engine_start);
+        return absl::OkStatus();
+      },
+      std::move(done));
+}
+
+LossServiceImpl::Unary* LossServiceImpl::Backward(Context* context, const Bytes* in, Bytes* out) {
+  auto* call = NewUnary<v1::BackwardRequest, v1::BackwardResponse>(context, in, out, "Backward");
+  std::optional<std::string> principal = Accept(call, /*new_work=*/false);
+  if (!principal) return call;
+  auto outcome = std::make_shared<BackwardOutcome>();
+  auto stats = std::make_shared<CallStats>();
+  StartBackward(call, *principal, &call->request(), limits_.max_message_bytes, outcome, stats,
+                [this, call, outcome, stats](const absl::Status& status) {
+                  if (status.ok()) {
+                    core_->Answered(*outcome);
+                    const v1::BackwardRequest& request = call->request();
+                    v1::BackwardResponse* response = call->response();
+                    BackwardOutcome& o = *outcome;
+                    EncodeGradient(std::move(o.grad_hidden), o.grad_hidden_in_shm,
+                                   request.grad_hidden_out(), response->mutable_grad_hidden());
+                    if (o.grad_weight) {
+                      EncodeGradient(std::move(*o.grad_weight), o.grad_weight_in_shm,
+                                     request.grad_weight_out(), response->mutable_grad_weight());
+                    }
+                    if (o.grad_bias) {
+                      EncodeGradient(std::move(*o.grad_bias), o.grad_bias_in_shm,
+                                     request.grad_bias_out(), response->mutable_grad_bias());
+                    }
+                    response->mutable_stats()->set_queue_ms(stats->queue_ms);
+                    response->mutable_stats()->set_engine_ms(stats->engine_ms);
+                  }
+                  call->Reply(status);
+                });
+  return call;
+}
+
+// --- Streams ---------------------------------------------------------------
+
+namespace {
+
+// The tensor of `request` a streamed chunk fills, or null if the request
+// does not carry that field.
+v1::Tensor* ForwardField(v1::ForwardRequest& r, v1::TensorField field) {
+  switch (field) {
+    case v1::TENSOR_FIELD_HIDDEN:
+      return r.has_hidden() ? r.mutable_hidden() : nullptr;
+    case v1::TENSOR_FIELD_WEIGHT:
+      return r.has_weight() ? r.mutable_weight() : nullptr;
+    case v1::TENSOR_FIELD_BIAS:
+      return r.has_bias() ? r.mutable_bias() : nullptr;
+    case v1::TENSOR_FIELD_TARGET:
+      return r.has_target() ? r.mutable_target() : nullptr;
+    case v1::TENSOR_FIELD_CLASS_WEIGHT:
+      return r.options().has_class_weight() ? r.mutable_options()->mutable_class_weight()
+                                            : nullptr;
+    default:
+      return nullptr;
+  }
+}
+
+const char* FieldName(v1::TensorField field) {
+  switch (field) {
+    case v1::TENSOR_FIELD_HIDDEN: return "hidden";
+    case v1::TENSOR_FIELD_WEIGHT: return "weight";
+    case v1::TENSOR_FIELD_BIAS: return "bias";
+    case v1::TENSOR_FIELD_TARGET: return "target";
+    case v1::TENSOR_FIELD_CLASS_WEIGHT: return "options.class_weight";
+    default: return "chunk.field";
+  }
+}
+
+// ForwardStream: the header request, then its tensors' bytes field by field;
+// at the end of the stream, the assembled request goes through Forward.
+// The announced tensors' bytes are reserved (RequestAdmission) when the
+// header arrives; each tensor's memory is allocated when its first bytes
+// do, and is filled only as far as they come.
+class ForwardStreamReactor final : public ReadStream {
+ public:
+  ForwardStreamReactor(grpc::CallbackServerContext* context, grpc::ByteBuffer* response,
+                       ServiceMetrics* metrics, int64_t max_message_bytes, int64_t max_bytes,
+                       std::function<void(ForwardStreamReactor*)> start_forward)
+      : ReadStream(context, response, metrics, "ForwardStream", max_message_bytes),
+        max_bytes_(max_bytes),
+        start_forward_(std::move(start_forward)) {}
+
+  const v1::ForwardRequest* request() const { return &request_; }
+  v1::ForwardResponse* forward_response() { return &response_; }
+  using ReadStream::principal;
+
+ private:
+  google::protobuf::Message* message() override { return &chunk_; }
+  const google::protobuf::Message& response() override { return response_; }
+
+  absl::Status Take() override {
+    if (!started_) {
+      if (!chunk_.has_request()) {
+        return absl::InvalidArgumentError("request: required on the first message");
+      }
+      request_ = std::move(*chunk_.mutable_request());
+      started_ = true;
+      // Size every announced tensor up front (bounded by the limits).
+      int64_t total = 0;
+      for (int f = v1::TENSOR_FIELD_HIDDEN; f <= v1::TENSOR_FIELD_CLASS_WEIGHT; ++f) {
+        v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(f));
+        if (t == nullptr || !t->data().empty() || t->has_shm()) continue;
+        FLCE_ASSIGN_OR_RETURN(const int64_t bytes,
+                              TensorBytes(*t, FieldName(static_cast<v1::TensorField>(f))));
+        total += bytes;
+        if (total > max_bytes_) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "ForwardStream: the request's tensors need ", total,
+              " bytes, over the limit of ", max_bytes_));
+        }
+        expected_[f] = bytes;
+      }
+      return ticket().Reserve(total, "ForwardStream");
+    }
+    if (chunk_.has_request()) {
+      return absl::InvalidArgumentError("request: only the first message carries one");
+    }
+    const v1::TensorField field = chunk_.chunk().field();
+    v1::Tensor* t = ForwardField(request_, field);
+    auto expected = expected_.find(field);
+    if (t == nullptr || expected == expected_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk.field: ", v1::TensorField_Name(field).empty() ? std::to_string(field)
+                                                               : v1::TensorField_Name(field),
+          " is not a tensor the request announced without data"));
+    }
+    const std::string& data = chunk_.chunk().data();
+    std::string* into = t->mutable_data();
+    if (static_cast<int64_t>(into->size() + data.size()) > expected->second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          FieldName(field), ": more bytes than its ", expected->second));
+    }
+    // The whole tensor is reserved with its first bytes (untouched memory
+    // costs nothing until written), so appending never reallocates.
+    if (into->capacity() < static_cast<size_t>(expected->second)) {
+      into->reserve(static_cast<size_t>(expected->second));
+    }
+    into->append(data);
+    return absl::OkStatus();
+  }
+
+  absl::Status End() override {
+    if (!started_) return absl::InvalidArgumentError("request: the stream carried no message");
+    for (const auto& [field, bytes] : expected_) {
+      const v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(field));
+      if (static_cast<int64_t>(t->data().size()) != bytes) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(FieldName(static_cast<v1::TensorField>(field)), ": received ",
+                         t->data().size(), " of ", bytes, " bytes"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  bool RepliesLater() const override { return true; }
+  void Proceed() override { start_forward_(this); }  // replies through Reply()
+
+  const int64_t max_bytes_;
+  const std::function<void(ForwardStreamReactor*)> start_forward_;
+  v1::ForwardRequestChunk chunk_;
+  v1::ForwardRequest request_;
+  v1::ForwardResponse response_;
+  bool started_ = false;
+  absl::flat_hash_map<int, int64_t> expected_;
+};
+
+// BackwardStream: the response with the gradients' dtypes and shapes, then
+// their bytes in chunks.
+class BackwardStreamReactor final : public WriteStream {
+ public:
+  BackwardStreamReactor(grpc::CallbackServerContext* context, ServiceMetrics* metrics,
+                        int64_t max_message_bytes, int64_t chunk_bytes)
+      : WriteStream(context, metrics, "BackwardStream", max_message_bytes),
+        chunk_bytes_(chunk_bytes) {}
+
+  v1::BackwardRequest* request() { return &request_; }
+
+  // Called once the gradients are computed (or failed).
+  void Start(const absl::Status& status, BackwardOutcome& outcome, double queue_ms,
+             double engine_ms) {
+    if (!status.ok()) return Reply(status);
+    v1::BackwardResponse* header = message_.mutable_response();
+    auto add = [&](HostTensor&& t, bool in_shm, const v1::SharedMemorySlice& slice,
+                   v1::Tensor* meta, v1::TensorField field) {
+      std::string data = std::move(t.data);
+      t.data.clear();
+      EncodeGradient(std::move(t), in_shm, slice, meta);  // dtype, shape (and slice)
+      meta->clear_data();
+      if (!in_shm) parts_.push_back({field, std::move(data)});
+    };
+    add(std::move(outcome.grad_hidden), outcome.grad_hidden_in_shm, request_.grad_hidden_out(),
+        header->mutable_grad_hidden(), v1::TENSOR_FIELD_GRAD_HIDDEN);
+    if (outcome.grad_weight) {
+      add(std::move(*outcome.grad_weight), outcome.grad_weight_in_shm,
+          request_.grad_weight_out(), header->mutable_grad_weight(),
+          v1::TENSOR_FIELD_GRAD_WEIGHT);
+    }
+    if (outcome.grad_bias) {
+      add(std::move(*outcome.grad_bias), outcome.grad_bias_in_shm, request_.grad_bias_out(),
+          header->mutable_grad_bias(), v1::TENSOR_FIELD_GRAD_BIAS);
+    }
+    header->mutable_stats()->set_queue_ms(queue_ms);
+    header->mutable_stats()->set_engine_ms(engine_ms);
+    StartWriting();
+  }
+
+ private:
+  const google::protobuf::Message* Next() override {
+    if (!sent_header_) {
+      sent_header_ = true;
+      return &message_;
+    }
+    message_.Clear();
+    while (part_ < parts_.size() && offset_ >= parts_[part_].data.size()) {
+      parts_[part_].data = std::string();  // sent: free it
+      ++part_;
+      offset_ = 0;
+    }
+    if (part_ == parts_.size()) return nullptr;
+    const Part& p = parts_[part_];
+    const size_t n = std::min(p.data.size() - offset_, static_cast<size_t>(chunk_bytes_));
+    message_.mutable_chunk()->set_field(p.field);
+    message_.mutable_chunk()->set_data(p.data.data() + offset_, n);
+    offset_ += n;
+    return &message_;
+  }
+
+  struct Part {
+    v1::TensorField field;
+    std::string data;
+  };
+  const int64_t chunk_bytes_;
+  v1::BackwardRequest request_;
+  v1::BackwardResponseChunk message_;
+  std::vector<Part> parts_;
+  size_t part_ = 0, offset_ = 0;
+  bool sent_header_ = false;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::ForwardStream(Context* context,
+                                                                         Bytes* response) {
+  auto* reactor = new ForwardStreamReactor(
+      context, response, metrics_, limits_.max_message_bytes, limits_.max_stream_request_bytes,
+      [this](ForwardStreamReactor* r) {
+        StartForward(r, r->principal(), r->request(), r->forward_response());
+      });
+  reactor->Begin(Admit(context), admission_);
+  return reactor;
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::BackwardStream(Context* context,
+                                                                           const Bytes* in) {
+  auto* reactor = new BackwardStreamReactor(context, metrics_, limits_.max_message_bytes,
+                                            limits_.stream_chunk_bytes());
+  absl::StatusOr<std::string> principal = Authenticate(context);
+  if (!principal.ok()) {
+    reactor->Reply(principal.status());
+    return reactor;
+  }
+  absl::Status parsed = reactor->ParseRequest(*in, *admission_, *principal, reactor->request());
+  if (!parsed.ok()) {
+    reactor->Reply(parsed);
+    return reactor;
+  }
+  auto outcome = std::make_shared<BackwardOutcome>();
+  auto stats = std::make_shared<CallStats>();
+  StartBackward(reactor, *principal, reactor->request(), /*max_response_bytes=*/0, outcome,
+                stats, [this, reactor, outcome, stats](const absl::Status& status) {
+                  if (status.ok()) core_->Answered(*outcome);
+                  reactor->Start(status, *outcome, stats->queue_ms, stats->engine_ms);
+                });
+  return reactor;
+}
+
+}  // namespace flce
