@@ -9,12 +9,12 @@
 #include <string>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/status_macros.h"
 #include "proto/codec.h"
+#include "server/forward_assembly.h"
 #include "server/handler_support.h"
 #include "server/stream_call.h"
 
@@ -199,37 +199,6 @@ LossServiceImpl::Unary* LossServiceImpl::Backward(Context* context, const Bytes*
 
 namespace {
 
-// The tensor of `request` a streamed chunk fills, or null if the request
-// does not carry that field.
-v1::Tensor* ForwardField(v1::ForwardRequest& r, v1::TensorField field) {
-  switch (field) {
-    case v1::TENSOR_FIELD_HIDDEN:
-      return r.has_hidden() ? r.mutable_hidden() : nullptr;
-    case v1::TENSOR_FIELD_WEIGHT:
-      return r.has_weight() ? r.mutable_weight() : nullptr;
-    case v1::TENSOR_FIELD_BIAS:
-      return r.has_bias() ? r.mutable_bias() : nullptr;
-    case v1::TENSOR_FIELD_TARGET:
-      return r.has_target() ? r.mutable_target() : nullptr;
-    case v1::TENSOR_FIELD_CLASS_WEIGHT:
-      return r.options().has_class_weight() ? r.mutable_options()->mutable_class_weight()
-                                            : nullptr;
-    default:
-      return nullptr;
-  }
-}
-
-const char* FieldName(v1::TensorField field) {
-  switch (field) {
-    case v1::TENSOR_FIELD_HIDDEN: return "hidden";
-    case v1::TENSOR_FIELD_WEIGHT: return "weight";
-    case v1::TENSOR_FIELD_BIAS: return "bias";
-    case v1::TENSOR_FIELD_TARGET: return "target";
-    case v1::TENSOR_FIELD_CLASS_WEIGHT: return "options.class_weight";
-    default: return "chunk.field";
-  }
-}
-
 // ForwardStream: the header request, then its tensors' bytes field by field;
 // at the end of the stream, the assembled request goes through Forward.
 // The announced tensors' bytes are reserved (RequestAdmission) when the
@@ -241,10 +210,10 @@ class ForwardStreamReactor final : public ReadStream {
                        ServiceMetrics* metrics, int64_t max_message_bytes, int64_t max_bytes,
                        std::function<void(ForwardStreamReactor*)> start_forward)
       : ReadStream(context, response, metrics, "ForwardStream", max_message_bytes),
-        max_bytes_(max_bytes),
-        start_forward_(std::move(start_forward)) {}
+        start_forward_(std::move(start_forward)),
+        assembly_(max_bytes) {}
 
-  const v1::ForwardRequest* request() const { return &request_; }
+  const v1::ForwardRequest* request() const { return &assembly_.request(); }
   v1::ForwardResponse* forward_response() { return &response_; }
   using ReadStream::principal;
 
@@ -253,79 +222,20 @@ class ForwardStreamReactor final : public ReadStream {
   const google::protobuf::Message& response() override { return response_; }
 
   absl::Status Take() override {
-    if (!started_) {
-      if (!chunk_.has_request()) {
-        return absl::InvalidArgumentError("request: required on the first message");
-      }
-      request_ = std::move(*chunk_.mutable_request());
-      started_ = true;
-      // Size every announced tensor up front (bounded by the limits).
-      int64_t total = 0;
-      for (int f = v1::TENSOR_FIELD_HIDDEN; f <= v1::TENSOR_FIELD_CLASS_WEIGHT; ++f) {
-        v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(f));
-        if (t == nullptr || !t->data().empty() || t->has_shm()) continue;
-        FLCE_ASSIGN_OR_RETURN(const int64_t bytes,
-                              TensorBytes(*t, FieldName(static_cast<v1::TensorField>(f))));
-        total += bytes;
-        if (total > max_bytes_) {
-          return absl::ResourceExhaustedError(absl::StrCat(
-              "ForwardStream: the request's tensors need ", total,
-              " bytes, over the limit of ", max_bytes_));
-        }
-        expected_[f] = bytes;
-      }
-      return ticket().Reserve(total, "ForwardStream");
-    }
-    if (chunk_.has_request()) {
-      return absl::InvalidArgumentError("request: only the first message carries one");
-    }
-    const v1::TensorField field = chunk_.chunk().field();
-    v1::Tensor* t = ForwardField(request_, field);
-    auto expected = expected_.find(field);
-    if (t == nullptr || expected == expected_.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk.field: ", v1::TensorField_Name(field).empty() ? std::to_string(field)
-                                                               : v1::TensorField_Name(field),
-          " is not a tensor the request announced without data"));
-    }
-    const std::string& data = chunk_.chunk().data();
-    std::string* into = t->mutable_data();
-    if (static_cast<int64_t>(into->size() + data.size()) > expected->second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          FieldName(field), ": more bytes than its ", expected->second));
-    }
-    // The whole tensor is reserved with its first bytes (untouched memory
-    // costs nothing until written), so appending never reallocates.
-    if (into->capacity() < static_cast<size_t>(expected->second)) {
-      into->reserve(static_cast<size_t>(expected->second));
-    }
-    into->append(data);
-    return absl::OkStatus();
+    const bool first = !assembly_.started();
+    FLCE_ASSIGN_OR_RETURN(const int64_t announced, assembly_.Take(&chunk_));
+    return first ? ticket().Reserve(announced, "ForwardStream") : absl::OkStatus();
   }
 
-  absl::Status End() override {
-    if (!started_) return absl::InvalidArgumentError("request: the stream carried no message");
-    for (const auto& [field, bytes] : expected_) {
-      const v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(field));
-      if (static_cast<int64_t>(t->data().size()) != bytes) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(FieldName(static_cast<v1::TensorField>(field)), ": received ",
-                         t->data().size(), " of ", bytes, " bytes"));
-      }
-    }
-    return absl::OkStatus();
-  }
+  absl::Status End() override { return assembly_.End(); }
 
   bool RepliesLater() const override { return true; }
   void Proceed() override { start_forward_(this); }  // replies through Reply()
 
-  const int64_t max_bytes_;
   const std::function<void(ForwardStreamReactor*)> start_forward_;
   v1::ForwardRequestChunk chunk_;
-  v1::ForwardRequest request_;
+  ForwardAssembly assembly_;
   v1::ForwardResponse response_;
-  bool started_ = false;
-  absl::flat_hash_map<int, int64_t> expected_;
 };
 
 // BackwardStream: the response with the gradients' dtypes and shapes, then
