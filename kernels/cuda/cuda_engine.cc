@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cuda/chunk_plan.h"
 #include "kernels/cuda/cuda_resources.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/loss_kernels.h"
@@ -172,20 +173,6 @@ absl::StatusOr<int64_t> AllocationBytes(void* base) {
   return static_cast<int64_t>(size);
 }
 
-// The size of each of the fewest equal pieces of at most `limit` that cover
-// `total` (at least 1): rounded up to whole GEMM tiles of 128 where that
-// still fits, else up to a multiple of `align` where that fits, else
-// `limit` rounded down to one.
-int64_t EvenPiece(int64_t total, int64_t limit, int64_t align) {
-  if (total <= limit) return std::max<int64_t>(1, total);
-  const int64_t pieces = (total + limit - 1) / limit;
-  const int64_t even = (total + pieces - 1) / pieces;
-  const int64_t tiled = (even + 127) / 128 * 128;
-  if (tiled <= limit) return tiled;
-  const int64_t aligned = (even + align - 1) / align * align;
-  return aligned <= limit ? aligned : limit / align * align;
-}
-
 // CUDA events between the stages of a run on one stream, for benchmarks:
 // device milliseconds per stage, summed over chunks. Mark(stage) says that
 // the work queued since the previous mark was `stage` (the first mark only
@@ -264,28 +251,12 @@ class EngineImpl {
         "CUDA engine stopped after an unrecoverable device error: ", sticky_error_));
   }
 
-  // Rows per logits chunk: as few chunks as the budget allows (each one
-  // after the first is a pass over the fp32 dW accumulator), of equal size
-  // (no small last chunk that costs a whole pass), rounded up to whole GEMM
-  // tiles of 128 rows where that still fits; at least kMinChunkRows.
+  // The chunk plan (chunk_plan.h) at this engine's options.
   int64_t ChunkRows(int64_t rows, int64_t vocab, DType dtype) const {
-    const int64_t by_budget = std::max(CudaEngine::kMinChunkRows,
-                                       options_.chunk_bytes / (vocab * DTypeSize(dtype)));
-    return EvenPiece(rows, by_budget, 1);
+    return flce::ChunkRows(options_, rows, vocab, dtype);
   }
-
-  // Columns per vocabulary slice when the RECOMPUTE backward takes all
-  // `rows` at once, or 0 when a slice of min_slice_columns does not fit the
-  // budget. As few slices as fit, of equal width, whole GEMM tiles of 128
-  // columns where that still fits, else a multiple of 16 (so every slice
-  // but the last keeps its rows 16-byte aligned).
   int64_t SliceColumns(int64_t rows, int64_t vocab, DType dtype) const {
-    const int64_t by_budget =
-        options_.chunk_bytes / (std::max<int64_t>(1, rows) * DTypeSize(dtype));
-    if (by_budget < vocab && by_budget < std::max<int64_t>(16, options_.min_slice_columns)) {
-      return 0;
-    }
-    return EvenPiece(vocab, by_budget, 16);
+    return flce::SliceColumns(options_, rows, vocab, dtype);
   }
 
   // Whether Forward's STORE_GRADS chunks read each logit once

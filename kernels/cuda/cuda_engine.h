@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/cuda/chunk_plan.h"
 #include "kernels/cuda/cuda_engine_options.h"
 #include "kernels/loss_engine.h"
 
@@ -34,7 +35,7 @@ class EngineImpl;
 // sticky CUDA error every call is UNAVAILABLE (see health()).
 class CudaEngine : public LossEngine {
  public:
-  static constexpr int64_t kMinChunkRows = 64;
+  static constexpr int64_t kMinChunkRows = kCudaMinChunkRows;  // chunk_plan.h
 
   // UNAVAILABLE when no usable CUDA device is present (the message says why).
   static absl::StatusOr<std::unique_ptr<CudaEngine>> Create(
