@@ -102,23 +102,4 @@ absl::Status WriteToHostDestinations(const BackwardSpec& spec, Gradients& grads)
   return status;
 }
 
-absl::StatusOr<std::unique_ptr<ImportedMemory>> LossEngine::ImportCudaIpcMemory(
-    const std::string&) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "cuda_ipc_handle: the ", backend(),
-      " backend cannot read GPU memory; run the server with --backend=cuda"));
-}
-
-absl::StatusOr<std::unique_ptr<ImportedMemory>> LossEngine::AllocateDeviceMemory(int64_t) {
-  return absl::UnimplementedError(absl::StrCat("the ", backend(), " backend has no device"));
-}
-
-absl::Status LossEngine::CopyDeviceToHost(const void*, void*, int64_t) {
-  return absl::UnimplementedError(absl::StrCat("the ", backend(), " backend has no device"));
-}
-
-absl::Status LossEngine::CopyHostToDevice(const void*, void*, int64_t) {
-  return absl::UnimplementedError(absl::StrCat("the ", backend(), " backend has no device"));
-}
-
 }  // namespace flce

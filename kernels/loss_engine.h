@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/device_memory.h"
 #include "kernels/tensor.h"
 
 namespace flce {
@@ -158,18 +159,6 @@ absl::Status RequireHostMemory(const LossProblem& problem);
 // destination in device memory.
 absl::Status WriteToHostDestinations(const BackwardSpec& spec, Gradients& grads);
 
-// Device memory another process exported through CUDA IPC, mapped into this
-// one on the engine's device until destroyed.
-class ImportedMemory {
- public:
-  virtual ~ImportedMemory() = default;
-  virtual void* data() const = 0;
-  virtual int64_t bytes() const = 0;
-};
-
-// Bytes of a cudaIpcMemHandle_t.
-inline constexpr int kCudaIpcHandleBytes = 64;
-
 // Polled between chunks; true stops the call with CANCELLED.
 using CancelFn = std::function<bool()>;
 
@@ -187,7 +176,7 @@ class LossEngine {
   virtual std::vector<DeviceInfo> devices() const = 0;
 
   // Device memory the engine holds now (pooled workspace, sessions' state
-  // on the device, AllocateDeviceMemory's allocations), in bytes; 0 for
+  // on the device, device_memory()'s allocations), in bytes; 0 for
   // engines without a device.
   virtual int64_t device_memory_bytes() const { return 0; }
 
@@ -222,29 +211,8 @@ class LossEngine {
                                              const BackwardSpec& spec,
                                              const CancelFn& cancelled) = 0;
 
-  // Maps the device allocation a cudaIpcMemHandle_t (kCudaIpcHandleBytes)
-  // names, for views and destinations in MemorySpace::kCuda. Engines that
-  // cannot read device memory answer FAILED_PRECONDITION; a handle that
-  // does not open is INVALID_ARGUMENT.
-  virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
-      const std::string& handle);
-
-  // `bytes` of zeroed device memory that lives until destroyed (the
-  // destructor may run after the engine's), for long-lived tensors such as
-  // a registered weight's device copy and gradient accumulator.
-  // UNIMPLEMENTED for engines without a device; RESOURCE_EXHAUSTED when it
-  // does not fit.
-  virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes);
-
-  // Copies `bytes` of device memory from AllocateDeviceMemory or
-  // ImportCudaIpcMemory to host memory, after all of this engine's work
-  // queued before the call. UNIMPLEMENTED for engines without a device.
-  virtual absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes);
-
-  // Copies `bytes` of host memory into device memory from
-  // AllocateDeviceMemory, complete when it returns. UNIMPLEMENTED for
-  // engines without a device.
-  virtual absl::Status CopyHostToDevice(const void* host, void* device, int64_t bytes);
+  // The engine's device memory, or null for an engine without a device.
+  virtual DeviceMemory* device_memory() const { return nullptr; }
 };
 
 }  // namespace flce

@@ -42,7 +42,7 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
   // one, instead of being uploaded on every call.
   LossProblem problem = call.problem;
   if (call.weight_ref != nullptr) {
-    if (const void* device = call.weight_ref->DeviceWeight(*engine_)) {
+    if (const void* device = call.weight_ref->DeviceWeight(engine_->device_memory())) {
       problem.weight.data = device;
       problem.weight.space = MemorySpace::kCuda;
     }
@@ -152,7 +152,7 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   // one (the engine adds them there), else here on the host. A retry only
   // recomputes dX: its dW is in the sum already and is dropped.
   std::optional<RegisteredWeight::DeviceGrad> device_grad =
-      call.accumulate_weight_grad && !retry ? lease.info.weight->LeaseDeviceGrad(*engine_)
+      call.accumulate_weight_grad && !retry ? lease.info.weight->LeaseDeviceGrad(engine_->device_memory())
                                             : std::nullopt;
   if (call.accumulate_weight_grad) {
     spec.weight_grad_dtype = DType::kFloat32;

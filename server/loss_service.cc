@@ -209,7 +209,7 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
   if (request.has_cuda_ipc_handle()) {
     call->record().SetDetail("cuda_ipc ");
     region = shared_memory_->RegisterCudaIpc(request.cuda_ipc_handle(), request.bytes(),
-                                             core_->engine(), *principal);
+                                             core_->engine().device_memory(), *principal);
   } else {
     call->record().SetDetail(absl::StrCat("shm=", LogSafe(request.shm_name()), " "));
     region = shared_memory_->Register(request.shm_name(), request.bytes(), *principal);

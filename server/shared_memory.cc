@@ -224,7 +224,8 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Register(const std::strin
 }
 
 absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
-    const std::string& handle, int64_t bytes, LossEngine& engine, const std::string& principal) {
+    const std::string& handle, int64_t bytes, DeviceMemory* memory,
+    const std::string& principal) {
   if (handle.size() != kCudaIpcHandleBytes) {
     return absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: expected ",
                                                    kCudaIpcHandleBytes,
@@ -239,7 +240,12 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
   // known only after).
   if (absl::Status admitted = Admit(principal, 0); !admitted.ok()) return admitted;
   Unadmit(principal, 0);
-  absl::StatusOr<std::unique_ptr<ImportedMemory>> imported = engine.ImportCudaIpcMemory(handle);
+  if (memory == nullptr) {
+    return absl::FailedPreconditionError(
+        "cuda_ipc_handle: this server's backend cannot read GPU memory; run the server with "
+        "--backend=cuda");
+  }
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> imported = memory->ImportCudaIpc(handle);
   if (!imported.ok()) return imported.status();
   const int64_t size = (*imported)->bytes();
   if (bytes > size) {
@@ -249,7 +255,7 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
   const int64_t mapped = bytes == 0 ? size : bytes;
   if (absl::Status admitted = Admit(principal, mapped); !admitted.ok()) return admitted;
   void* base = (*imported)->data();
-  std::shared_ptr<ImportedMemory> mapping = std::move(*imported);
+  std::shared_ptr<DeviceBlock> mapping = std::move(*imported);
   return Add(std::make_shared<SharedRegion>(base, mapped, MemorySpace::kCuda,
                                             [this, principal, mapped, mapping]() mutable {
                                               mapping.reset();

@@ -23,6 +23,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/device_memory.h"
 #include "kernels/loss_engine.h"
 #include "proto/codec.h"
 
@@ -85,13 +86,14 @@ class SharedMemoryRegistry {
   absl::StatusOr<RegisteredRegion> Register(const std::string& shm_name, int64_t bytes,
                                             const std::string& principal);
 
-  // Maps the GPU allocation a CUDA IPC handle names through `engine`: the
-  // first `bytes` of it, or all of it for 0. INVALID_ARGUMENT for a handle
-  // of the wrong size or `bytes` beyond the allocation; the engine's error
-  // when it cannot map it (FAILED_PRECONDITION for engines without a GPU);
+  // Maps the GPU allocation a CUDA IPC handle names through `memory` (the
+  // engine's device memory): the first `bytes` of it, or all of it for 0.
+  // INVALID_ARGUMENT for a handle of the wrong size or `bytes` beyond the
+  // allocation; FAILED_PRECONDITION without device memory (a null
+  // `memory`: the CPU engine); its error when it cannot map it;
   // RESOURCE_EXHAUSTED past a bound.
   absl::StatusOr<RegisteredRegion> RegisterCudaIpc(const std::string& handle, int64_t bytes,
-                                                   LossEngine& engine,
+                                                   DeviceMemory* memory,
                                                    const std::string& principal);
 
   bool Unregister(const std::string& region_id, const std::string& principal);

@@ -47,7 +47,8 @@ TEST(SharedMemoryTest, RegionsAreBoundedInCountAndBytes) {
   // A CUDA IPC registration counts too: past the count it is refused before
   // the engine is asked.
   CpuEngine engine;
-  EXPECT_THAT(registry.RegisterCudaIpc(std::string(kCudaIpcHandleBytes, '\0'), 0, engine, "d"),
+  EXPECT_THAT(registry.RegisterCudaIpc(std::string(kCudaIpcHandleBytes, '\0'), 0,
+                                       engine.device_memory(), "d"),
               StatusIs(Code::kResourceExhausted, HasSubstr("--max_shared_memory_regions)")));
 }
 

@@ -120,11 +120,11 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending,
   }
   if (device_backwards > 0) {
     Grad device{HostTensor(DType::kFloat32, weight_.shape), std::nullopt, device_backwards};
-    FLCE_RETURN_IF_ERROR(device_engine_->CopyDeviceToHost(
+    FLCE_RETURN_IF_ERROR(device_memory_->CopyToHost(
         device_dw_->data(), device.dw.data.data(), static_cast<int64_t>(device.dw.data.size())));
     if (device_db_ != nullptr) {
       device.db = HostTensor(DType::kFloat32, {weight_.shape[0]});
-      FLCE_RETURN_IF_ERROR(device_engine_->CopyDeviceToHost(
+      FLCE_RETURN_IF_ERROR(device_memory_->CopyToHost(
           device_db_->data(), device.db->data.data(),
           static_cast<int64_t>(device.db->data.size())));
     }
@@ -145,19 +145,17 @@ void RegisteredWeight::ConfirmTake(std::optional<Grad> hold) {
   held_ = std::move(hold);
 }
 
-const void* RegisteredWeight::DeviceWeight(LossEngine& engine) {
+const void* RegisteredWeight::DeviceWeight(DeviceMemory* memory) {
   absl::MutexLock lock(&weight_mu_);
+  if (memory == nullptr) no_device_weight_ = true;  // e.g. the CPU engine: never ask again
   if (device_weight_ == nullptr && !no_device_weight_) {
     const int64_t bytes = static_cast<int64_t>(weight_.data.size());
     if (!ReserveDevice(bytes)) return nullptr;  // the budget is spent: the host copy serves
-    absl::StatusOr<std::unique_ptr<ImportedMemory>> memory = engine.AllocateDeviceMemory(bytes);
-    if (memory.ok() &&
-        engine.CopyHostToDevice(weight_.data.data(), (*memory)->data(), bytes).ok()) {
-      device_weight_ = *std::move(memory);
+    absl::StatusOr<std::unique_ptr<DeviceBlock>> block = memory->Allocate(bytes);
+    if (block.ok() && memory->CopyToDevice(weight_.data.data(), (*block)->data(), bytes).ok()) {
+      device_weight_ = *std::move(block);
     } else {
       ReleaseDevice(bytes);
-      // e.g. the CPU engine: never ask again
-      if (absl::IsUnimplemented(memory.status())) no_device_weight_ = true;
     }
   }
   return device_weight_ != nullptr ? device_weight_->data() : nullptr;
@@ -166,24 +164,22 @@ const void* RegisteredWeight::DeviceWeight(LossEngine& engine) {
 // The lease holds device_mu_ from here until its destructor: a hand-over
 // the thread-safety analysis cannot follow.
 std::optional<RegisteredWeight::DeviceGrad> RegisteredWeight::LeaseDeviceGrad(
-    LossEngine& engine) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    DeviceMemory* memory) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   device_mu_.Lock();
+  if (memory == nullptr) no_device_ = true;  // e.g. the CPU engine: never ask again
   if (device_dw_ == nullptr && !no_device_) {
     const int64_t v = weight_.shape[0], h = weight_.shape[1];
     const int64_t bytes = v * h * 4 + (bias_ ? v * 4 : 0);
     if (ReserveDevice(bytes)) {
-      absl::StatusOr<std::unique_ptr<ImportedMemory>> dw =
-          engine.AllocateDeviceMemory(v * h * 4);
-      absl::StatusOr<std::unique_ptr<ImportedMemory>> db = std::unique_ptr<ImportedMemory>();
-      if (dw.ok() && bias_) db = engine.AllocateDeviceMemory(v * 4);
+      absl::StatusOr<std::unique_ptr<DeviceBlock>> dw = memory->Allocate(v * h * 4);
+      absl::StatusOr<std::unique_ptr<DeviceBlock>> db = std::unique_ptr<DeviceBlock>();
+      if (dw.ok() && bias_) db = memory->Allocate(v * 4);
       if (dw.ok() && db.ok()) {
-        device_engine_ = &engine;
+        device_memory_ = memory;
         device_dw_ = *std::move(dw);
         device_db_ = *std::move(db);
       } else {
         ReleaseDevice(bytes);
-        // e.g. the CPU engine: never ask again
-        if (absl::IsUnimplemented(dw.status())) no_device_ = true;
       }
     }
   }

@@ -26,6 +26,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/device_memory.h"
 #include "kernels/loss_engine.h"
 #include "kernels/tensor.h"
 
@@ -152,16 +153,18 @@ class RegisteredWeight {
     explicit DeviceGrad(RegisteredWeight* weight) : weight_(weight) {}
     RegisteredWeight* weight_;
   };
-  // W on the engine's device (a copy made on first use, freed with the
-  // version), or null when the engine has no device memory to give or the
-  // device budget is spent (the host copy serves then; asked again later).
-  const void* DeviceWeight(LossEngine& engine);
+  // W in `memory` (the engine's device memory; null for an engine without
+  // one): a copy made on first use, freed with the version; or null when
+  // there is no device memory to give or the device budget is spent (the
+  // host copy serves then; asked again later, but never again after a null
+  // `memory`).
+  const void* DeviceWeight(DeviceMemory* memory);
 
-  // The device accumulator, allocated from `engine` on first use; nullopt
-  // when the engine has no device memory to give or the device budget is
-  // spent (the host accumulator of AccumulateGrad serves then). TakeGrad
-  // includes what it holds.
-  std::optional<DeviceGrad> LeaseDeviceGrad(LossEngine& engine);
+  // The device accumulator, allocated from `memory` on first use; nullopt
+  // when there is no device memory to give or the device budget is spent
+  // (the host accumulator of AccumulateGrad serves then). TakeGrad includes
+  // what it holds.
+  std::optional<DeviceGrad> LeaseDeviceGrad(DeviceMemory* memory);
 
  private:
   const std::string name_;
@@ -183,13 +186,13 @@ class RegisteredWeight {
   bool ReserveDevice(int64_t bytes);
   void ReleaseDevice(int64_t bytes);
   absl::Mutex weight_mu_;
-  std::unique_ptr<ImportedMemory> device_weight_ ABSL_GUARDED_BY(weight_mu_);
+  std::unique_ptr<DeviceBlock> device_weight_ ABSL_GUARDED_BY(weight_mu_);
   bool no_device_weight_ ABSL_GUARDED_BY(weight_mu_) = false;
   // Held by a DeviceGrad, and by TakeGrad; taken before mu_.
   absl::Mutex device_mu_;
-  LossEngine* device_engine_ ABSL_GUARDED_BY(device_mu_) = nullptr;
-  std::unique_ptr<ImportedMemory> device_dw_ ABSL_GUARDED_BY(device_mu_);
-  std::unique_ptr<ImportedMemory> device_db_ ABSL_GUARDED_BY(device_mu_);
+  DeviceMemory* device_memory_ ABSL_GUARDED_BY(device_mu_) = nullptr;
+  std::unique_ptr<DeviceBlock> device_dw_ ABSL_GUARDED_BY(device_mu_);
+  std::unique_ptr<DeviceBlock> device_db_ ABSL_GUARDED_BY(device_mu_);
   bool no_device_ ABSL_GUARDED_BY(device_mu_) = false;  // the engine has none
   std::atomic<int64_t> device_backwards_{0};             // Backwards in the device sums
 };

@@ -185,45 +185,35 @@ TEST(WeightRegistryTest, LargeGradientsSumExactlyAsPlainFloatAdds) {
   EXPECT_EQ(std::memcmp(grad->dw.data_as<float>(), want.data(), want.size() * sizeof(float)), 0);
 }
 
-// An engine whose "device memory" is host memory: enough to drive the
-// registry's device copies and sums the way a CUDA engine does. Allocations
-// fail while `exhausted`; without `has_device` it answers UNIMPLEMENTED.
-class FakeDeviceEngine : public LossEngine {
+// Device memory that is host memory: enough to drive the registry's device
+// copies and sums the way a CUDA engine's does. Allocations fail while
+// `exhausted`. (An engine without a device has none: a null DeviceMemory.)
+class FakeDeviceMemory : public DeviceMemory {
  public:
-  bool has_device = true;
   bool exhausted = false;
   int allocations = 0;
 
-  std::string backend() const override { return "fake"; }
-  std::vector<DeviceInfo> devices() const override { return {}; }
-  int64_t SavedStateBytes(const LossProblem&, BackwardMode) const override { return 0; }
-  absl::StatusOr<ForwardResult> Forward(const LossProblem&, const ForwardSpec&,
-                                        const CancelFn&) override {
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(const std::string&) override {
     return absl::UnimplementedError("fake");
   }
-  absl::StatusOr<Gradients> Backward(SavedState&, const BackwardSpec&,
-                                     const CancelFn&) override {
-    return absl::UnimplementedError("fake");
-  }
-  absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes) override {
-    if (!has_device) return LossEngine::AllocateDeviceMemory(bytes);
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> Allocate(int64_t bytes) override {
     if (exhausted) return absl::ResourceExhaustedError("fake device full");
     ++allocations;
-    return std::unique_ptr<ImportedMemory>(new Memory(bytes));
+    return std::unique_ptr<DeviceBlock>(new Block(bytes));
   }
-  absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes) override {
+  absl::Status CopyToHost(const void* device, void* host, int64_t bytes) override {
     std::memcpy(host, device, static_cast<size_t>(bytes));
     return absl::OkStatus();
   }
-  absl::Status CopyHostToDevice(const void* host, void* device, int64_t bytes) override {
+  absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) override {
     std::memcpy(device, host, static_cast<size_t>(bytes));
     return absl::OkStatus();
   }
 
  private:
-  class Memory : public ImportedMemory {
+  class Block : public DeviceBlock {
    public:
-    explicit Memory(int64_t bytes) : bytes_(static_cast<size_t>(bytes), '\0') {}
+    explicit Block(int64_t bytes) : bytes_(static_cast<size_t>(bytes), '\0') {}
     void* data() const override { return const_cast<char*>(bytes_.data()); }
     int64_t bytes() const override { return static_cast<int64_t>(bytes_.size()); }
 
@@ -245,11 +235,11 @@ void AddOnDevice(const RegisteredWeight::DeviceGrad& grad, int64_t v, int64_t h,
 }
 
 TEST(WeightRegistryTest, DeviceSumsMergeWithTheHostOnTake) {
-  FakeDeviceEngine engine;
+  FakeDeviceMemory memory;
   WeightRegistry registry(1 << 20);
   auto w = *registry.Put("w", "", Weight(3, 2, 0), HostTensor(DType::kFloat32, {3}));
   for (float value : {1.0f, 2.0f}) {
-    auto grad = w->LeaseDeviceGrad(engine);
+    auto grad = w->LeaseDeviceGrad(&memory);
     ASSERT_TRUE(grad.has_value());
     EXPECT_EQ(grad->dw().accumulate, value != 1.0f);  // the first overwrites
     AddOnDevice(*grad, 3, 2, value);
@@ -269,77 +259,76 @@ TEST(WeightRegistryTest, DeviceSumsMergeWithTheHostOnTake) {
   EXPECT_THAT(w->TakeGrad(), StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient")));
   // After a take the next Backward overwrites the device sums.
   {
-    auto grad = w->LeaseDeviceGrad(engine);
+    auto grad = w->LeaseDeviceGrad(&memory);
     EXPECT_FALSE(grad->dw().accumulate);
     AddOnDevice(*grad, 3, 2, 4.0f);
     grad->Added();
   }
   EXPECT_EQ(w->TakeGrad()->dw.data_as<float>()[5], 4.0f);
-  EXPECT_EQ(engine.allocations, 2);  // dW and db, once
+  EXPECT_EQ(memory.allocations, 2);  // dW and db, once
 }
 
 // A lease that never reports success (the Backward failed) adds no count,
 // and the lease is exclusive: the next one waits for it to end.
 TEST(WeightRegistryTest, AFailedBackwardAddsNothing) {
-  FakeDeviceEngine engine;
+  FakeDeviceMemory memory;
   WeightRegistry registry(1 << 20);
   auto w = *registry.Put("w", "", Weight(2, 2, 0), std::nullopt);
   {
-    auto grad = w->LeaseDeviceGrad(engine);
+    auto grad = w->LeaseDeviceGrad(&memory);
     ASSERT_TRUE(grad.has_value());
     EXPECT_FALSE(grad->db().has_value());
   }
   EXPECT_EQ(w->accumulated_backwards(), 0);
   EXPECT_THAT(w->TakeGrad(), StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient")));
-  auto again = w->LeaseDeviceGrad(engine);
+  auto again = w->LeaseDeviceGrad(&memory);
   EXPECT_TRUE(again.has_value());
 }
 
-// Without device memory the host serves: UNIMPLEMENTED is remembered,
-// RESOURCE_EXHAUSTED is asked again next time.
+// Without device memory the host serves: no device memory at all is
+// remembered, RESOURCE_EXHAUSTED is asked again next time.
 TEST(WeightRegistryTest, WithoutDeviceMemoryTheHostServes) {
-  FakeDeviceEngine engine;
+  FakeDeviceMemory memory;
   WeightRegistry registry(1 << 20);
   auto w = *registry.Put("w", "", Weight(2, 2, 1.5f), std::nullopt);
-  engine.exhausted = true;
-  EXPECT_FALSE(w->LeaseDeviceGrad(engine).has_value());
-  EXPECT_EQ(w->DeviceWeight(engine), nullptr);
-  engine.exhausted = false;
-  const void* device = w->DeviceWeight(engine);
+  memory.exhausted = true;
+  EXPECT_FALSE(w->LeaseDeviceGrad(&memory).has_value());
+  EXPECT_EQ(w->DeviceWeight(&memory), nullptr);
+  memory.exhausted = false;
+  const void* device = w->DeviceWeight(&memory);
   ASSERT_NE(device, nullptr);
   EXPECT_EQ(static_cast<const float*>(device)[3], 1.5f);  // copied from the host
-  EXPECT_EQ(w->DeviceWeight(engine), device);              // once per version
-  EXPECT_TRUE(w->LeaseDeviceGrad(engine).has_value());
+  EXPECT_EQ(w->DeviceWeight(&memory), device);              // once per version
+  EXPECT_TRUE(w->LeaseDeviceGrad(&memory).has_value());
 
-  FakeDeviceEngine none;
-  none.has_device = false;
+  // An engine without device memory (null): remembered, never asked again.
+  FakeDeviceMemory later;
   auto v = *registry.Put("v", "", Weight(2, 2, 0), std::nullopt);
-  EXPECT_FALSE(v->LeaseDeviceGrad(none).has_value());
-  EXPECT_EQ(v->DeviceWeight(none), nullptr);
-  none.has_device = true;  // an engine never changes its mind: not asked again
-  EXPECT_FALSE(v->LeaseDeviceGrad(none).has_value());
-  EXPECT_EQ(v->DeviceWeight(none), nullptr);
-  EXPECT_EQ(none.allocations, 0);
+  EXPECT_FALSE(v->LeaseDeviceGrad(nullptr).has_value());
+  EXPECT_EQ(v->DeviceWeight(nullptr), nullptr);
+  EXPECT_FALSE(v->LeaseDeviceGrad(&later).has_value());
+  EXPECT_EQ(v->DeviceWeight(&later), nullptr);
+  EXPECT_EQ(later.allocations, 0);
 }
 
 // The device budget bounds the copies and sums of every version alive;
 // past it the host serves, and a version's bytes come back when it dies.
 TEST(WeightRegistryTest, DeviceBudgetBoundsCopiesAndSums) {
-  FakeDeviceEngine engine;
+  FakeDeviceMemory memory;
   WeightRegistry registry(1 << 20, /*device_budget_bytes=*/40);
   auto w = *registry.Put("w", "", Weight(2, 2, 1.0f), std::nullopt);  // 16 bytes each
-  EXPECT_NE(w->DeviceWeight(engine), nullptr);
-  EXPECT_TRUE(w->LeaseDeviceGrad(engine).has_value());
+  EXPECT_NE(w->DeviceWeight(&memory), nullptr);
+  EXPECT_TRUE(w->LeaseDeviceGrad(&memory).has_value());
   EXPECT_EQ(registry.device_bytes_in_use(), 32);
   auto v = *registry.Put("v", "", Weight(2, 2, 2.0f), std::nullopt);
-  EXPECT_EQ(v->DeviceWeight(engine), nullptr);  // 48 > 40: the host copy serves
-  EXPECT_FALSE(v->LeaseDeviceGrad(engine).has_value());
+  EXPECT_EQ(v->DeviceWeight(&memory), nullptr);  // 48 > 40: the host copy serves
+  EXPECT_FALSE(v->LeaseDeviceGrad(&memory).has_value());
   EXPECT_EQ(registry.device_bytes_in_use(), 32);
   // Replacing w and dropping the last reference frees its 32 bytes.
   ASSERT_TRUE(registry.Put("w", "", Weight(2, 2, 3.0f), std::nullopt).ok());
   w.reset();
   EXPECT_EQ(registry.device_bytes_in_use(), 0);
-  EXPECT_NE(v->DeviceWeight(engine), nullptr);  // asked again, fits now
+  EXPECT_NE(v->DeviceWeight(&memory), nullptr);  // asked again, fits now
   EXPECT_EQ(registry.device_bytes_in_use(), 16);
 }
 

@@ -106,7 +106,7 @@ struct RowBuffers {
 enum class Pass { kLoss, kLossAndGrad, kLossAndGradOnePass, kGradFromLse };
 
 // A mapping of another process's allocation; closed when destroyed.
-class IpcMemory : public ImportedMemory {
+class IpcMemory : public DeviceBlock {
  public:
   IpcMemory(int device, void* base, int64_t bytes)
       : device_(device), base_(base), bytes_(bytes) {}
@@ -123,16 +123,16 @@ class IpcMemory : public ImportedMemory {
   const int64_t bytes_;
 };
 
-// Device memory of AllocateDeviceMemory, freed when destroyed; counted in
+// Device memory of DeviceMemory::Allocate, freed when destroyed; counted in
 // `allocated` (shared with the engine, which it may outlive) while alive.
-class DeviceMemory : public ImportedMemory {
+class OwnedDeviceBlock : public DeviceBlock {
  public:
-  DeviceMemory(int device, void* data, int64_t bytes,
-               std::shared_ptr<std::atomic<int64_t>> allocated)
+  OwnedDeviceBlock(int device, void* data, int64_t bytes,
+                   std::shared_ptr<std::atomic<int64_t>> allocated)
       : device_(device), data_(data), bytes_(bytes), allocated_(std::move(allocated)) {
     *allocated_ += bytes_;
   }
-  ~DeviceMemory() override {
+  ~OwnedDeviceBlock() override {
     cudaSetDevice(device_);
     cudaFree(data_);
     *allocated_ -= bytes_;
@@ -902,7 +902,7 @@ class EngineImpl {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes) {
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> AllocateDeviceMemory(int64_t bytes) {
     FLCE_RETURN_IF_ERROR(health());
     FLCE_RETURN_IF_ERROR(SetDevice());
     void* data = nullptr;
@@ -913,9 +913,9 @@ class EngineImpl {
           absl::StrCat("device memory: ", bytes, " bytes do not fit on the GPU"));
     }
     FLCE_RETURN_IF_ERROR(Check(error, "cudaMalloc"));
-    auto memory = std::make_unique<DeviceMemory>(options_.device, data, bytes, allocated_);
+    auto memory = std::make_unique<OwnedDeviceBlock>(options_.device, data, bytes, allocated_);
     FLCE_RETURN_IF_ERROR(Check(cudaMemset(data, 0, bytes), "zero device memory"));
-    return std::unique_ptr<ImportedMemory>(std::move(memory));
+    return std::unique_ptr<DeviceBlock>(std::move(memory));
   }
 
   absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes) {
@@ -934,7 +934,7 @@ class EngineImpl {
     return Check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device");
   }
 
-  absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpcMemory(
       const std::string& handle) {
     FLCE_RETURN_IF_ERROR(health());
     if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
@@ -961,7 +961,7 @@ class EngineImpl {
       cudaIpcCloseMemHandle(base);
       return bytes.status();
     }
-    return std::unique_ptr<ImportedMemory>(new IpcMemory(options_.device, base, *bytes));
+    return std::unique_ptr<DeviceBlock>(new IpcMemory(options_.device, base, *bytes));
   }
 
   // Benchmark path: inputs resident, Forward + Backward device work only.
@@ -1082,10 +1082,35 @@ class EngineImpl {
   std::atomic<bool> healthy_{true};
   // Forward calls whose one-pass rows asked for the two-pass rerun.
   std::atomic<int64_t> forward_reruns_{0};
-  // Bytes of AllocateDeviceMemory's allocations alive.
+  // Bytes of DeviceMemory::Allocate's blocks alive.
   const std::shared_ptr<std::atomic<int64_t>> allocated_ =
       std::make_shared<std::atomic<int64_t>>(0);
   std::string sticky_error_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace internal_cuda
+
+namespace internal_cuda {
+
+// The engine's device memory, as the registries see it.
+class EngineDeviceMemory final : public DeviceMemory {
+ public:
+  explicit EngineDeviceMemory(EngineImpl* impl) : impl_(impl) {}
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(const std::string& handle) override {
+    return impl_->ImportCudaIpcMemory(handle);
+  }
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> Allocate(int64_t bytes) override {
+    return impl_->AllocateDeviceMemory(bytes);
+  }
+  absl::Status CopyToHost(const void* device, void* host, int64_t bytes) override {
+    return impl_->CopyDeviceToHost(device, host, bytes);
+  }
+  absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) override {
+    return impl_->CopyHostToDevice(host, device, bytes);
+  }
+
+ private:
+  EngineImpl* const impl_;
 };
 
 }  // namespace internal_cuda
@@ -1120,7 +1145,8 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Create(const CudaEngineO
 }
 
 CudaEngine::CudaEngine(std::unique_ptr<internal_cuda::EngineImpl> impl)
-    : impl_(std::move(impl)) {}
+    : impl_(std::move(impl)),
+      memory_(std::make_unique<internal_cuda::EngineDeviceMemory>(impl_.get())) {}
 
 CudaEngine::~CudaEngine() = default;
 
@@ -1171,23 +1197,7 @@ absl::StatusOr<Gradients> CudaEngine::Backward(SavedState& state, const Backward
   return impl_->Backward(state, spec, cancelled);
 }
 
-absl::StatusOr<std::unique_ptr<ImportedMemory>> CudaEngine::AllocateDeviceMemory(
-    int64_t bytes) {
-  return impl_->AllocateDeviceMemory(bytes);
-}
-
-absl::Status CudaEngine::CopyDeviceToHost(const void* device, void* host, int64_t bytes) {
-  return impl_->CopyDeviceToHost(device, host, bytes);
-}
-
-absl::Status CudaEngine::CopyHostToDevice(const void* host, void* device, int64_t bytes) {
-  return impl_->CopyHostToDevice(host, device, bytes);
-}
-
-absl::StatusOr<std::unique_ptr<ImportedMemory>> CudaEngine::ImportCudaIpcMemory(
-    const std::string& handle) {
-  return impl_->ImportCudaIpcMemory(handle);
-}
+DeviceMemory* CudaEngine::device_memory() const { return memory_.get(); }
 
 absl::StatusOr<std::unique_ptr<CudaEngine::DeviceRun>> CudaEngine::PrepareDeviceRun(
     const LossProblem& problem, BackwardMode mode) {

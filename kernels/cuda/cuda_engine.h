@@ -16,6 +16,7 @@ namespace flce {
 
 namespace internal_cuda {
 class EngineImpl;
+class EngineDeviceMemory;
 }  // namespace internal_cuda
 
 // The CUDA engine. Per token chunk: the logits GEMM on cuBLAS (input-dtype
@@ -52,11 +53,8 @@ class CudaEngine : public LossEngine {
                                         const CancelFn& cancelled) override;
   absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
                                      const CancelFn& cancelled) override;
-  absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportCudaIpcMemory(
-      const std::string& handle) override;
-  absl::StatusOr<std::unique_ptr<ImportedMemory>> AllocateDeviceMemory(int64_t bytes) override;
-  absl::Status CopyDeviceToHost(const void* device, void* host, int64_t bytes) override;
-  absl::Status CopyHostToDevice(const void* host, void* device, int64_t bytes) override;
+  // Blocks on this engine's device, CUDA IPC imports, and copies.
+  DeviceMemory* device_memory() const override;
 
   // GEMM shapes whose algorithm has been tuned so far (tune_gemms).
   int tuned_gemm_shapes() const;
@@ -85,6 +83,7 @@ class CudaEngine : public LossEngine {
  private:
   explicit CudaEngine(std::unique_ptr<internal_cuda::EngineImpl> impl);
   std::unique_ptr<internal_cuda::EngineImpl> impl_;
+  std::unique_ptr<internal_cuda::EngineDeviceMemory> memory_;
 };
 
 }  // namespace flce

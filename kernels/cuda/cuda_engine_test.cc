@@ -154,7 +154,7 @@ TEST(CudaEngineSemanticsTest, DeviceDestinationsHoldTheHostResults) {
 // the second, so it holds exactly twice the host result; dX is returned as
 // usual. Both modes, both RECOMPUTE layouts. The allocation is zeroed,
 // counted in device_memory_bytes() while alive, and round-trips through
-// CopyHostToDevice / CopyDeviceToHost.
+// DeviceMemory::CopyToDevice / CopyToHost.
 TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
   for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
     FLCE_GET_ENGINE_OR_SKIP(engine, layout);
@@ -163,12 +163,12 @@ TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
     const OwnedProblem p = MakeRandomProblem(spec);
     const int64_t dw_bytes = spec.vocab * spec.hidden * 4, db_bytes = spec.vocab * 4;
     const int64_t before = engine->device_memory_bytes();
-    auto dw = engine->AllocateDeviceMemory(dw_bytes);
-    auto db = engine->AllocateDeviceMemory(db_bytes);
+    auto dw = engine->device_memory()->Allocate(dw_bytes);
+    auto db = engine->device_memory()->Allocate(db_bytes);
     ASSERT_TRUE(dw.ok() && db.ok()) << dw.status() << db.status();
     EXPECT_EQ(engine->device_memory_bytes() - before, dw_bytes + db_bytes);
     std::string zeros(db_bytes, 'x');
-    ASSERT_TRUE(engine->CopyDeviceToHost((*db)->data(), zeros.data(), db_bytes).ok());
+    ASSERT_TRUE(engine->device_memory()->CopyToHost((*db)->data(), zeros.data(), db_bytes).ok());
     EXPECT_EQ(zeros, std::string(db_bytes, '\0'));
     HostTensor g(DType::kFloat32, {});
     g.mutable_data<float>()[0] = 0.5f;
@@ -195,8 +195,8 @@ TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
       }
       HostTensor sum_w(DType::kFloat32, {spec.vocab, spec.hidden}), sum_b(DType::kFloat32,
                                                                           {spec.vocab});
-      ASSERT_TRUE(engine->CopyDeviceToHost((*dw)->data(), sum_w.data.data(), dw_bytes).ok());
-      ASSERT_TRUE(engine->CopyDeviceToHost((*db)->data(), sum_b.data.data(), db_bytes).ok());
+      ASSERT_TRUE(engine->device_memory()->CopyToHost((*dw)->data(), sum_w.data.data(), dw_bytes).ok());
+      ASSERT_TRUE(engine->device_memory()->CopyToHost((*db)->data(), sum_b.data.data(), db_bytes).ok());
       for (int64_t i = 0; i < sum_w.num_elements(); ++i) {
         ASSERT_EQ(sum_w.data_as<float>()[i], 2.0f * want->grad_weight.data_as<float>()[i]) << i;
       }
@@ -215,8 +215,8 @@ TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
                 absl::StatusCode::kInvalidArgument);
     }
     std::string back(db_bytes, 'y');
-    ASSERT_TRUE(engine->CopyHostToDevice(zeros.data(), (*db)->data(), db_bytes).ok());
-    ASSERT_TRUE(engine->CopyDeviceToHost((*db)->data(), back.data(), db_bytes).ok());
+    ASSERT_TRUE(engine->device_memory()->CopyToDevice(zeros.data(), (*db)->data(), db_bytes).ok());
+    ASSERT_TRUE(engine->device_memory()->CopyToHost((*db)->data(), back.data(), db_bytes).ok());
     EXPECT_EQ(back, zeros);
     const int64_t held = engine->device_memory_bytes();
     dw->reset();

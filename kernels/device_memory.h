@@ -1,0 +1,57 @@
+#ifndef FLCE_KERNELS_DEVICE_MEMORY_H_
+#define FLCE_KERNELS_DEVICE_MEMORY_H_
+
+// Device memory as a service beside the loss math (kernels/loss_engine.h):
+// what the registries of weights and shared memory ask an engine with a
+// device for. An engine without one has none (LossEngine::device_memory()
+// is null).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace flce {
+
+// A block of device memory: an allocation of this process (freed when
+// destroyed) or another process's mapped through CUDA IPC (unmapped when
+// destroyed). Either may outlive the engine that made it.
+class DeviceBlock {
+ public:
+  virtual ~DeviceBlock() = default;
+  virtual void* data() const = 0;
+  virtual int64_t bytes() const = 0;
+};
+
+// Bytes of a cudaIpcMemHandle_t.
+inline constexpr int kCudaIpcHandleBytes = 64;
+
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+
+  // Maps the device allocation a cudaIpcMemHandle_t (kCudaIpcHandleBytes)
+  // names, for views and destinations in MemorySpace::kCuda.
+  // INVALID_ARGUMENT for a handle that does not open.
+  virtual absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(
+      const std::string& handle) = 0;
+
+  // `bytes` of zeroed device memory, for long-lived tensors such as a
+  // registered weight's device copy and gradient sum. RESOURCE_EXHAUSTED
+  // when it does not fit.
+  virtual absl::StatusOr<std::unique_ptr<DeviceBlock>> Allocate(int64_t bytes) = 0;
+
+  // Copies `bytes` of device memory (an Allocate or ImportCudaIpc block) to
+  // host memory, after all of the engine's work queued before the call.
+  virtual absl::Status CopyToHost(const void* device, void* host, int64_t bytes) = 0;
+
+  // Copies `bytes` of host memory into an Allocate block, complete when it
+  // returns.
+  virtual absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) = 0;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_DEVICE_MEMORY_H_
