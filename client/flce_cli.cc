@@ -345,14 +345,10 @@ absl::StatusOr<HostTensor> ReadInput(const std::string& path, const char* flag) 
   return ReadNpy(path);
 }
 
-bool IsFloat(DType d) {
-  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
-}
-
 // `t` as `to` (a float tensor; other dtypes are left for the server to
 // refuse), saying so on stderr when it converts.
 HostTensor ConvertTo(HostTensor t, DType to, const char* flag, const char* why) {
-  if (!IsFloat(t.dtype) || t.dtype == to) return t;
+  if (!IsFloating(t.dtype) || t.dtype == to) return t;
   std::fprintf(stderr, "note: --%s is %s; sending it as %s (%s)\n", flag, DTypeName(t.dtype),
                DTypeName(to), why);
   const std::vector<float> values = TensorToFloats(t.view());
@@ -417,10 +413,10 @@ absl::Status ForwardCommand() {
   f.mode = *mode;
   f.want_lse = true;
   f.want_per_row_loss = true;
-  std::optional<Progress> progress(std::in_place);
-  progress->Phase("Forward on the server");
+  Progress progress;
+  progress.Phase("Forward on the server");
   auto fwd = MakeClient()->Forward(f);
-  progress.reset();
+  progress.Done();
   if (!fwd.ok()) return fwd.status();
   if (fwd->loss.num_elements() == 1) {
     std::printf("loss %.9g\n", fwd->loss.data_as<float>()[0]);
@@ -460,10 +456,10 @@ absl::Status BackwardCommand() {
     g = std::move(*read);
     b.grad_output = g->view();
   }
-  std::optional<Progress> progress(std::in_place);
-  progress->Phase("Backward on the server");
+  Progress progress;
+  progress.Phase("Backward on the server");
   auto grads = MakeClient()->Backward(b);
-  progress.reset();
+  progress.Done();
   if (!grads.ok()) return grads.status();
   std::printf("engine %.1f ms\n", grads->times.engine_ms);
   absl::Status s = Save("grad_hidden", grads->grad_hidden);

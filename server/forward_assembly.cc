@@ -99,13 +99,12 @@ absl::StatusOr<int64_t> ForwardAssembly::Take(v1::ForwardRequestChunk* message) 
   return 0;
 }
 
-absl::Status ForwardAssembly::End() const {
+absl::Status ForwardAssembly::End() {
   if (!started_) return absl::InvalidArgumentError("request: the stream carried no message");
   for (int f = v1::TENSOR_FIELD_HIDDEN; f <= v1::TENSOR_FIELD_CLASS_WEIGHT; ++f) {
     auto expected = expected_.find(f);
     if (expected == expected_.end()) continue;
-    const v1::Tensor* t =
-        ForwardField(const_cast<v1::ForwardRequest&>(request_), static_cast<v1::TensorField>(f));
+    const v1::Tensor* t = ForwardField(request_, static_cast<v1::TensorField>(f));
     if (static_cast<int64_t>(t->data().size()) != expected->second) {
       return absl::InvalidArgumentError(absl::StrCat(FieldName(static_cast<v1::TensorField>(f)),
                                                      ": received ", t->data().size(), " of ",

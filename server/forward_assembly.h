@@ -30,7 +30,7 @@ class ForwardAssembly {
 
   // The client half-closed: OK iff a request came and every announced
   // tensor is whole (INVALID_ARGUMENT naming the first that is not).
-  absl::Status End() const;
+  absl::Status End();
 
   bool started() const { return started_; }
   // The request, as far as it has arrived.

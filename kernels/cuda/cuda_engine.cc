@@ -1088,10 +1088,6 @@ class EngineImpl {
   std::string sticky_error_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace internal_cuda
-
-namespace internal_cuda {
-
 // The engine's device memory, as the registries see it.
 class EngineDeviceMemory final : public DeviceMemory {
  public:

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kernels/cuda/chunk_plan.h"
 #include "kernels/cuda/cuda_engine_options.h"
 #include "kernels/loss_engine.h"
 
@@ -36,8 +35,6 @@ class EngineDeviceMemory;
 // sticky CUDA error every call is UNAVAILABLE (see health()).
 class CudaEngine : public LossEngine {
  public:
-  static constexpr int64_t kMinChunkRows = kCudaMinChunkRows;  // chunk_plan.h
-
   // UNAVAILABLE when no usable CUDA device is present (the message says why).
   static absl::StatusOr<std::unique_ptr<CudaEngine>> Create(
       const CudaEngineOptions& options = {});

@@ -14,10 +14,10 @@ struct CudaEngineOptions {
   // Calls that run concurrently, each on its own stream and cuBLAS handle.
   int lanes = 2;
   // Upper bound on the logits chunk (rows × V in the input dtype); a chunk
-  // holds at least kMinChunkRows rows. Large chunks keep the GEMMs near
-  // peak and re-read the fp32 dW accumulator less often; the chunk is most
-  // of the engine's memory beyond X, W, dX, dW (the default leaves 8 MiB of
-  // a GiB for the per-row buffers).
+  // holds at least kCudaMinChunkRows rows (chunk_plan.h). Large chunks keep
+  // the GEMMs near peak and re-read the fp32 dW accumulator less often; the
+  // chunk is most of the engine's memory beyond X, W, dX, dW (the default
+  // leaves 8 MiB of a GiB for the per-row buffers).
   int64_t chunk_bytes = int64_t{1016} << 20;
   // The RECOMPUTE backward takes all rows at once, slicing the vocabulary
   // (rows × slice columns within chunk_bytes), when a slice of at least

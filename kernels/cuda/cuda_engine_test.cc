@@ -35,7 +35,7 @@ enum class Layout {
 };
 
 // Two engines for the whole binary, both with a small chunk budget so that
-// every case runs several token chunks (at least kMinChunkRows rows each)
+// every case runs several token chunks (at least kCudaMinChunkRows rows each)
 // in Forward, and with it several vocabulary slices or token chunks in the
 // RECOMPUTE backward.
 CudaEngine* Engine(std::string* why, Layout layout = Layout::kTokenChunks) {
