@@ -42,3 +42,14 @@ def cuda_library(name, srcs, hdrs = [], deps = [], visibility = None):
         linkstatic = True,
         visibility = visibility,
     )
+
+def cuda_cc_library(name, srcs = [], hdrs = [], deps = [], visibility = None):
+    """A cc_library of host C++ that uses the CUDA runtime or cuBLAS: its
+    sources, headers and dependencies only with a toolkit (empty without)."""
+    native.cc_library(
+        name = name,
+        srcs = srcs if CUDA_FOUND else [],
+        hdrs = hdrs if CUDA_FOUND else [],
+        deps = (deps + ["@local_cuda//:cudart"]) if CUDA_FOUND else [],
+        visibility = visibility,
+    )

@@ -8,28 +8,39 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_resources.h"
+#include "kernels/cuda/device_health.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
-#include "kernels/cuda/loss_kernels.h"
 #include "kernels/status_macros.h"
 
 namespace flce {
 
 using internal_cuda::CublasHandle;
-using internal_cuda::CudaStatus;
 using internal_cuda::CudaStream;
 using internal_cuda::DeviceBuffer;
 using internal_cuda::GemmRunner;
 using internal_cuda::GemmShape;
+
+// The floor's own CUDA and cuBLAS statuses (it runs beside the engine, not in it).
+internal_cuda::DeviceHealth& FloorHealth() {
+  static auto* health = new internal_cuda::DeviceHealth();
+  return *health;
+}
+
+absl::Status CudaStatus(cudaError_t error, const char* what) {
+  return FloorHealth().Check(error, what);
+}
 
 absl::Status FillPattern(const DeviceBuffer& b, DType dtype, cudaStream_t s) {
   std::vector<float> pattern(1 << 20);
   for (size_t i = 0; i < pattern.size(); ++i) {
     pattern[i] = static_cast<float>((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
   }
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer p, DeviceBuffer::Allocate(pattern.size() * 4, s));
-  FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(p.data(), pattern.data(), pattern.size() * 4,
-                                                  cudaMemcpyHostToDevice, s),
-                                  "upload"));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer p,
+                        DeviceBuffer::Allocate(pattern.size() * 4, s, FloorHealth()));
+  FLCE_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(p.data(), pattern.data(), pattern.size() * 4, cudaMemcpyHostToDevice, s),
+      "upload"));
   const int64_t elem = DTypeSize(dtype), count = b.bytes() / elem;
   for (int64_t first = 0; first < count; first += static_cast<int64_t>(pattern.size())) {
     const int64_t m = std::min<int64_t>(pattern.size(), count - first);
@@ -42,24 +53,24 @@ absl::Status FillPattern(const DeviceBuffer& b, DType dtype, cudaStream_t s) {
 }
 
 absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DType dtype,
-                                           int logits_gemms, bool tuned, int warmup,
-                                           int iters) {
-  FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+                                           int logits_gemms, bool tuned, int warmup, int iters) {
+  FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(FloorHealth()));
   cudaStream_t s = stream.get();
-  FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s));
+  FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s, FloorHealth()));
   const int64_t elem = DTypeSize(dtype);
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer x, DeviceBuffer::Allocate(n * h * elem, s));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(v * h * elem, s));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer z, DeviceBuffer::Allocate(n * v * elem, s));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * elem, s));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * elem, s));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer x, DeviceBuffer::Allocate(n * h * elem, s, FloorHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(v * h * elem, s, FloorHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer z, DeviceBuffer::Allocate(n * v * elem, s, FloorHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * elem, s, FloorHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * elem, s, FloorHealth()));
   for (const DeviceBuffer* b : {&x, &w, &z}) FLCE_RETURN_IF_ERROR(FillPattern(*b, dtype, s));
   internal_cuda::GemmTuning tuning;
   tuning.enabled = tuned;
-  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms, GemmRunner::Create(tuning));
-  auto gemm = [&](cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t gn,
-                  int64_t k, const DeviceBuffer& a, int64_t lda, const DeviceBuffer& b,
-                  int64_t ldb, DeviceBuffer& c, int64_t ldc) {
+  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms,
+                        GemmRunner::Create(tuning, FloorHealth()));
+  auto gemm = [&](cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t gn, int64_t k,
+                  const DeviceBuffer& a, int64_t lda, const DeviceBuffer& b, int64_t ldb,
+                  DeviceBuffer& c, int64_t ldc) {
     const GemmShape shape{op_a, op_b, m, gn, k, dtype, lda, dtype, ldb, dtype, ldc};
     return gemms->Run(blas.get(), s, shape, a.data(), b.data(), 0.0f, c.data());
   };
@@ -73,7 +84,7 @@ absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DTyp
     // dW [V, H] = dZᵀ · X.
     return gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, x, h, z, v, dw, h);
   };
-  internal_cuda::EventTimer timer;
+  internal_cuda::EventTimer timer(FloorHealth());
   FLCE_ASSIGN_OR_RETURN(const double median, timer.MedianMs(s, warmup, iters, sequence));
   GemmFloor floor;
   floor.ms = median;

@@ -27,6 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/cublas_floor.h"
 #include "kernels/cuda/cuda_resources.h"
+#include "kernels/cuda/device_health.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/status_macros.h"
 
@@ -40,8 +41,6 @@ namespace flce {
 namespace {
 
 using internal_cuda::CublasHandle;
-using internal_cuda::CublasStatus;
-using internal_cuda::CudaStatus;
 using internal_cuda::CudaStream;
 using internal_cuda::DeviceBuffer;
 using internal_cuda::EventTimer;
@@ -49,6 +48,16 @@ using internal_cuda::GemmRunner;
 using internal_cuda::GemmShape;
 using internal_cuda::GemmTuning;
 using internal_cuda::LtGemm;
+
+// This tool's CUDA and cuBLAS statuses.
+internal_cuda::DeviceHealth& Health() {
+  static auto* health = new internal_cuda::DeviceHealth();
+  return *health;
+}
+absl::Status CudaStatus(cudaError_t error, const char* what) { return Health().Check(error, what); }
+absl::Status CublasStatus(cublasStatus_t status, const char* what) {
+  return Health().Check(status, what);
+}
 
 // One of the engine's GEMMs, C = op(A)·op(B) + beta·C, bf16 operands.
 struct Probed {
@@ -67,18 +76,16 @@ std::string AlgoConfig(const cublasLtMatmulAlgo_t& algo) {
     cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written);
     return v;
   };
-  return absl::StrFormat("id %u tile %u stages %u splitK %u red %u swz %u opt %u cluster %u",
-                         get(CUBLASLT_ALGO_CONFIG_ID), get(CUBLASLT_ALGO_CONFIG_TILE_ID),
-                         get(CUBLASLT_ALGO_CONFIG_STAGES_ID), get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-                         get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
-                         get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-                         get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
-                         get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
+  return absl::StrFormat(
+      "id %u tile %u stages %u splitK %u red %u swz %u opt %u cluster %u",
+      get(CUBLASLT_ALGO_CONFIG_ID), get(CUBLASLT_ALGO_CONFIG_TILE_ID),
+      get(CUBLASLT_ALGO_CONFIG_STAGES_ID), get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+      get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+      get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION), get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
 }
 
-absl::Status Probe(const Probed& p, cublasHandle_t blas, GemmRunner& defaults,
-                   cublasLtHandle_t lt, cudaStream_t s, void* workspace, size_t workspace_bytes,
-                   EventTimer& timer) {
+absl::Status Probe(const Probed& p, cublasHandle_t blas, GemmRunner& defaults, cublasLtHandle_t lt,
+                   cudaStream_t s, void* workspace, size_t workspace_bytes, EventTimer& timer) {
   const GemmShape& g = p.shape;
   const double tflop = 2.0 * g.m * g.n * g.k / 1e12;
   const int64_t c_bytes = g.m * g.n * DTypeSize(g.c_type);
@@ -89,8 +96,8 @@ absl::Status Probe(const Probed& p, cublasHandle_t blas, GemmRunner& defaults,
   auto output_of = [&](auto&& run, std::vector<char>& out) -> absl::Status {
     FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(p.c, 0, c_bytes, s), "zero C"));
     FLCE_RETURN_IF_ERROR(run());
-    FLCE_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(out.data(), p.c, c_bytes, cudaMemcpyDeviceToHost, s), "read C"));
+    FLCE_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(out.data(), p.c, c_bytes, cudaMemcpyDeviceToHost, s), "read C"));
     return CudaStatus(cudaStreamSynchronize(s), "read C");
   };
   FLCE_RETURN_IF_ERROR(output_of(run_default, expected));
@@ -100,7 +107,7 @@ absl::Status Probe(const Probed& p, cublasHandle_t blas, GemmRunner& defaults,
   std::printf("  cublasGemmEx default        %8.3f ms %6.1f TF/s\n", default_ms,
               tflop / default_ms * 1e3);
 
-  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<LtGemm> gemm, LtGemm::Create(g));
+  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<LtGemm> gemm, LtGemm::Create(g, Health()));
   const std::vector<cublasLtMatmulHeuristicResult_t> results =
       gemm->Candidates(lt, absl::GetFlag(FLAGS_algos), workspace_bytes);
   for (size_t i = 0; i < results.size(); ++i) {
@@ -120,17 +127,19 @@ absl::Status Probe(const Probed& p, cublasHandle_t blas, GemmRunner& defaults,
 }
 
 absl::Status Run() {
-  FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(Health()));
   cudaStream_t s = stream.get();
-  FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s));
+  FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s, Health()));
   cublasLtHandle_t lt = nullptr;
   FLCE_RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&lt), "cublasLtCreate"));
   GemmTuning untuned;
   untuned.enabled = false;
-  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> defaults, GemmRunner::Create(untuned));
+  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> defaults,
+                        GemmRunner::Create(untuned, Health()));
   const size_t workspace_bytes = size_t{64} << 20;
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer workspace, DeviceBuffer::Allocate(workspace_bytes, s));
-  EventTimer timer;
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer workspace,
+                        DeviceBuffer::Allocate(workspace_bytes, s, Health()));
+  EventTimer timer(Health());
   absl::Status status;
   const std::vector<std::string> shapes = absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',');
   for (const std::string& text : shapes) {
@@ -143,46 +152,73 @@ absl::Status Run() {
     const int64_t r = std::min(n, absl::GetFlag(FLAGS_chunk_rows));
     const bool full = absl::GetFlag(FLAGS_full);
     const int64_t z_rows = full ? n : r;
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer x, DeviceBuffer::Allocate(n * h * 2, s));
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(v * h * 2, s));
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer z, DeviceBuffer::Allocate(z_rows * v * 2, s));
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * 4, s));
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * 4, s));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer x, DeviceBuffer::Allocate(n * h * 2, s, Health()));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(v * h * 2, s, Health()));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer z, DeviceBuffer::Allocate(z_rows * v * 2, s, Health()));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * 4, s, Health()));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * 4, s, Health()));
     for (const DeviceBuffer* b : {&x, &w, &z}) {
       FLCE_RETURN_IF_ERROR(FillPattern(*b, DType::kBFloat16, s));
     }
-    std::printf("shape %ldx%ldx%ld, chunk rows %ld\n", static_cast<long>(n),
-                static_cast<long>(h), static_cast<long>(v), static_cast<long>(r));
+    std::printf("shape %ldx%ldx%ld, chunk rows %ld\n", static_cast<long>(n), static_cast<long>(h),
+                static_cast<long>(v), static_cast<long>(r));
     // The engine's chunk GEMMs (cuda_engine.cc RunChunks).
     constexpr DType bf16 = DType::kBFloat16, fp32 = DType::kFloat32;
     std::vector<Probed> probes = {
-        {"chunk logits", {CUBLAS_OP_T, CUBLAS_OP_N, v, r, h, bf16, h, bf16, h, bf16, v},
-         w.data(), x.data(), z.data(), 0.0f},
-        {"chunk dX", {CUBLAS_OP_N, CUBLAS_OP_N, h, r, v, bf16, h, bf16, v, fp32, h}, w.data(),
-         z.data(), dx.data(), 0.0f},
-        {"chunk dW beta 0", {CUBLAS_OP_N, CUBLAS_OP_T, h, v, r, bf16, h, bf16, v, fp32, h},
-         x.data(), z.data(), dw.data(), 0.0f},
-        {"chunk dW beta 1", {CUBLAS_OP_N, CUBLAS_OP_T, h, v, r, bf16, h, bf16, v, fp32, h},
-         x.data(), z.data(), dw.data(), 1.0f},
+        {"chunk logits",
+         {CUBLAS_OP_T, CUBLAS_OP_N, v, r, h, bf16, h, bf16, h, bf16, v},
+         w.data(),
+         x.data(),
+         z.data(),
+         0.0f},
+        {"chunk dX",
+         {CUBLAS_OP_N, CUBLAS_OP_N, h, r, v, bf16, h, bf16, v, fp32, h},
+         w.data(),
+         z.data(),
+         dx.data(),
+         0.0f},
+        {"chunk dW beta 0",
+         {CUBLAS_OP_N, CUBLAS_OP_T, h, v, r, bf16, h, bf16, v, fp32, h},
+         x.data(),
+         z.data(),
+         dw.data(),
+         0.0f},
+        {"chunk dW beta 1",
+         {CUBLAS_OP_N, CUBLAS_OP_T, h, v, r, bf16, h, bf16, v, fp32, h},
+         x.data(),
+         z.data(),
+         dw.data(),
+         1.0f},
     };
     if (full) {
       // The floor's (cublas_floor.cc), outputs in bf16.
-      probes.push_back({"full logits", {CUBLAS_OP_T, CUBLAS_OP_N, v, n, h, bf16, h, bf16, h,
-                                        bf16, v},
-                        w.data(), x.data(), z.data(), 0.0f});
-      probes.push_back({"full dX", {CUBLAS_OP_N, CUBLAS_OP_N, h, n, v, bf16, h, bf16, v, bf16, h},
-                        w.data(), z.data(), dx.data(), 0.0f});
-      probes.push_back({"full dW", {CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, bf16, h, bf16, v, bf16, h},
-                        x.data(), z.data(), dw.data(), 0.0f});
+      probes.push_back({"full logits",
+                        {CUBLAS_OP_T, CUBLAS_OP_N, v, n, h, bf16, h, bf16, h, bf16, v},
+                        w.data(),
+                        x.data(),
+                        z.data(),
+                        0.0f});
+      probes.push_back({"full dX",
+                        {CUBLAS_OP_N, CUBLAS_OP_N, h, n, v, bf16, h, bf16, v, bf16, h},
+                        w.data(),
+                        z.data(),
+                        dx.data(),
+                        0.0f});
+      probes.push_back({"full dW",
+                        {CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, bf16, h, bf16, v, bf16, h},
+                        x.data(),
+                        z.data(),
+                        dw.data(),
+                        0.0f});
     }
     // Warm the card to its steady clock before the first timing.
     const float one = 1.0f, zero = 0.0f;
     for (int i = 0; i < 40; ++i) {
-      FLCE_RETURN_IF_ERROR(CublasStatus(
-          cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, v, r, h, &one, w.data(),
-                       CUDA_R_16BF, h, x.data(), CUDA_R_16BF, h, &zero, z.data(), CUDA_R_16BF, v,
-                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-          "warm-up"));
+      FLCE_RETURN_IF_ERROR(
+          CublasStatus(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, v, r, h, &one, w.data(),
+                                    CUDA_R_16BF, h, x.data(), CUDA_R_16BF, h, &zero, z.data(),
+                                    CUDA_R_16BF, v, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                       "warm-up"));
     }
     for (const Probed& p : probes) {
       status = Probe(p, blas.get(), *defaults, lt, s, workspace.data(), workspace_bytes, timer);

@@ -40,12 +40,16 @@ const char* BackwardModeName(BackwardMode mode);
 struct LossOptions {
   int64_t ignore_index = -100;
   Reduction reduction = Reduction::kMean;
-  float label_smoothing = 0.0f;              // in [0, 1)
-  std::optional<float> logit_softcap;        // > 0 when set
-  float z_loss_scale = 0.0f;                 // >= 0
+  float label_smoothing = 0.0f;        // in [0, 1)
+  std::optional<float> logit_softcap;  // > 0 when set
+  float z_loss_scale = 0.0f;           // >= 0
 };
 
 // The problem. All views stay valid for the duration of the call.
+// hidden and weight may be in MemorySpace::kCuda (the engine's device):
+// an engine with a device reads them in place, and a saved state that
+// reads them again in Backward (RECOMPUTE) holds `device_owner`, which must
+// keep that memory alive (and unchanged: like autograd's saved tensors).
 // REQUIRES (checked by the server's validation, not again here):
 //   hidden [N, H], weight [V, H], same floating dtype, H >= 1, V >= 1;
 //   bias [V] in that dtype if present; target [N] int32/int64 with every
@@ -57,6 +61,8 @@ struct LossProblem {
   TensorView target;
   std::optional<TensorView> class_weight;
   LossOptions options;
+  // Owner of the device memory hidden and weight point into, if any.
+  std::shared_ptr<const void> device_owner;
 
   int64_t rows() const { return hidden.dim(0); }
   int64_t hidden_size() const { return hidden.dim(1); }
@@ -97,8 +103,8 @@ class SavedState {
 };
 
 struct ForwardResult {
-  HostTensor loss;    // fp32, shape {} (mean/sum) or {N} (none)
-  HostTensor z_loss;  // fp32, shaped like loss
+  HostTensor loss;                         // fp32, shape {} (mean/sum) or {N} (none)
+  HostTensor z_loss;                       // fp32, shaped like loss
   std::optional<HostTensor> lse;           // fp32 {N}
   std::optional<HostTensor> per_row_loss;  // fp32 {N}
   int64_t num_valid = 0;
@@ -139,15 +145,13 @@ struct BackwardSpec {
   std::optional<GradientDestination> grad_hidden_to, grad_weight_to, grad_bias_to;
 
   DType hidden_dtype(DType input) const { return grad_dtype.value_or(input); }
-  DType weight_dtype(DType input) const {
-    return weight_grad_dtype.value_or(hidden_dtype(input));
-  }
+  DType weight_dtype(DType input) const { return weight_grad_dtype.value_or(hidden_dtype(input)); }
 };
 
 struct Gradients {
-  HostTensor grad_hidden;                // [N, H]
-  HostTensor grad_weight;                // [V, H]
-  std::optional<HostTensor> grad_bias;   // [V], iff the problem had a bias
+  HostTensor grad_hidden;               // [N, H]
+  HostTensor grad_weight;               // [V, H]
+  std::optional<HostTensor> grad_bias;  // [V], iff the problem had a bias
 };
 
 // FAILED_PRECONDITION naming the first of `problem`'s tensors that is not
@@ -191,14 +195,12 @@ class LossEngine {
 
   // Bytes the SavedState of `mode` will hold for `problem`'s shapes, so the
   // caller can reserve its memory budget before computing.
-  virtual int64_t SavedStateBytes(const LossProblem& problem,
-                                  BackwardMode mode) const = 0;
+  virtual int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const = 0;
 
   // Computes the loss and, with spec.need_backward, the state for Backward.
   // Errors: CANCELLED if `cancelled` returned true, RESOURCE_EXHAUSTED if
   // memory ran out, INTERNAL on a broken invariant.
-  virtual absl::StatusOr<ForwardResult> Forward(const LossProblem& problem,
-                                                const ForwardSpec& spec,
+  virtual absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
                                                 const CancelFn& cancelled) = 0;
 
   // Gradients for `state` (made by this engine's Forward). Unless
@@ -207,8 +209,7 @@ class LossEngine {
   // is always left as it was.
   // REQUIRES: spec.grad_output has the shape the reduction implies; the
   // caller holds the state exclusively for the call.
-  virtual absl::StatusOr<Gradients> Backward(SavedState& state,
-                                             const BackwardSpec& spec,
+  virtual absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
                                              const CancelFn& cancelled) = 0;
 
   // The engine's device memory, or null for an engine without a device.

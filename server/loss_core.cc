@@ -10,22 +10,44 @@ namespace flce {
 LossCore::LossCore(LossEngine* engine, SessionStore* sessions, WeightRegistry* weights)
     : engine_(engine), sessions_(sessions), weights_(weights) {}
 
-BackwardMode LossCore::ResolveMode(const ForwardCall& call) const {
-  if (call.requested_mode != BackwardMode::kAuto) return call.requested_mode;
-  if (call.problem.options.reduction == Reduction::kNone) {
-    return BackwardMode::kRecompute;
-  }
-  const int64_t store = engine_->SavedStateBytes(call.problem, BackwardMode::kStoreGrads);
-  const int64_t recompute = engine_->SavedStateBytes(call.problem, BackwardMode::kRecompute);
+BackwardMode LossCore::ResolveMode(const LossProblem& problem, BackwardMode requested) const {
+  if (requested != BackwardMode::kAuto) return requested;
+  if (problem.options.reduction == Reduction::kNone) return BackwardMode::kRecompute;
+  const int64_t store = engine_->SavedStateBytes(problem, BackwardMode::kStoreGrads);
+  const int64_t recompute = engine_->SavedStateBytes(problem, BackwardMode::kRecompute);
   if (!sessions_->Fits(store) && sessions_->Fits(recompute)) {
     return BackwardMode::kRecompute;
   }
   return BackwardMode::kStoreGrads;
 }
 
+namespace {
+
+// What a call's device-resident views point into: a registered weight's
+// device copy, CUDA IPC regions. A RECOMPUTE session's state holds it.
+struct BorrowedMemory {
+  std::shared_ptr<RegisteredWeight> weight;
+  std::shared_ptr<SliceResolver> shm;
+};
+
+}  // namespace
+
 absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
                                                  const std::string& principal,
                                                  const CancelFn& cancelled) {
+  // A registered weight is read from its device copy where the engine keeps
+  // one: never uploaded or copied per call, and not counted in a session.
+  LossProblem problem = call.problem;
+  if (call.weight_ref != nullptr) {
+    if (const void* device = call.weight_ref->DeviceWeight(engine_->device_memory())) {
+      problem.weight.data = device;
+      problem.weight.space = MemorySpace::kCuda;
+    }
+  }
+  if (problem.hidden.space == MemorySpace::kCuda || problem.weight.space == MemorySpace::kCuda) {
+    problem.device_owner =
+        std::make_shared<const BorrowedMemory>(BorrowedMemory{call.weight_ref, call.shm});
+  }
   ForwardOutcome outcome;
   ForwardSpec spec;
   spec.need_backward = call.need_backward;
@@ -33,19 +55,9 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
   spec.want_per_row_loss = call.want_per_row_loss;
   Reservation reservation;
   if (call.need_backward) {
-    spec.mode = ResolveMode(call);
+    spec.mode = ResolveMode(problem, call.requested_mode);
     FLCE_ASSIGN_OR_RETURN(
-        reservation,
-        sessions_->Reserve(engine_->SavedStateBytes(call.problem, spec.mode), principal));
-  }
-  // A registered weight is read from its device copy where the engine keeps
-  // one, instead of being uploaded on every call.
-  LossProblem problem = call.problem;
-  if (call.weight_ref != nullptr) {
-    if (const void* device = call.weight_ref->DeviceWeight(engine_->device_memory())) {
-      problem.weight.data = device;
-      problem.weight.space = MemorySpace::kCuda;
-    }
+        reservation, sessions_->Reserve(engine_->SavedStateBytes(problem, spec.mode), principal));
   }
   FLCE_ASSIGN_OR_RETURN(outcome.result, engine_->Forward(problem, spec, cancelled));
   // A shared-memory region its owner shrank under the call was read as
@@ -61,8 +73,8 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     info.has_bias = call.problem.bias.has_value();
     info.weight = call.weight_ref;
     outcome.mode = spec.mode;
-    outcome.session_id = sessions_->Commit(std::move(reservation),
-                                           std::move(outcome.result.saved), info);
+    outcome.session_id =
+        sessions_->Commit(std::move(reservation), std::move(outcome.result.saved), info);
   }
   return outcome;
 }
@@ -87,14 +99,13 @@ bool SameGradOutput(const std::optional<HostTensor>& a, const std::optional<Host
 absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
                                                    const std::string& principal,
                                                    const CancelFn& cancelled) {
-  FLCE_ASSIGN_OR_RETURN(SessionLease lease,
-                        sessions_->Acquire(call.session_id, principal));
+  FLCE_ASSIGN_OR_RETURN(SessionLease lease, sessions_->Acquire(call.session_id, principal));
   const std::string short_id = call.session_id.substr(0, 8);
   absl::Status status = CheckGradOutput(call, lease.info);
   if (status.ok() && call.accumulate_weight_grad && lease.info.weight == nullptr) {
-    status = absl::FailedPreconditionError(absl::StrCat(
-        "accumulate_weight_grad: session ", short_id,
-        "… was made from a weight tensor, not a weight_ref; there is no accumulator"));
+    status = absl::FailedPreconditionError(
+        absl::StrCat("accumulate_weight_grad: session ", short_id,
+                     "… was made from a weight tensor, not a weight_ref; there is no accumulator"));
   }
   // A retry of an accumulating Backward whose dX was lost: dW is in the
   // accumulator already.
@@ -104,7 +115,8 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
         SameGradOutput(call.grad_output, lease.undelivered->grad_output))) {
     status = absl::FailedPreconditionError(absl::StrCat(
         "session_id ", short_id, "…: its last Backward added dW into weight ",
-        lease.info.weight->name(), " but its dX did not reach the client; only a retry of "
+        lease.info.weight->name(),
+        " but its dX did not reach the client; only a retry of "
         "that call (accumulate_weight_grad, the same grad_output) may run, and returns dX"));
   }
   // Shared-memory destinations are checked before any compute.
@@ -114,8 +126,8 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   const int64_t dw_bytes = lease.info.vocab * lease.info.hidden * elem;
   const int64_t db_bytes = lease.info.has_bias ? lease.info.vocab * elem : 0;
   BackwardSpec spec;
-  auto resolve = [&](const std::optional<SliceRef>& slice, int64_t bytes,
-                     const char* field, std::optional<GradientDestination>* to) -> absl::Status {
+  auto resolve = [&](const std::optional<SliceRef>& slice, int64_t bytes, const char* field,
+                     std::optional<GradientDestination>* to) -> absl::Status {
     if (!slice || !status.ok()) return status;
     FLCE_ASSIGN_OR_RETURN(SliceMemory memory, call.shm->Resolve(*slice, bytes, field));
     *to = GradientDestination{memory.data, memory.space};
@@ -152,8 +164,9 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   // one (the engine adds them there), else here on the host. A retry only
   // recomputes dX: its dW is in the sum already and is dropped.
   std::optional<RegisteredWeight::DeviceGrad> device_grad =
-      call.accumulate_weight_grad && !retry ? lease.info.weight->LeaseDeviceGrad(engine_->device_memory())
-                                            : std::nullopt;
+      call.accumulate_weight_grad && !retry
+          ? lease.info.weight->LeaseDeviceGrad(engine_->device_memory())
+          : std::nullopt;
   if (call.accumulate_weight_grad) {
     spec.weight_grad_dtype = DType::kFloat32;
     if (device_grad) {
@@ -194,8 +207,7 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   outcome.grad_hidden_in_shm = spec.grad_hidden_to.has_value();
   if (call.accumulate_weight_grad) {
     if (!device_grad && !retry) {
-      lease.info.weight->AccumulateGrad(std::move(grads->grad_weight),
-                                        std::move(grads->grad_bias));
+      lease.info.weight->AccumulateGrad(std::move(grads->grad_weight), std::move(grads->grad_bias));
       outcome.accumulated = UndeliveredAccumulation{call.grad_output};
     }
   } else {

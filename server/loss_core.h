@@ -17,7 +17,7 @@ namespace flce {
 
 struct ForwardOutcome {
   ForwardResult result;
-  std::string session_id;  // empty without need_backward
+  std::string session_id;                   // empty without need_backward
   BackwardMode mode = BackwardMode::kAuto;  // resolved; kAuto without a session
 };
 
@@ -47,10 +47,10 @@ class LossCore {
 
   // AUTO resolves to RECOMPUTE for reduction none or when STORE_GRADS would
   // not fit the session budget but RECOMPUTE would; else STORE_GRADS.
-  BackwardMode ResolveMode(const ForwardCall& call) const;
+  // Other modes stay as requested.
+  BackwardMode ResolveMode(const LossProblem& problem, BackwardMode requested) const;
 
-  absl::StatusOr<ForwardOutcome> Forward(const ForwardCall& call,
-                                         const std::string& principal,
+  absl::StatusOr<ForwardOutcome> Forward(const ForwardCall& call, const std::string& principal,
                                          const CancelFn& cancelled);
 
   // On failure the session stays as it was. On success it stays held by
@@ -58,9 +58,8 @@ class LossCore {
   // the session's registered weight (FAILED_PRECONDITION without one).
   // RESOURCE_EXHAUSTED, before any compute, when the gradients returned as
   // bytes would exceed call.max_response_bytes (> 0).
-  absl::StatusOr<BackwardOutcome> Backward(const BackwardCall& call,
-                                     const std::string& principal,
-                                     const CancelFn& cancelled);
+  absl::StatusOr<BackwardOutcome> Backward(const BackwardCall& call, const std::string& principal,
+                                           const CancelFn& cancelled);
 
   // A computed Backward's answer goes out: the session is consumed (unless
   // keep_session), pending its delivery, so that the client can go on the

@@ -45,11 +45,14 @@ class LossCoreTest : public ::testing::Test {
 };
 
 TEST_F(LossCoreTest, AutoPicksStoreGradsUnlessReductionNone) {
-  EXPECT_EQ(core_->ResolveMode(Call(Reduction::kMean, BackwardMode::kAuto)),
-            BackwardMode::kStoreGrads);
-  EXPECT_EQ(core_->ResolveMode(Call(Reduction::kNone, BackwardMode::kAuto)),
-            BackwardMode::kRecompute);
-  EXPECT_EQ(core_->ResolveMode(Call(Reduction::kSum, BackwardMode::kRecompute)),
+  EXPECT_EQ(
+      core_->ResolveMode(Call(Reduction::kMean, BackwardMode::kAuto).problem, BackwardMode::kAuto),
+      BackwardMode::kStoreGrads);
+  EXPECT_EQ(
+      core_->ResolveMode(Call(Reduction::kNone, BackwardMode::kAuto).problem, BackwardMode::kAuto),
+      BackwardMode::kRecompute);
+  EXPECT_EQ(core_->ResolveMode(Call(Reduction::kSum, BackwardMode::kRecompute).problem,
+                               BackwardMode::kRecompute),
             BackwardMode::kRecompute);
 }
 
@@ -60,7 +63,7 @@ TEST_F(LossCoreTest, AutoPicksRecomputeWhenStoreGradsWouldNotFit) {
   ASSERT_LT(recompute, store);
   Remake(SessionLimits{16, recompute, absl::Minutes(1)});
   call = Call(Reduction::kMean, BackwardMode::kAuto);
-  EXPECT_EQ(core_->ResolveMode(call), BackwardMode::kRecompute);
+  EXPECT_EQ(core_->ResolveMode(call.problem, call.requested_mode), BackwardMode::kRecompute);
   auto outcome = core_->Forward(call, "", nullptr);
   ASSERT_TRUE(outcome.ok()) << outcome.status();
   EXPECT_EQ(outcome->mode, BackwardMode::kRecompute);
@@ -69,8 +72,10 @@ TEST_F(LossCoreTest, AutoPicksRecomputeWhenStoreGradsWouldNotFit) {
 
 TEST_F(LossCoreTest, OverBudgetIsResourceExhaustedAndComputesNothing) {
   Remake(SessionLimits{16, 100, absl::Minutes(1)});
-  auto outcome = core_->Forward(Call(Reduction::kMean, BackwardMode::kAuto), "",
-                                [] { ADD_FAILURE() << "engine ran"; return false; });
+  auto outcome = core_->Forward(Call(Reduction::kMean, BackwardMode::kAuto), "", [] {
+    ADD_FAILURE() << "engine ran";
+    return false;
+  });
   EXPECT_THAT(outcome, StatusIs(absl::StatusCode::kResourceExhausted,
                                 HasSubstr("of the budget of 100 bytes")));
   EXPECT_EQ(sessions_->bytes_in_use(), 0);
@@ -177,8 +182,8 @@ TEST_F(LossCoreTest, AnUndeliveredAccumulationIsRetriedNotAddedTwice) {
 }
 
 TEST_F(LossCoreTest, CancelledForwardKeepsNoSession) {
-  auto outcome = core_->Forward(Call(Reduction::kMean, BackwardMode::kStoreGrads), "",
-                                [] { return true; });
+  auto outcome =
+      core_->Forward(Call(Reduction::kMean, BackwardMode::kStoreGrads), "", [] { return true; });
   EXPECT_THAT(outcome, StatusIs(absl::StatusCode::kCancelled, HasSubstr("cancelled")));
   EXPECT_EQ(sessions_->live_sessions(), 0);
   EXPECT_EQ(sessions_->bytes_in_use(), 0);

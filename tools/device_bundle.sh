@@ -17,6 +17,7 @@ TARGETS=(
   //kernels/cuda:cuda_engine_test
   //kernels/cuda:gemm_test
   //tests:server_integration_gpu_test
+  //tests:sticky_error_gpu_test
 )
 bazel build -c opt "${TARGETS[@]}"
 

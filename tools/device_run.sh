@@ -35,6 +35,10 @@ if [ -z "$ARGS" ] || want tests; then
     --gtest_filter='-ServerTimingTest.*' --gtest_output="xml:$OUT/server_integration_gpu_test.xml" \
     > "$OUT/server_integration_gpu_test.log" 2>&1 || status=1
   tail -5 "$OUT/server_integration_gpu_test.log"
+  REQUIRE_GPU=1 "$bin/sticky_error_gpu_test" --gtest_output="xml:$OUT/sticky_error_gpu_test.xml" \
+    > "$OUT/sticky_error_gpu_test.log" 2>&1 || status=1
+  tail -3 "$OUT/sticky_error_gpu_test.log"
+  grep -E 'read in place' "$OUT/cuda_engine_test.log"
 fi
 
 if [ -z "$ARGS" ] || want python; then

@@ -15,11 +15,10 @@ namespace flce {
 
 namespace internal_cuda {
 class EngineImpl;
-class EngineDeviceMemory;
 }  // namespace internal_cuda
 
-// The CUDA engine. Per token chunk: the logits GEMM on cuBLAS (input-dtype
-// operands, fp32 accumulation, logits in the input dtype as PyTorch's
+// The CUDA engine (a map of its files: DESIGN.md, "CUDA engine"). Per token chunk: the logits GEMM
+// on cuBLAS (input-dtype operands, fp32 accumulation, logits in the input dtype as PyTorch's
 // F.linear gives them) into a reused chunk buffer; one fused row kernel
 // (online max/sum-exp, loss, lse, z-loss, softcap, smoothing, class weights,
 // ignore_index, accuracy, all in fp32) that writes the gradient in place over
@@ -27,17 +26,16 @@ class EngineDeviceMemory;
 // likewise. bf16/fp32 rows without label smoothing read each logit once
 // in STORE_GRADS instead (one_pass_rows: unnormalised exponentials in
 // place, per-row factors applied to X's rows before the dW GEMM, to dX's
-// rows after theirs and to db's column sums). The RECOMPUTE backward instead slices the vocabulary, all rows
-// at once where the budget allows: per slice dX += dZ_s·W_s (fp32) and
-// dW_s = dZ_sᵀ·X in one GEMM, written in its final dtype. No host
-// synchronisation inside the chunk loop.
-// Device OOM is RESOURCE_EXHAUSTED and the engine keeps serving; after a
-// sticky CUDA error every call is UNAVAILABLE (see health()).
+// rows after theirs and to db's column sums). The RECOMPUTE backward instead slices the vocabulary,
+// all rows at once where the budget allows: per slice dX += dZ_s·W_s (fp32) and dW_s = dZ_sᵀ·X in
+// one GEMM, written in its final dtype. No host synchronisation inside the chunk loop. X and W that
+// live on the engine's device (MemorySpace::kCuda) are read in place, never copied. Device OOM is
+// RESOURCE_EXHAUSTED and the engine keeps serving; after a sticky CUDA error, wherever it surfaces,
+// every call is UNAVAILABLE (see health(); device_health.h decides).
 class CudaEngine : public LossEngine {
  public:
   // UNAVAILABLE when no usable CUDA device is present (the message says why).
-  static absl::StatusOr<std::unique_ptr<CudaEngine>> Create(
-      const CudaEngineOptions& options = {});
+  static absl::StatusOr<std::unique_ptr<CudaEngine>> Create(const CudaEngineOptions& options = {});
   ~CudaEngine() override;
 
   std::string backend() const override { return "cuda"; }
@@ -56,22 +54,30 @@ class CudaEngine : public LossEngine {
   // GEMM shapes whose algorithm has been tuned so far (tune_gemms).
   int tuned_gemm_shapes() const;
 
-  // For benchmarks: `problem` uploaded once, then each Run() does the
-  // device work of Forward(need_backward, mode) + Backward(grad_output 1)
-  // on the resident inputs, with no host transfers, and waits for it.
+  // The next GEMM any call runs meets a sticky device error (a trapping
+  // kernel before it), as a fault inside cuBLAS would: for tests of the
+  // health path. The process's CUDA context is unusable after it.
+  void InjectGemmFaultForTesting();
+
+  // For benchmarks: X and W of `problem` uploaded once, then each Run()
+  // runs the served Forward(need_backward, mode) + Backward(grad_output 1)
+  // pipeline with X and W read in place on the device and the gradients
+  // delivered into device memory (no host transfers of them), and waits.
+  // REQUIRES: `problem`'s host tensors stay valid while the run lives.
   class DeviceRun {
    public:
     virtual ~DeviceRun() = default;
-    // One Forward + Backward of the prepared problem on the device (no
-    // upload, no download); returns its device milliseconds, from CUDA
-    // events on the lane's stream before its first and after its last work.
+    // One Forward + Backward of the prepared problem; returns its device
+    // milliseconds, from CUDA events on the lane's stream before its first
+    // and after its last work.
     virtual absl::StatusOr<double> Run() = 0;
     // Run() with CUDA events between its stages: device milliseconds per
     // stage (logits GEMM, row kernel, dX GEMM, dW GEMM, narrowing, ...),
     // summed over chunks.
     virtual absl::StatusOr<std::map<std::string, double>> RunStages() = 0;
-    // Bytes of the dX and dW that Run() keeps (fp32 accumulators, or dW
-    // in its final dtype): with X and W, what a session holds anyway.
+    // Bytes of dX and dW that Run() holds: the gradients in their final
+    // dtype and the fp32 sums they are made from (STORE_GRADS' state,
+    // RECOMPUTE's dX). With X and W, what a served call holds anyway.
     virtual int64_t gradient_bytes() const = 0;
   };
   absl::StatusOr<std::unique_ptr<DeviceRun>> PrepareDeviceRun(const LossProblem& problem,
@@ -80,7 +86,6 @@ class CudaEngine : public LossEngine {
  private:
   explicit CudaEngine(std::unique_ptr<internal_cuda::EngineImpl> impl);
   std::unique_ptr<internal_cuda::EngineImpl> impl_;
-  std::unique_ptr<internal_cuda::EngineDeviceMemory> memory_;
 };
 
 }  // namespace flce

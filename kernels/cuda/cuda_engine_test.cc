@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -55,12 +56,12 @@ CudaEngine* Engine(std::string* why, Layout layout = Layout::kTokenChunks) {
   return engine->value().get();
 }
 
-#define FLCE_GET_ENGINE_OR_SKIP(engine, ...)                                \
-  std::string why_;                                                       \
-  CudaEngine* engine = Engine(&why_, ##__VA_ARGS__);                      \
-  if (engine == nullptr) {                                                \
-    if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why_;             \
-    GTEST_SKIP() << "no CUDA device: " << why_;                           \
+#define FLCE_GET_ENGINE_OR_SKIP(engine, ...)                  \
+  std::string why_;                                           \
+  CudaEngine* engine = Engine(&why_, ##__VA_ARGS__);          \
+  if (engine == nullptr) {                                    \
+    if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why_; \
+    GTEST_SKIP() << "no CUDA device: " << why_;               \
   }
 
 class CudaEngineTest : public ::testing::TestWithParam<std::tuple<DType, Layout>> {
@@ -193,10 +194,12 @@ TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
         EXPECT_TRUE(got->grad_weight.data.empty());
         EXPECT_EQ(got->grad_hidden.data, want->grad_hidden.data);
       }
-      HostTensor sum_w(DType::kFloat32, {spec.vocab, spec.hidden}), sum_b(DType::kFloat32,
-                                                                          {spec.vocab});
-      ASSERT_TRUE(engine->device_memory()->CopyToHost((*dw)->data(), sum_w.data.data(), dw_bytes).ok());
-      ASSERT_TRUE(engine->device_memory()->CopyToHost((*db)->data(), sum_b.data.data(), db_bytes).ok());
+      HostTensor sum_w(DType::kFloat32, {spec.vocab, spec.hidden}),
+          sum_b(DType::kFloat32, {spec.vocab});
+      ASSERT_TRUE(
+          engine->device_memory()->CopyToHost((*dw)->data(), sum_w.data.data(), dw_bytes).ok());
+      ASSERT_TRUE(
+          engine->device_memory()->CopyToHost((*db)->data(), sum_b.data.data(), db_bytes).ok());
       for (int64_t i = 0; i < sum_w.num_elements(); ++i) {
         ASSERT_EQ(sum_w.data_as<float>()[i], 2.0f * want->grad_weight.data_as<float>()[i]) << i;
       }
@@ -225,6 +228,84 @@ TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
   }
 }
 
+// The stream-ordered pool's high-water mark of what `f` allocates on top of
+// what is allocated when it starts.
+template <typename F>
+int64_t PoolHighWater(F&& f) {
+  cudaMemPool_t pool;
+  EXPECT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+  uint64_t used = 0, high = 0;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used);
+  cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &used);
+  f();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
+  return static_cast<int64_t>(high) - static_cast<int64_t>(used);
+}
+
+// X and W that live on the device (a registered weight's device copy, CUDA
+// IPC memory) are read in place: the same bits as from host memory, a
+// Forward that allocates X's and W's bytes less, a RECOMPUTE state that
+// holds neither but keeps their owner alive until it goes.
+TEST(CudaEngineSemanticsTest, DeviceResidentInputsAreReadInPlace) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  RandomProblemSpec spec;
+  spec.rows = 97;
+  spec.hidden = 64;
+  spec.vocab = 20011;
+  spec.dtype = DType::kBFloat16;
+  spec.bias = true;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  const int64_t x_bytes = p.hidden.data.size(), w_bytes = p.weight.data.size();
+  DeviceBytes x(x_bytes), w(w_bytes);
+  ASSERT_EQ(cudaMemcpy(x.data, p.hidden.data.data(), x_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(w.data, p.weight.data.data(), w_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  LossProblem on_device = p.view();
+  on_device.hidden.data = x.data;
+  on_device.hidden.space = MemorySpace::kCuda;
+  on_device.weight.data = w.data;
+  on_device.weight.space = MemorySpace::kCuda;
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    SCOPED_TRACE(BackwardModeName(mode));
+    ForwardSpec fs;
+    fs.need_backward = true;
+    fs.mode = mode;
+    absl::StatusOr<ForwardResult> from_host, in_place;
+    const int64_t host_high =
+        PoolHighWater([&] { from_host = engine->Forward(p.view(), fs, nullptr); });
+    auto owner = std::make_shared<int>(0);
+    std::weak_ptr<int> watch = owner;
+    on_device.device_owner = std::move(owner);
+    const int64_t device_high =
+        PoolHighWater([&] { in_place = engine->Forward(on_device, fs, nullptr); });
+    on_device.device_owner.reset();
+    ASSERT_TRUE(from_host.ok() && in_place.ok()) << from_host.status() << in_place.status();
+    EXPECT_EQ(from_host->loss.data, in_place->loss.data);
+    EXPECT_GE(host_high - device_high, x_bytes + w_bytes)
+        << "from host " << host_high << " bytes, in place " << device_high;
+    std::printf(
+        "%s Forward, device memory allocated: %lld bytes with X and W from the host, "
+        "%lld read in place (X %lld + W %lld bytes)\n",
+        BackwardModeName(mode), static_cast<long long>(host_high),
+        static_cast<long long>(device_high), static_cast<long long>(x_bytes),
+        static_cast<long long>(w_bytes));
+    EXPECT_EQ(engine->SavedStateBytes(p.view(), mode) - engine->SavedStateBytes(on_device, mode),
+              mode == BackwardMode::kRecompute ? x_bytes + w_bytes : 0);
+    EXPECT_EQ(in_place->saved->bytes(), engine->SavedStateBytes(on_device, mode));
+    // Only a state that reads X and W again holds their owner.
+    EXPECT_EQ(watch.expired(), mode == BackwardMode::kStoreGrads);
+    auto want = engine->Backward(*from_host->saved, BackwardSpec{}, nullptr);
+    auto got = engine->Backward(*in_place->saved, BackwardSpec{}, nullptr);
+    ASSERT_TRUE(want.ok() && got.ok()) << want.status() << got.status();
+    EXPECT_EQ(want->grad_hidden.data, got->grad_hidden.data);
+    EXPECT_EQ(want->grad_weight.data, got->grad_weight.data);
+    EXPECT_EQ(want->grad_bias->data, got->grad_bias->data);
+    in_place->saved.reset();
+    EXPECT_TRUE(watch.expired());
+  }
+}
+
 // The benchmark's stage timing names every stage of a run and times each.
 TEST(CudaEngineSemanticsTest, DeviceRunTimesItsStages) {
   for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
@@ -245,9 +326,9 @@ TEST(CudaEngineSemanticsTest, DeviceRunTimesItsStages) {
         ASSERT_EQ(stages->count(stage), 1u) << stage;
         EXPECT_GT(stages->at(stage), 0.0) << stage;
       }
-      const char* dw = mode == BackwardMode::kStoreGrads ? "dW GEMM, fp32, beta 1"
+      const char* dw = mode == BackwardMode::kStoreGrads     ? "dW GEMM, fp32, beta 1"
                        : layout == Layout::kVocabularySlices ? "dW GEMM, final dtype"
-                                                              : "dW GEMM, fp32, beta 1";
+                                                             : "dW GEMM, fp32, beta 1";
       EXPECT_EQ(stages->count(dw), 1u) << dw;
       absl::StatusOr<double> ms = (*run)->Run();
       ASSERT_TRUE(ms.ok()) << ms.status();
@@ -316,8 +397,8 @@ TEST(CudaEngineSemanticsTest, OnePassRowsMeetTheBar) {
   const int64_t reruns = engine->forward_reruns();
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
     auto one_pass = [&](const std::string& name, Reduction reduction) {
-      ConformanceCase c = MakeCase("one pass, " + name, 67, 24, 20008, dtype, reduction,
-                                   BackwardMode::kStoreGrads);
+      ConformanceCase c =
+          MakeCase("one pass, " + name, 67, 24, 20008, dtype, reduction, BackwardMode::kStoreGrads);
       c.spec.ignore_fraction = 0.2;
       c.spec.options.z_loss_scale = 1e-3f;
       return c;
@@ -486,9 +567,9 @@ TEST(CudaEngineSemanticsTest, NoRowsGiveZeroWeightGradient) {
   spec.options.reduction = Reduction::kSum;
   spec.bias = true;
   const OwnedProblem p = MakeRandomProblem(spec);
-  for (auto [mode, e] : {std::pair{BackwardMode::kStoreGrads, engine},
-                         std::pair{BackwardMode::kRecompute, engine},
-                         std::pair{BackwardMode::kRecompute, sliced}}) {
+  for (auto [mode, e] :
+       {std::pair{BackwardMode::kStoreGrads, engine}, std::pair{BackwardMode::kRecompute, engine},
+        std::pair{BackwardMode::kRecompute, sliced}}) {
     ForwardSpec fs;
     fs.need_backward = true;
     fs.mode = mode;

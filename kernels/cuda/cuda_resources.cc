@@ -5,50 +5,10 @@
 namespace flce {
 namespace internal_cuda {
 
-absl::Status CudaStatus(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return absl::OkStatus();
-  const std::string message =
-      absl::StrCat("CUDA ", what, ": ", cudaGetErrorName(error), " (",
-                   cudaGetErrorString(error), ")");
-  if (error == cudaErrorMemoryAllocation) {
-    return absl::ResourceExhaustedError(absl::StrCat("GPU out of memory: ", message));
-  }
-  return absl::InternalError(message);
-}
-
-absl::Status CublasStatus(cublasStatus_t status, const char* what) {
-  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  const std::string message =
-      absl::StrCat("cuBLAS ", what, ": ", cublasGetStatusName(status), " (",
-                   cublasGetStatusString(status), ")");
-  if (status == CUBLAS_STATUS_ALLOC_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat("GPU out of memory: ", message));
-  }
-  return absl::InternalError(message);
-}
-
-bool IsStickyError(cudaError_t error) {
-  switch (error) {
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchFailure:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorHardwareStackError:
-    case cudaErrorAssert:
-    case cudaErrorECCUncorrectable:
-    case cudaErrorUnknown:
-      return true;
-    default:
-      return false;
-  }
-}
-
-absl::StatusOr<CudaStream> CudaStream::Create() {
+absl::StatusOr<CudaStream> CudaStream::Create(DeviceHealth& health) {
   cudaStream_t s = nullptr;
   absl::Status status =
-      CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      health.Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   if (!status.ok()) return status;
   return CudaStream(s);
 }
@@ -65,12 +25,12 @@ CudaStream::~CudaStream() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
-absl::StatusOr<CublasHandle> CublasHandle::Create(cudaStream_t stream) {
+absl::StatusOr<CublasHandle> CublasHandle::Create(cudaStream_t stream, DeviceHealth& health) {
   cublasHandle_t h = nullptr;
-  absl::Status status = CublasStatus(cublasCreate(&h), "cublasCreate");
+  absl::Status status = health.Check(cublasCreate(&h), "cublasCreate");
   if (!status.ok()) return status;
   CublasHandle handle(h);
-  status = CublasStatus(cublasSetStream(h, stream), "cublasSetStream");
+  status = health.Check(cublasSetStream(h, stream), "cublasSetStream");
   if (!status.ok()) return status;
   return handle;
 }
@@ -87,14 +47,12 @@ CublasHandle::~CublasHandle() {
   if (handle_ != nullptr) cublasDestroy(handle_);
 }
 
-absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(int64_t bytes, cudaStream_t stream) {
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(int64_t bytes, cudaStream_t stream,
+                                                    DeviceHealth& health) {
   void* data = nullptr;
   if (bytes > 0) {
-    const cudaError_t error = cudaMallocAsync(&data, static_cast<size_t>(bytes), stream);
-    if (error != cudaSuccess) {
-      cudaGetLastError();  // an allocation failure is not sticky: clear it
-      return CudaStatus(error, absl::StrCat("allocating ", bytes, " bytes").c_str());
-    }
+    FLCE_RETURN_IF_ERROR(health.Check(cudaMallocAsync(&data, static_cast<size_t>(bytes), stream),
+                                      absl::StrCat("allocating ", bytes, " bytes")));
   }
   return DeviceBuffer(data, bytes, stream);
 }

@@ -1,8 +1,9 @@
 #ifndef FLCE_KERNELS_CUDA_CUDA_RESOURCES_H_
 #define FLCE_KERNELS_CUDA_CUDA_RESOURCES_H_
 
-// Move-only RAII owners of CUDA and cuBLAS resources, and the conversion of
-// their errors to absl::Status. No chains of cudaFree on error paths.
+// Move-only RAII owners of CUDA and cuBLAS resources (no chains of cudaFree
+// on error paths), and a timer of device work. Their errors go through a
+// DeviceHealth (device_health.h).
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -15,23 +16,15 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/cuda/device_health.h"
 #include "kernels/status_macros.h"
 
 namespace flce {
 namespace internal_cuda {
 
-// OK for cudaSuccess; RESOURCE_EXHAUSTED for an allocation failure (the
-// engine keeps serving); INTERNAL otherwise, naming `what`.
-absl::Status CudaStatus(cudaError_t error, const char* what);
-absl::Status CublasStatus(cublasStatus_t status, const char* what);
-
-// True for errors after which the CUDA context is unusable (illegal
-// address, launch failure, ...): the engine must stop serving.
-bool IsStickyError(cudaError_t error);
-
 class CudaStream {
  public:
-  static absl::StatusOr<CudaStream> Create();
+  static absl::StatusOr<CudaStream> Create(DeviceHealth& health);
   CudaStream() = default;
   CudaStream(CudaStream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
   CudaStream& operator=(CudaStream&& o) noexcept;
@@ -46,7 +39,7 @@ class CudaStream {
 class CublasHandle {
  public:
   // A handle bound to `stream`.
-  static absl::StatusOr<CublasHandle> Create(cudaStream_t stream);
+  static absl::StatusOr<CublasHandle> Create(cudaStream_t stream, DeviceHealth& health);
   CublasHandle() = default;
   CublasHandle(CublasHandle&& o) noexcept : handle_(std::exchange(o.handle_, nullptr)) {}
   CublasHandle& operator=(CublasHandle&& o) noexcept;
@@ -63,7 +56,8 @@ class CublasHandle {
 // request reuses what the last one freed). Freed on the allocating stream.
 class DeviceBuffer {
  public:
-  static absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes, cudaStream_t stream);
+  static absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes, cudaStream_t stream,
+                                               DeviceHealth& health);
   DeviceBuffer() = default;
   DeviceBuffer(DeviceBuffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)),
@@ -92,7 +86,7 @@ class DeviceBuffer {
 // recorded around it.
 class EventTimer {
  public:
-  EventTimer() {
+  explicit EventTimer(DeviceHealth& health) : health_(health) {
     cudaEventCreate(&start_);
     cudaEventCreate(&stop_);
   }
@@ -106,12 +100,12 @@ class EventTimer {
   // Milliseconds of f()'s work on `stream`, waited for.
   template <typename F>
   absl::StatusOr<float> Time(cudaStream_t stream, F&& f) {
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(start_, stream), "timer event"));
+    FLCE_RETURN_IF_ERROR(health_.Check(cudaEventRecord(start_, stream), "timer event"));
     FLCE_RETURN_IF_ERROR(f());
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(stop_, stream), "timer event"));
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(stop_), "timed work"));
+    FLCE_RETURN_IF_ERROR(health_.Check(cudaEventRecord(stop_, stream), "timer event"));
+    FLCE_RETURN_IF_ERROR(health_.Check(cudaEventSynchronize(stop_), "timed work"));
     float ms = 0;
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaEventElapsedTime(&ms, start_, stop_), "timer event"));
+    FLCE_RETURN_IF_ERROR(health_.Check(cudaEventElapsedTime(&ms, start_, stop_), "timer event"));
     return ms;
   }
 
@@ -129,6 +123,7 @@ class EventTimer {
   }
 
  private:
+  DeviceHealth& health_;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
 };
 

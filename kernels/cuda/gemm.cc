@@ -4,7 +4,8 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_resources.h"
-#include "kernels/cuda/loss_kernels.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/reductions.h"
 #include "kernels/status_macros.h"
 
 namespace flce {
@@ -27,13 +28,13 @@ cublasComputeType_t ComputeType(const GemmShape& g) {
   return g.a_type == DType::kFloat32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
 }
 
-absl::Status RunDefault(cublasHandle_t blas, const GemmShape& g, const void* a, const void* b,
-                        float beta, void* c) {
+absl::Status RunDefault(DeviceHealth& health, cublasHandle_t blas, const GemmShape& g,
+                        const void* a, const void* b, float beta, void* c) {
   const float alpha = 1.0f;
-  return CublasStatus(
+  return health.Check(
       cublasGemmEx(blas, g.op_a, g.op_b, static_cast<int>(g.m), static_cast<int>(g.n),
-                   static_cast<int>(g.k), &alpha, a, CudaType(g.a_type), static_cast<int>(g.lda),
-                   b, CudaType(g.b_type), static_cast<int>(g.ldb), &beta, c, CudaType(g.c_type),
+                   static_cast<int>(g.k), &alpha, a, CudaType(g.a_type), static_cast<int>(g.lda), b,
+                   CudaType(g.b_type), static_cast<int>(g.ldb), &beta, c, CudaType(g.c_type),
                    static_cast<int>(g.ldc), ComputeType(g), CUBLAS_GEMM_DEFAULT),
       "cublasGemmEx");
 }
@@ -60,31 +61,30 @@ bool LtAligned(const void* a, const void* b, const void* c) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(const GemmShape& g) {
-  std::unique_ptr<LtGemm> d(new LtGemm());
+absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(const GemmShape& g, DeviceHealth& health) {
+  std::unique_ptr<LtGemm> d(new LtGemm(health));
   FLCE_RETURN_IF_ERROR(
-      CublasStatus(cublasLtMatmulDescCreate(&d->desc_, ComputeType(g), CUDA_R_32F), "Lt desc"));
-  FLCE_RETURN_IF_ERROR(CublasStatus(
-      cublasLtMatmulDescSetAttribute(d->desc_, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a,
-                                     sizeof(g.op_a)),
-      "Lt transa"));
-  FLCE_RETURN_IF_ERROR(CublasStatus(
-      cublasLtMatmulDescSetAttribute(d->desc_, CUBLASLT_MATMUL_DESC_TRANSB, &g.op_b,
-                                     sizeof(g.op_b)),
-      "Lt transb"));
+      health.Check(cublasLtMatmulDescCreate(&d->desc_, ComputeType(g), CUDA_R_32F), "Lt desc"));
+  FLCE_RETURN_IF_ERROR(
+      health.Check(cublasLtMatmulDescSetAttribute(d->desc_, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a,
+                                                  sizeof(g.op_a)),
+                   "Lt transa"));
+  FLCE_RETURN_IF_ERROR(
+      health.Check(cublasLtMatmulDescSetAttribute(d->desc_, CUBLASLT_MATMUL_DESC_TRANSB, &g.op_b,
+                                                  sizeof(g.op_b)),
+                   "Lt transb"));
   // op(A) is m×k, op(B) k×n, C m×n, all column-major.
   const bool ta = g.op_a != CUBLAS_OP_N, tb = g.op_b != CUBLAS_OP_N;
-  FLCE_RETURN_IF_ERROR(CublasStatus(
-      cublasLtMatrixLayoutCreate(&d->la_, CudaType(g.a_type), ta ? g.k : g.m, ta ? g.m : g.k,
-                                 g.lda),
-      "Lt layout A"));
-  FLCE_RETURN_IF_ERROR(CublasStatus(
-      cublasLtMatrixLayoutCreate(&d->lb_, CudaType(g.b_type), tb ? g.n : g.k, tb ? g.k : g.n,
-                                 g.ldb),
-      "Lt layout B"));
   FLCE_RETURN_IF_ERROR(
-      CublasStatus(cublasLtMatrixLayoutCreate(&d->lc_, CudaType(g.c_type), g.m, g.n, g.ldc),
-                   "Lt layout C"));
+      health.Check(cublasLtMatrixLayoutCreate(&d->la_, CudaType(g.a_type), ta ? g.k : g.m,
+                                              ta ? g.m : g.k, g.lda),
+                   "Lt layout A"));
+  FLCE_RETURN_IF_ERROR(
+      health.Check(cublasLtMatrixLayoutCreate(&d->lb_, CudaType(g.b_type), tb ? g.n : g.k,
+                                              tb ? g.k : g.n, g.ldb),
+                   "Lt layout B"));
+  FLCE_RETURN_IF_ERROR(health.Check(
+      cublasLtMatrixLayoutCreate(&d->lc_, CudaType(g.c_type), g.m, g.n, g.ldc), "Lt layout C"));
   return d;
 }
 
@@ -112,13 +112,13 @@ std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Candidates(cublasLtHandle_t
   return results;
 }
 
-absl::Status LtGemm::Run(cublasLtHandle_t lt, cudaStream_t stream,
-                         const cublasLtMatmulAlgo_t& algo, const void* a, const void* b,
-                         float beta, void* c, void* workspace, size_t workspace_bytes) const {
+absl::Status LtGemm::Run(cublasLtHandle_t lt, cudaStream_t stream, const cublasLtMatmulAlgo_t& algo,
+                         const void* a, const void* b, float beta, void* c, void* workspace,
+                         size_t workspace_bytes) const {
   const float alpha = 1.0f;
-  return CublasStatus(cublasLtMatmul(lt, desc_, &alpha, a, la_, b, lb_, &beta, c, lc_, c, lc_,
-                                     &algo, workspace, workspace_bytes, stream),
-                      "cublasLtMatmul");
+  return health_.Check(cublasLtMatmul(lt, desc_, &alpha, a, la_, b, lb_, &beta, c, lc_, c, lc_,
+                                      &algo, workspace, workspace_bytes, stream),
+                       "cublasLtMatmul");
 }
 
 // A shape's algorithm: the default (lt == nullptr) or a cuBLASLt algorithm.
@@ -127,14 +127,17 @@ struct GemmRunner::Choice {
   cublasLtMatmulAlgo_t algo{};
 };
 
-absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(const GemmTuning& tuning) {
+absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(const GemmTuning& tuning,
+                                                               DeviceHealth& health) {
   cublasLtHandle_t lt = nullptr;
-  if (tuning.enabled) FLCE_RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&lt), "cublasLtCreate"));
-  return std::unique_ptr<GemmRunner>(new GemmRunner(tuning, lt));
+  if (tuning.enabled) FLCE_RETURN_IF_ERROR(health.Check(cublasLtCreate(&lt), "cublasLtCreate"));
+  return std::unique_ptr<GemmRunner>(new GemmRunner(tuning, lt, health));
 }
 
-GemmRunner::GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt)
-    : tuning_(tuning), lt_(lt) {}
+GemmRunner::GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt, DeviceHealth& health)
+    : tuning_(tuning), lt_(lt), health_(health) {}
+
+void GemmRunner::InjectFaultForTesting() { inject_fault_.store(true); }
 
 GemmRunner::~GemmRunner() {
   {
@@ -157,9 +160,16 @@ GemmRunner::Counts GemmRunner::counts() const {
 absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const GemmShape& g,
                              const void* a, const void* b, float beta, void* c, bool tune) {
   if (g.m == 0 || g.n == 0) return absl::OkStatus();
+  if (inject_fault_.exchange(false)) {
+    // A trap on the GEMM's stream, waited for: the context is gone when the
+    // GEMM below is launched, as after a device fault inside it. Both
+    // results are dropped; the GEMM's status is what the engine sees.
+    LaunchTrap(stream);
+    cudaStreamSynchronize(stream);
+  }
   if (!tuning_.enabled || !tune || 2.0 * g.m * g.n * g.k < tuning_.min_flop ||
       !LtAligned(a, b, c)) {
-    return RunDefault(blas, g, a, b, beta, c);
+    return RunDefault(health_, blas, g, a, b, beta, c);
   }
   std::shared_ptr<const Choice> choice;
   bool full = false;
@@ -171,32 +181,34 @@ absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const Gem
   }
   if (choice == nullptr) {
     // Only beta 0 may overwrite C with trials.
-    if (beta != 0.0f || full) return RunDefault(blas, g, a, b, beta, c);
+    if (beta != 0.0f || full) return RunDefault(health_, blas, g, a, b, beta, c);
     FLCE_ASSIGN_OR_RETURN(choice, Tune(blas, stream, g, a, b, c));
     absl::MutexLock lock(&mu_);
     choices_.emplace(g, choice);  // a concurrent tuning of g may have won: either is valid
     return absl::OkStatus();      // Tune left the result in C
   }
-  if (choice->lt == nullptr) return RunDefault(blas, g, a, b, beta, c);
+  if (choice->lt == nullptr) return RunDefault(health_, blas, g, a, b, beta, c);
   return choice->lt->Run(lt_, stream, choice->algo, a, b, beta, c);
 }
 
-absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
-    cublasHandle_t blas, cudaStream_t stream, const GemmShape& g, const void* a, const void* b,
-    void* c) {
+absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(cublasHandle_t blas,
+                                                                           cudaStream_t stream,
+                                                                           const GemmShape& g,
+                                                                           const void* a,
+                                                                           const void* b, void* c) {
   auto choice = std::make_shared<Choice>();
-  auto run_default = [&] { return RunDefault(blas, g, a, b, 0.0f, c); };
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer hash_buffer, DeviceBuffer::Allocate(8, stream));
+  auto run_default = [&] { return RunDefault(health_, blas, g, a, b, 0.0f, c); };
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer hash_buffer, DeviceBuffer::Allocate(8, stream, health_));
   auto* hash = hash_buffer.as<unsigned long long>();
   // The hash of C's bits as they are now.
   auto hash_c = [&]() -> absl::StatusOr<unsigned long long> {
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(hash, 0, 8, stream), "tuning hash"));
-    FLCE_RETURN_IF_ERROR(CudaStatus(
+    FLCE_RETURN_IF_ERROR(health_.Check(cudaMemsetAsync(hash, 0, 8, stream), "tuning hash"));
+    FLCE_RETURN_IF_ERROR(health_.Check(
         LaunchHashMatrix(c, DTypeSize(g.c_type), g.m, g.n, g.ldc, hash, stream), "tuning hash"));
     unsigned long long h = 0;
     FLCE_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(&h, hash, 8, cudaMemcpyDeviceToHost, stream), "tuning hash"));
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "tuning hash"));
+        health_.Check(cudaMemcpyAsync(&h, hash, 8, cudaMemcpyDeviceToHost, stream), "tuning hash"));
+    FLCE_RETURN_IF_ERROR(health_.Check(cudaStreamSynchronize(stream), "tuning hash"));
     return h;
   };
   FLCE_RETURN_IF_ERROR(run_default());
@@ -204,7 +216,7 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
 
   // The candidates with the default's bits (nullptr: the default itself).
   std::vector<const cublasLtMatmulAlgo_t*> eligible = {nullptr};
-  absl::StatusOr<std::unique_ptr<LtGemm>> lt_gemm = LtGemm::Create(g);
+  absl::StatusOr<std::unique_ptr<LtGemm>> lt_gemm = LtGemm::Create(g, health_);
   std::vector<cublasLtMatmulHeuristicResult_t> results;
   if (lt_gemm.ok()) results = (*lt_gemm)->Candidates(lt_, kCandidates, 0);
   auto run = [&](const cublasLtMatmulAlgo_t* algo) {
@@ -226,14 +238,13 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
 
   const cublasLtMatmulAlgo_t* best = nullptr;
   if (eligible.size() > 1) {
-    EventTimer timer;
+    EventTimer timer(health_);
     const size_t count = eligible.size();
     std::vector<std::vector<float>> ms(count);
     for (int round = 0; round < kRounds; ++round) {
       for (size_t j = 0; j < count; ++j) {
         const size_t e = (j + round) % count;
-        FLCE_ASSIGN_OR_RETURN(const float t,
-                              timer.Time(stream, [&] { return run(eligible[e]); }));
+        FLCE_ASSIGN_OR_RETURN(const float t, timer.Time(stream, [&] { return run(eligible[e]); }));
         ms[e].push_back(t);
       }
     }

@@ -9,6 +9,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <tuple>
@@ -19,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cuda/device_health.h"
 #include "kernels/dtype.h"
 
 namespace flce {
@@ -40,8 +42,8 @@ struct GemmShape {
   bool operator==(const GemmShape& o) const { return tie() == o.tie(); }
   template <typename H>
   friend H AbslHashValue(H h, const GemmShape& g) {
-    return H::combine(std::move(h), g.op_a, g.op_b, g.m, g.n, g.k, g.a_type, g.lda, g.b_type,
-                      g.ldb, g.c_type, g.ldc);
+    return H::combine(std::move(h), g.op_a, g.op_b, g.m, g.n, g.k, g.a_type, g.lda, g.b_type, g.ldb,
+                      g.c_type, g.ldc);
   }
 };
 
@@ -49,7 +51,8 @@ struct GemmShape {
 // candidates, and runs of it with one of them.
 class LtGemm {
  public:
-  static absl::StatusOr<std::unique_ptr<LtGemm>> Create(const GemmShape& g);
+  // Statuses go through `health`, which must outlive this.
+  static absl::StatusOr<std::unique_ptr<LtGemm>> Create(const GemmShape& g, DeviceHealth& health);
   ~LtGemm();
   LtGemm(const LtGemm&) = delete;
   LtGemm& operator=(const LtGemm&) = delete;
@@ -59,11 +62,12 @@ class LtGemm {
   std::vector<cublasLtMatmulHeuristicResult_t> Candidates(cublasLtHandle_t lt, int count,
                                                           size_t workspace_bytes) const;
   absl::Status Run(cublasLtHandle_t lt, cudaStream_t stream, const cublasLtMatmulAlgo_t& algo,
-                   const void* a, const void* b, float beta, void* c,
-                   void* workspace = nullptr, size_t workspace_bytes = 0) const;
+                   const void* a, const void* b, float beta, void* c, void* workspace = nullptr,
+                   size_t workspace_bytes = 0) const;
 
  private:
-  LtGemm() = default;
+  explicit LtGemm(DeviceHealth& health) : health_(health) {}
+  DeviceHealth& health_;
   cublasLtMatmulDesc_t desc_ = nullptr;
   cublasLtMatrixLayout_t la_ = nullptr, lb_ = nullptr, lc_ = nullptr;
 };
@@ -97,7 +101,9 @@ struct GemmTuning {
 // can rank differently (the engine says which of its GEMMs may be tuned).
 class GemmRunner {
  public:
-  static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(const GemmTuning& tuning);
+  // Statuses go through `health`, which must outlive this.
+  static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(const GemmTuning& tuning,
+                                                            DeviceHealth& health);
   ~GemmRunner();
   GemmRunner(const GemmRunner&) = delete;
   GemmRunner& operator=(const GemmRunner&) = delete;
@@ -108,20 +114,27 @@ class GemmRunner {
                    const void* b, float beta, void* c, bool tune = true);
 
   struct Counts {
-    int tuned = 0;         // shapes timed
-    int non_default = 0;   // of those, shapes that run a cuBLASLt algorithm
+    int tuned = 0;        // shapes timed
+    int non_default = 0;  // of those, shapes that run a cuBLASLt algorithm
   };
   Counts counts() const;
 
+  // The next Run launches a trapping kernel on its stream and waits for it
+  // before its GEMM: a sticky device error on the GEMM path, for tests of
+  // the engine's health. The process's CUDA context is unusable after.
+  void InjectFaultForTesting();
+
  private:
   struct Choice;
-  GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt);
+  GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt, DeviceHealth& health);
   absl::StatusOr<std::shared_ptr<const Choice>> Tune(cublasHandle_t blas, cudaStream_t stream,
                                                      const GemmShape& g, const void* a,
                                                      const void* b, void* c);
 
   const GemmTuning tuning_;
   const cublasLtHandle_t lt_;
+  DeviceHealth& health_;
+  std::atomic<bool> inject_fault_{false};
   mutable absl::Mutex mu_;
   absl::flat_hash_map<GemmShape, std::shared_ptr<const Choice>> choices_ ABSL_GUARDED_BY(mu_);
 };

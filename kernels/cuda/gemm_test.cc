@@ -14,7 +14,8 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_resources.h"
-#include "kernels/cuda/loss_kernels.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/reductions.h"
 
 namespace flce {
 namespace internal_cuda {
@@ -34,20 +35,28 @@ class GemmRunnerTest : public ::testing::Test {
       if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but no CUDA device";
       GTEST_SKIP() << "no CUDA device";
     }
-    auto stream = CudaStream::Create();
+    auto stream = CudaStream::Create(health_);
     ASSERT_TRUE(stream.ok());
     stream_ = *std::move(stream);
-    auto blas = CublasHandle::Create(stream_.get());
+    auto blas = CublasHandle::Create(stream_.get(), health_);
     ASSERT_TRUE(blas.ok());
     blas_ = *std::move(blas);
   }
   cudaStream_t s() const { return stream_.get(); }
   cublasHandle_t blas() const { return blas_.get(); }
 
+  DeviceHealth health_;
+
  private:
   CudaStream stream_;
   CublasHandle blas_;
 };
+
+// Statuses of the helpers below, which run outside a fixture.
+DeviceHealth& TestHealth() {
+  static DeviceHealth* health = new DeviceHealth();
+  return *health;
+}
 
 // `count` elements of `dtype` on the device, uniform in [-1, 1).
 DeviceBuffer RandomBuffer(int64_t count, DType dtype, uint32_t seed, cudaStream_t s) {
@@ -55,8 +64,8 @@ DeviceBuffer RandomBuffer(int64_t count, DType dtype, uint32_t seed, cudaStream_
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (float& x : host) x = u(rng);
-  auto f32 = DeviceBuffer::Allocate(count * 4, s);
-  auto out = DeviceBuffer::Allocate(count * DTypeSize(dtype), s);
+  auto f32 = DeviceBuffer::Allocate(count * 4, s, TestHealth());
+  auto out = DeviceBuffer::Allocate(count * DTypeSize(dtype), s, TestHealth());
   EXPECT_TRUE(f32.ok() && out.ok());
   EXPECT_EQ(cudaMemcpyAsync(f32->data(), host.data(), count * 4, cudaMemcpyHostToDevice, s),
             cudaSuccess);
@@ -88,10 +97,9 @@ std::vector<Case> Cases() {
     cases.push_back({CUBLAS_OP_N, CUBLAS_OP_N, 129, 257, 4099, in, DType::kFloat32});
     cases.push_back({CUBLAS_OP_N, CUBLAS_OP_T, 129, 4099, 257, in, DType::kFloat32});
   }
-  cases.push_back({CUBLAS_OP_T, CUBLAS_OP_N, 32000, 2048, 1024, DType::kBFloat16,
-                   DType::kBFloat16});
-  cases.push_back({CUBLAS_OP_N, CUBLAS_OP_T, 1024, 32000, 2048, DType::kBFloat16,
-                   DType::kFloat32});
+  cases.push_back(
+      {CUBLAS_OP_T, CUBLAS_OP_N, 32000, 2048, 1024, DType::kBFloat16, DType::kBFloat16});
+  cases.push_back({CUBLAS_OP_N, CUBLAS_OP_T, 1024, 32000, 2048, DType::kBFloat16, DType::kFloat32});
   return cases;
 }
 
@@ -100,34 +108,31 @@ TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
   GemmTuning off, every;
   off.enabled = false;
   every.min_flop = 0;  // the odd sizes are small
-  auto plain = GemmRunner::Create(off);
-  auto tuned = GemmRunner::Create(every);
+  auto plain = GemmRunner::Create(off, health_);
+  auto tuned = GemmRunner::Create(every, health_);
   ASSERT_TRUE(plain.ok() && tuned.ok());
   int shapes = 0;
   for (const Case& c : Cases()) {
-    SCOPED_TRACE(::testing::Message() << "m=" << c.m << " n=" << c.n << " k=" << c.k
-                                      << " in=" << DTypeName(c.in));
+    SCOPED_TRACE(::testing::Message()
+                 << "m=" << c.m << " n=" << c.n << " k=" << c.k << " in=" << DTypeName(c.in));
     const bool ta = c.op_a != CUBLAS_OP_N, tb = c.op_b != CUBLAS_OP_N;
     const int64_t lda = ta ? c.k : c.m, ldb = tb ? c.n : c.k;
     DeviceBuffer a = RandomBuffer(c.m * c.k, c.in, 1, s);
     DeviceBuffer b = RandomBuffer(c.k * c.n, c.in, 2, s);
     DeviceBuffer c0 = RandomBuffer(c.m * c.n, c.out, 3, s);  // beta 1's addend
     const GemmShape shape{c.op_a, c.op_b, c.m, c.n, c.k, c.in, lda, c.in, ldb, c.out, c.m};
-    auto expected = DeviceBuffer::Allocate(c0.bytes(), s);
-    auto got = DeviceBuffer::Allocate(c0.bytes(), s);
+    auto expected = DeviceBuffer::Allocate(c0.bytes(), s, TestHealth());
+    auto got = DeviceBuffer::Allocate(c0.bytes(), s, TestHealth());
     ASSERT_TRUE(expected.ok() && got.ok());
     for (float beta : {0.0f, 1.0f}) {
       SCOPED_TRACE(::testing::Message() << "beta " << beta);
       for (DeviceBuffer* out : {&*expected, &*got}) {
-        ASSERT_EQ(cudaMemcpyAsync(out->data(), c0.data(), c0.bytes(), cudaMemcpyDeviceToDevice,
-                                  s),
+        ASSERT_EQ(cudaMemcpyAsync(out->data(), c0.data(), c0.bytes(), cudaMemcpyDeviceToDevice, s),
                   cudaSuccess);
       }
-      ASSERT_TRUE((*plain)->Run(blas(), s, shape, a.data(), b.data(), beta,
-                                expected->data()).ok());
+      ASSERT_TRUE((*plain)->Run(blas(), s, shape, a.data(), b.data(), beta, expected->data()).ok());
       // beta 0 tunes the shape on this first call; beta 1 runs the choice.
-      ASSERT_TRUE((*tuned)->Run(blas(), s, shape, a.data(), b.data(), beta,
-                                got->data()).ok());
+      ASSERT_TRUE((*tuned)->Run(blas(), s, shape, a.data(), b.data(), beta, got->data()).ok());
       const std::vector<char> want = Download(*expected, s), have = Download(*got, s);
       EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
     }
@@ -136,15 +141,16 @@ TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
   const GemmRunner::Counts counts = (*tuned)->counts();
   EXPECT_EQ(counts.tuned, shapes);
   EXPECT_EQ((*plain)->counts().tuned, 0);
-  std::printf("tuned %d shapes, %d run a cuBLASLt algorithm other than the default\n",
-              counts.tuned, counts.non_default);
+  std::printf("tuned %d shapes, %d run a cuBLASLt algorithm other than the default\n", counts.tuned,
+              counts.non_default);
 }
 
 TEST_F(GemmRunnerTest, EmptyShapesAreNoOps) {
-  auto tuned = GemmRunner::Create(GemmTuning{});
+  auto tuned = GemmRunner::Create(GemmTuning{}, health_);
   ASSERT_TRUE(tuned.ok());
-  const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, 0, 5, 3, DType::kBFloat16, 1,
-                        DType::kBFloat16, 3, DType::kFloat32, 1};
+  const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N,      0, 5,
+                        3,           DType::kBFloat16, 1, DType::kBFloat16,
+                        3,           DType::kFloat32,  1};
   EXPECT_TRUE((*tuned)->Run(blas(), s(), shape, nullptr, nullptr, 0.0f, nullptr).ok());
   EXPECT_EQ((*tuned)->counts().tuned, 0);
 }
@@ -156,15 +162,16 @@ TEST_F(GemmRunnerTest, SmallShapesAndShapesBeyondTheCapAreNotTuned) {
   GemmTuning tuning;
   tuning.min_flop = 2.0 * 256 * 256 * 256;
   tuning.max_shapes = 2;
-  auto runner = GemmRunner::Create(tuning);
+  auto runner = GemmRunner::Create(tuning, health_);
   ASSERT_TRUE(runner.ok());
   DeviceBuffer a = RandomBuffer(512 * 512, DType::kBFloat16, 1, s);
   DeviceBuffer b = RandomBuffer(512 * 512, DType::kBFloat16, 2, s);
-  auto c = DeviceBuffer::Allocate(512 * 512 * 4, s);
+  auto c = DeviceBuffer::Allocate(512 * 512 * 4, s, TestHealth());
   ASSERT_TRUE(c.ok());
   auto run = [&](int64_t size) {
-    const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, size, size, size, DType::kBFloat16, size,
-                          DType::kBFloat16, size, DType::kFloat32, size};
+    const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N,      size, size,
+                          size,        DType::kBFloat16, size, DType::kBFloat16,
+                          size,        DType::kFloat32,  size};
     return (*runner)->Run(blas(), s, shape, a.data(), b.data(), 0.0f, c->data());
   };
   ASSERT_TRUE(run(255).ok());  // under min_flop
@@ -182,16 +189,17 @@ TEST_F(GemmRunnerTest, OperandsOffTheLtAlignmentRunTheDefault) {
   cudaStream_t s = this->s();
   GemmTuning off;
   off.enabled = false;
-  auto plain = GemmRunner::Create(off);
-  auto tuned = GemmRunner::Create(GemmTuning{});
+  auto plain = GemmRunner::Create(off, health_);
+  auto tuned = GemmRunner::Create(GemmTuning{}, health_);
   ASSERT_TRUE(plain.ok() && tuned.ok());
   const int64_t m = 32000, n = 2048, k = 1024;
-  const GemmShape shape{CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, DType::kBFloat16, k,
-                        DType::kBFloat16, k, DType::kBFloat16, m};
+  const GemmShape shape{CUBLAS_OP_T, CUBLAS_OP_N,      m, n,
+                        k,           DType::kBFloat16, k, DType::kBFloat16,
+                        k,           DType::kBFloat16, m};
   DeviceBuffer a = RandomBuffer(m * k, DType::kBFloat16, 1, s);
   DeviceBuffer b = RandomBuffer(k * n + 8, DType::kBFloat16, 2, s);
-  auto expected = DeviceBuffer::Allocate(m * n * 2, s);
-  auto got = DeviceBuffer::Allocate(m * n * 2, s);
+  auto expected = DeviceBuffer::Allocate(m * n * 2, s, TestHealth());
+  auto got = DeviceBuffer::Allocate(m * n * 2, s, TestHealth());
   ASSERT_TRUE(expected.ok() && got.ok());
   const void* shifted = b.as<const char>() + 2;  // one bf16 on: 2-byte aligned
   // Shifted before the shape is tuned, aligned (tunes it), shifted after.

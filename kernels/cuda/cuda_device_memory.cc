@@ -1,0 +1,148 @@
+#include "kernels/cuda/cuda_device_memory.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+
+namespace flce {
+namespace internal_cuda {
+namespace {
+
+// A mapping of another process's allocation; closed when destroyed.
+class IpcMemory : public DeviceBlock {
+ public:
+  IpcMemory(int device, void* base, int64_t bytes) : device_(device), base_(base), bytes_(bytes) {}
+  ~IpcMemory() override {
+    cudaSetDevice(device_);
+    cudaIpcCloseMemHandle(base_);
+  }
+  void* data() const override { return base_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  const int device_;
+  void* const base_;
+  const int64_t bytes_;
+};
+
+// Device memory of CudaDeviceMemory::Allocate, freed when destroyed;
+// counted in `allocated` (shared with the engine, which it may outlive)
+// while alive.
+class OwnedDeviceBlock : public DeviceBlock {
+ public:
+  OwnedDeviceBlock(int device, void* data, int64_t bytes,
+                   std::shared_ptr<std::atomic<int64_t>> allocated)
+      : device_(device), data_(data), bytes_(bytes), allocated_(std::move(allocated)) {
+    *allocated_ += bytes_;
+  }
+  ~OwnedDeviceBlock() override {
+    cudaSetDevice(device_);
+    cudaFree(data_);
+    *allocated_ -= bytes_;
+  }
+  void* data() const override { return data_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  const int device_;
+  void* const data_;
+  const int64_t bytes_;
+  const std::shared_ptr<std::atomic<int64_t>> allocated_;
+};
+
+// The size of the allocation that starts at `base`, from the driver's
+// cuMemGetAddressRange (reached through the runtime, so the binary needs
+// no link against the driver library).
+absl::StatusOr<int64_t> AllocationBytes(void* base) {
+  using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static GetAddressRange get_range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<GetAddressRange>(fn);
+  }();
+  if (get_range == nullptr) return absl::InternalError("cuMemGetAddressRange is not available");
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  const CUresult result = get_range(&start, &size, reinterpret_cast<CUdeviceptr>(base));
+  if (result != CUDA_SUCCESS || start != reinterpret_cast<CUdeviceptr>(base)) {
+    return absl::InternalError(
+        absl::StrCat("cuMemGetAddressRange failed on a mapped IPC handle (", result, ")"));
+  }
+  return static_cast<int64_t>(size);
+}
+
+}  // namespace
+
+absl::Status CudaDeviceMemory::SetDevice() {
+  FLCE_RETURN_IF_ERROR(health_.status());
+  return health_.Check(cudaSetDevice(device_), "cudaSetDevice");
+}
+
+absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::Allocate(int64_t bytes) {
+  FLCE_RETURN_IF_ERROR(SetDevice());
+  void* data = nullptr;
+  const cudaError_t error = cudaMalloc(&data, static_cast<size_t>(std::max<int64_t>(bytes, 1)));
+  if (error == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("device memory: ", bytes, " bytes do not fit on the GPU"));
+  }
+  FLCE_RETURN_IF_ERROR(health_.Check(error, "cudaMalloc"));
+  auto memory = std::make_unique<OwnedDeviceBlock>(device_, data, bytes, allocated_);
+  FLCE_RETURN_IF_ERROR(health_.Check(cudaMemset(data, 0, bytes), "zero device memory"));
+  return std::unique_ptr<DeviceBlock>(std::move(memory));
+}
+
+absl::Status CudaDeviceMemory::CopyToHost(const void* device, void* host, int64_t bytes) {
+  FLCE_RETURN_IF_ERROR(SetDevice());
+  FLCE_RETURN_IF_ERROR(health_.Check(cudaDeviceSynchronize(), "copy to host"));
+  return health_.Check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "copy to host");
+}
+
+absl::Status CudaDeviceMemory::CopyToDevice(const void* host, void* device, int64_t bytes) {
+  FLCE_RETURN_IF_ERROR(SetDevice());
+  return health_.Check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device");
+}
+
+absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::ImportCudaIpc(
+    const std::string& handle) {
+  FLCE_RETURN_IF_ERROR(health_.status());
+  if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc_handle: expected ", sizeof(cudaIpcMemHandle_t),
+                     " bytes (cudaIpcMemHandle_t), got ", handle.size()));
+  }
+  FLCE_RETURN_IF_ERROR(SetDevice());
+  cudaIpcMemHandle_t ipc;
+  std::memcpy(&ipc, handle.data(), sizeof(ipc));
+  void* base = nullptr;
+  const cudaError_t error = cudaIpcOpenMemHandle(&base, ipc, cudaIpcMemLazyEnablePeerAccess);
+  if (error != cudaSuccess) {
+    if (IsStickyError(error)) return health_.Check(error, "cudaIpcOpenMemHandle");
+    cudaGetLastError();
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc_handle: cannot open it (", cudaGetErrorName(error),
+                     "); it must come from cudaIpcGetMemHandle in another process on this host, "
+                     "for an allocation that is still alive"));
+  }
+  absl::StatusOr<int64_t> bytes = AllocationBytes(base);
+  if (!bytes.ok()) {
+    cudaIpcCloseMemHandle(base);
+    return bytes.status();
+  }
+  return std::unique_ptr<DeviceBlock>(new IpcMemory(device_, base, *bytes));
+}
+
+}  // namespace internal_cuda
+}  // namespace flce

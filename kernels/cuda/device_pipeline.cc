@@ -1,0 +1,244 @@
+#include "kernels/cuda/device_pipeline.h"
+
+#include <utility>
+#include <vector>
+
+#include "kernels/cuda/reductions.h"
+#include "kernels/status_macros.h"
+
+namespace flce {
+namespace internal_cuda {
+namespace {
+
+// Accumulating destinations: dW and db only, in device memory, fp32.
+absl::Status CheckAccumulating(const BackwardSpec& spec, DType input) {
+  if (spec.grad_hidden_to && spec.grad_hidden_to->accumulate) {
+    return absl::InvalidArgumentError("grad_hidden_out: dX is never accumulated");
+  }
+  for (const auto* to : {&spec.grad_weight_to, &spec.grad_bias_to}) {
+    if (*to && (*to)->accumulate &&
+        ((*to)->space != MemorySpace::kCuda || spec.weight_dtype(input) != DType::kFloat32)) {
+      return absl::InvalidArgumentError(
+          "an accumulating gradient destination must be fp32 device memory");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Gradients> BackwardStored(const CallContext& call, StoredGradients& stored,
+                                         const BackwardSpec& spec, float scale) {
+  const DType dtype = spec.hidden_dtype(stored.dtype);
+  const DType wdtype = spec.weight_dtype(stored.dtype);
+  Gradients out;
+  FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
+                        DeliverGradient(call.lane, stored.dx.as<float>(), {stored.n, stored.h},
+                                        dtype, scale, spec.grad_hidden_to));
+  Mark(call.clock, "narrowing dX");
+  FLCE_ASSIGN_OR_RETURN(out.grad_weight,
+                        DeliverGradient(call.lane, stored.dw.as<float>(), {stored.v, stored.h},
+                                        wdtype, scale, spec.grad_weight_to));
+  Mark(call.clock, "narrowing dW");
+  if (stored.db.bytes() > 0) {
+    FLCE_ASSIGN_OR_RETURN(
+        out.grad_bias, DeliverGradient(call.lane, stored.db.as<float>(), {stored.v}, wdtype, scale,
+                                       spec.grad_bias_to));
+    Mark(call.clock, "narrowing db");
+  }
+  return out;
+}
+
+absl::StatusOr<Gradients> BackwardRecompute(const CallContext& call, RecomputeState& saved,
+                                            const BackwardSpec& spec, const std::vector<float>& g) {
+  const Lane& lane = call.lane;
+  const DeviceInputs& in = *saved.inputs;
+  FLCE_ASSIGN_OR_RETURN(RowBuffers rows, AllocateRows(lane, in.n));
+  DeviceBuffer g_device;
+  if (!g.empty()) {
+    const int64_t bytes = static_cast<int64_t>(g.size()) * 4;
+    FLCE_ASSIGN_OR_RETURN(g_device, lane.Allocate(bytes));
+    // `g` outlives the copy: BackwardOnDevice waits before it returns.
+    FLCE_RETURN_IF_ERROR(lane.Check(
+        cudaMemcpyAsync(g_device.data(), g.data(), bytes, cudaMemcpyHostToDevice, lane.stream()),
+        "upload grad_output"));
+  }
+  FLCE_RETURN_IF_ERROR(RowScales(call, in, g.empty() ? nullptr : g_device.as<float>(),
+                                 static_cast<int64_t>(g.size()), rows));
+  Mark(call.clock, "row scales and reductions");
+  const DType dtype = spec.hidden_dtype(in.dtype);
+  const DType wdtype = spec.weight_dtype(in.dtype);
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, lane.Allocate(in.n * in.h * 4));
+  // dW is made in its final dtype: straight into the caller's device
+  // memory, or into a buffer that is delivered from. An accumulating
+  // destination gets dW added only once all of it is made (a cancelled
+  // call leaves the accumulator as it was).
+  const bool dw_in_place = spec.grad_weight_to &&
+                           spec.grad_weight_to->space == MemorySpace::kCuda &&
+                           !spec.grad_weight_to->accumulate;
+  DeviceBuffer dw;
+  if (!dw_in_place) {
+    FLCE_ASSIGN_OR_RETURN(dw, lane.Allocate(in.v * in.h * DTypeSize(wdtype)));
+  }
+  void* dw_out = dw_in_place ? spec.grad_weight_to->data : dw.data();
+  DeviceBuffer db;
+  if (in.bias.bytes() > 0) {
+    FLCE_ASSIGN_OR_RETURN(db, lane.Allocate(in.v * 4));
+  }
+  FLCE_RETURN_IF_ERROR(RecomputeGradients(call, in, rows, saved.lse.as<float>(), dx.as<float>(),
+                                          dw_out, wdtype,
+                                          db.bytes() > 0 ? db.as<float>() : nullptr));
+  Gradients out;
+  FLCE_ASSIGN_OR_RETURN(out.grad_hidden, DeliverGradient(lane, dx.as<float>(), {in.n, in.h}, dtype,
+                                                         1.0f, spec.grad_hidden_to));
+  Mark(call.clock, "narrowing dX");
+  if (spec.grad_weight_to && spec.grad_weight_to->accumulate) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverGradient(lane, dw.as<float>(), {in.v, in.h},
+                                                           wdtype, 1.0f, spec.grad_weight_to));
+  } else {
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverFinalGradient(lane, dw_out, {in.v, in.h}, wdtype,
+                                                                spec.grad_weight_to));
+  }
+  if (db.bytes() > 0) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_bias, DeliverGradient(lane, db.as<float>(), {in.v}, wdtype, 1.0f,
+                                                         spec.grad_bias_to));
+    Mark(call.clock, "narrowing db");
+  }
+  return out;
+}
+
+}  // namespace
+
+int64_t SavedStateBytes(const LossProblem& p, BackwardMode mode) {
+  const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
+  if (mode == BackwardMode::kStoreGrads) {
+    return (n * h + v * h + (p.bias ? v : 0)) * int64_t{4};
+  }
+  return DeviceInputBytes(p) + n * 4;  // the inputs and the lse
+}
+
+absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
+                                              std::shared_ptr<const DeviceInputs> in_ptr,
+                                              const ForwardSpec& spec) {
+  const Lane& lane = call.lane;
+  cudaStream_t s = lane.stream();
+  const DeviceInputs& in = *in_ptr;
+  const int64_t n = in.n;
+  const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
+  if (store && in.options.reduction == Reduction::kNone) {
+    return absl::InternalError("STORE_GRADS with reduction none");
+  }
+  FLCE_ASSIGN_OR_RETURN(RowBuffers rows, AllocateRows(lane, n));
+  FLCE_RETURN_IF_ERROR(RowScales(call, in, nullptr, 0, rows));
+  Mark(call.clock, "row scales and reductions");
+  std::unique_ptr<StoredGradients> grads;
+  if (store) {
+    grads = std::make_unique<StoredGradients>();
+    grads->dtype = in.dtype;
+    grads->n = n;
+    grads->h = in.h;
+    grads->v = in.v;
+    FLCE_ASSIGN_OR_RETURN(grads->dx, lane.Allocate(n * in.h * 4));
+    FLCE_ASSIGN_OR_RETURN(grads->dw, lane.Allocate(in.v * in.h * 4));
+    if (in.bias.bytes() > 0) {
+      FLCE_ASSIGN_OR_RETURN(grads->db, lane.Allocate(in.v * 4));
+    }
+  }
+  const bool divide = in.options.reduction == Reduction::kMean;
+  double totals[3];
+  int64_t num_valid = 0;
+  int32_t redo = 0;
+  DeviceForward out;
+  ForwardResult& result = out.result;
+  // The chunks, the totals and the per-row results the spec asks for,
+  // downloaded; waits for them.
+  auto run = [&](Pass pass) -> absl::Status {
+    FLCE_RETURN_IF_ERROR(
+        RunChunks(call, in, pass, rows, nullptr, store ? grads->dx.as<float>() : nullptr,
+                  store ? grads->dw.as<float>() : nullptr,
+                  store && grads->db.bytes() > 0 ? grads->db.as<float>() : nullptr));
+    FLCE_RETURN_IF_ERROR(lane.Check(LaunchReduceRows(rows.outputs(), n, rows.denom.as<double>(),
+                                                     divide, rows.totals.as<double>(), s),
+                                    "reduce rows"));
+    Mark(call.clock, "row scales and reductions");
+    FLCE_RETURN_IF_ERROR(lane.Check(
+        cudaMemcpyAsync(totals, rows.totals.data(), sizeof(totals), cudaMemcpyDeviceToHost, s),
+        "download totals"));
+    FLCE_RETURN_IF_ERROR(
+        lane.Check(cudaMemcpyAsync(&num_valid, rows.num_valid.data(), 8, cudaMemcpyDeviceToHost, s),
+                   "download totals"));
+    if (pass == Pass::kLossAndGradOnePass) {
+      FLCE_RETURN_IF_ERROR(lane.Check(
+          cudaMemcpyAsync(&redo, rows.redo.data(), 4, cudaMemcpyDeviceToHost, s), "redo"));
+    }
+    auto download_rows = [&](const DeviceBuffer& src, HostTensor& dst) -> absl::Status {
+      dst = HostTensor(DType::kFloat32, {n});
+      if (n == 0) return absl::OkStatus();
+      return lane.Check(cudaMemcpyAsync(&dst.data[0], src.data(), n * 4, cudaMemcpyDeviceToHost, s),
+                        "download rows");
+    };
+    if (in.options.reduction == Reduction::kNone) {
+      FLCE_RETURN_IF_ERROR(download_rows(rows.loss, result.loss));
+      FLCE_RETURN_IF_ERROR(download_rows(rows.z_loss, result.z_loss));
+    }
+    if (spec.want_lse) {
+      result.lse.emplace();
+      FLCE_RETURN_IF_ERROR(download_rows(rows.lse, *result.lse));
+    }
+    if (spec.want_per_row_loss) {
+      result.per_row_loss.emplace();
+      FLCE_RETURN_IF_ERROR(download_rows(rows.loss, *result.per_row_loss));
+    }
+    return lane.Synchronize("Forward");
+  };
+  const Pass first = !store                          ? Pass::kLoss
+                     : OnePassRows(call.options, in) ? Pass::kLossAndGradOnePass
+                                                     : Pass::kLossAndGrad;
+  FLCE_RETURN_IF_ERROR(run(first));
+  if (redo != 0) {
+    // A row out of the one-pass kernel's range: every result again with
+    // two passes (they overwrite all of them).
+    out.reran = true;
+    FLCE_RETURN_IF_ERROR(run(Pass::kLossAndGrad));
+  }
+  if (in.options.reduction != Reduction::kNone) {
+    result.loss = HostTensor(DType::kFloat32, {});
+    result.z_loss = HostTensor(DType::kFloat32, {});
+    result.loss.mutable_data<float>()[0] = static_cast<float>(totals[0]);
+    result.z_loss.mutable_data<float>()[0] = static_cast<float>(totals[1]);
+  }
+  result.num_valid = num_valid;
+  result.num_correct = static_cast<int64_t>(totals[2]);
+  if (store) {
+    result.saved = std::move(grads);
+  } else if (spec.need_backward) {
+    auto saved = std::make_unique<RecomputeState>();
+    saved->lse = std::move(rows.lse);
+    saved->inputs = std::move(in_ptr);
+    result.saved = std::move(saved);
+  }
+  return out;
+}
+
+absl::StatusOr<Gradients> BackwardOnDevice(const CallContext& call, SavedState& state,
+                                           const BackwardSpec& spec) {
+  std::vector<float> g;
+  if (spec.grad_output) g = TensorToFloats(*spec.grad_output);
+  absl::StatusOr<Gradients> out;
+  if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
+    FLCE_RETURN_IF_ERROR(CheckAccumulating(spec, stored->dtype));
+    out = BackwardStored(call, *stored, spec, g.empty() ? 1.0f : g[0]);
+  } else if (auto* saved = dynamic_cast<RecomputeState*>(&state)) {
+    FLCE_RETURN_IF_ERROR(CheckAccumulating(spec, saved->inputs->dtype));
+    out = BackwardRecompute(call, *saved, spec, g);
+  } else {
+    return absl::InternalError("saved state was not made by the CUDA engine");
+  }
+  // Device destinations are written in stream order; the call is over when
+  // they are (and the uploaded grad_output's host copy may go).
+  const absl::Status synced = call.lane.Synchronize("Backward");
+  if (!out.ok()) return out;
+  FLCE_RETURN_IF_ERROR(synced);
+  return out;
+}
+
+}  // namespace internal_cuda
+}  // namespace flce

@@ -1,0 +1,80 @@
+#ifndef FLCE_KERNELS_CUDA_DEVICE_PIPELINE_H_
+#define FLCE_KERNELS_CUDA_DEVICE_PIPELINE_H_
+
+// The CUDA engine's device pipeline: Forward and Backward on a problem that
+// is on the device (device_problem.h), on one lane. The engine's Forward and
+// Backward and the benchmark's runner (device_run.h) both call these, so
+// the one-pass try and its two-pass rerun, the saved state of each backward
+// mode and the narrowing of the gradients live here and nowhere else.
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kernels/cuda/cuda_engine_options.h"
+#include "kernels/cuda/cuda_resources.h"
+#include "kernels/cuda/device_problem.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/lane_pool.h"
+#include "kernels/cuda/loss_passes.h"
+#include "kernels/loss_engine.h"
+
+namespace flce {
+namespace internal_cuda {
+
+// The parts of the engine a call runs with (the engine owns them).
+struct PipelineParts {
+  const CudaEngineOptions& options;
+  GemmRunner& gemms;
+  LanePool& lanes;
+};
+
+// STORE_GRADS: the gradients for grad_output 1, fp32, on the device.
+class StoredGradients : public SavedState {
+ public:
+  DType dtype = DType::kFloat32;
+  int64_t n = 0, h = 0, v = 0;
+  DeviceBuffer dx, dw, db;
+  int64_t bytes() const override { return dx.bytes() + dw.bytes() + db.bytes(); }
+};
+
+// RECOMPUTE: the inputs (X and W borrowed where they were on the device,
+// their owner held) and the per-row lse, on the device.
+class RecomputeState : public SavedState {
+ public:
+  std::shared_ptr<const DeviceInputs> inputs;
+  DeviceBuffer lse;
+  int64_t bytes() const override { return inputs->bytes() + lse.bytes(); }
+};
+
+// Bytes the saved state of `mode` holds for `problem` (StoredGradients, or
+// RecomputeState with the inputs MakeDeviceInputs makes).
+int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode);
+
+struct DeviceForward {
+  ForwardResult result;
+  // The one-pass rows asked for the two-pass rerun, which ran.
+  bool reran = false;
+};
+
+// Forward on the device: the row scales; the token chunks (STORE_GRADS: one
+// pass where OnePassRows allows, run again with two when a row leaves its
+// range; RECOMPUTE and evaluation: the loss alone); the totals and the
+// per-row results `spec` asks for, downloaded. Waits for them. With
+// spec.need_backward, result.saved holds `in` (RECOMPUTE) or the gradients.
+absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
+                                              std::shared_ptr<const DeviceInputs> in,
+                                              const ForwardSpec& spec);
+
+// Backward on the device for a state ForwardOnDevice made: the gradients
+// scaled by spec.grad_output (STORE_GRADS: when narrowed; RECOMPUTE: in the
+// row scales before the GEMMs), rounded once to their final dtype and
+// delivered where `spec` says (device destinations written or accumulated
+// in place, host ones copied, else returned). Waits for them.
+absl::StatusOr<Gradients> BackwardOnDevice(const CallContext& call, SavedState& state,
+                                           const BackwardSpec& spec);
+
+}  // namespace internal_cuda
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_CUDA_DEVICE_PIPELINE_H_

@@ -1,0 +1,71 @@
+#ifndef FLCE_KERNELS_CUDA_LOSS_PASSES_H_
+#define FLCE_KERNELS_CUDA_LOSS_PASSES_H_
+
+// The CUDA engine's passes over the logits, all queued on one lane without
+// host synchronisation: the row scales, the token-chunk loop (loss; loss
+// and gradients in two passes or one; gradients from a saved lse) and the
+// RECOMPUTE backward over vocabulary slices. device_pipeline.h strings them
+// into Forward and Backward.
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/cuda/cuda_engine_options.h"
+#include "kernels/cuda/device_problem.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/lane_pool.h"
+#include "kernels/cuda/loss_gemms.h"
+#include "kernels/cuda/stage_clock.h"
+#include "kernels/loss_engine.h"
+
+namespace flce {
+namespace internal_cuda {
+
+// What one call works with: the engine's options and GEMM runner, the
+// call's lane and cancellation, and (benchmarks) a clock for its stages.
+struct CallContext {
+  const CudaEngineOptions& options;
+  GemmRunner& gemms;
+  const Lane& lane;
+  const CancelFn& cancelled;  // may be empty
+  StageClock* clock = nullptr;
+
+  GemmLane gemm() const { return {gemms, lane}; }
+  bool Cancelled() const { return cancelled && cancelled(); }
+};
+
+// What RunChunks computes: the loss; the loss and the gradients with the
+// two-pass row kernel (LaunchForwardRows) or the one-pass one
+// (LaunchOnePassRows, where OnePassRows allows); the gradients from a
+// saved lse.
+enum class Pass { kLoss, kLossAndGrad, kLossAndGradOnePass, kGradFromLse };
+
+// Whether STORE_GRADS Forward's chunks may read each logit once
+// (CudaEngineOptions::one_pass_rows and LaunchOnePassRows's conditions).
+bool OnePassRows(const CudaEngineOptions& options, const DeviceInputs& in);
+
+// Row scales and the reduction divisor into `rows`; grad_output is a device
+// pointer to `grad_output_count` values (1 or N), or null for 1.
+absl::Status RowScales(const CallContext& call, const DeviceInputs& in, const float* grad_output,
+                       int64_t grad_output_count, RowBuffers& rows);
+
+// The token-chunk loop. dx, dw, db are fp32 device outputs that the
+// gradient passes overwrite (db may be null; all null for kLoss). lse_in:
+// the saved lse, for kGradFromLse. With kLossAndGradOnePass, rows.redo
+// says afterwards whether the results are void and the call must run again
+// with kLossAndGrad.
+absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pass,
+                       const RowBuffers& rows, const float* lse_in, float* dx, float* dw,
+                       float* db);
+
+// The RECOMPUTE backward: dX (fp32 [N, H]), dW ([V, H] in `wdtype`, device
+// memory) and db (fp32 [V], or null) for the row scales in `rows` and the
+// saved `lse`.
+absl::Status RecomputeGradients(const CallContext& call, const DeviceInputs& in,
+                                const RowBuffers& rows, const float* lse, float* dx, void* dw,
+                                DType wdtype, float* db);
+
+}  // namespace internal_cuda
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_CUDA_LOSS_PASSES_H_
