@@ -15,10 +15,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "client/loss_client.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_engine.h"
 #include "kernels/reference/random_problem.h"
 #include "proto/codec.h"
 #include "proto/crc32c.h"
@@ -74,8 +76,8 @@ ForwardArgs Args(const OwnedProblem& p, bool need_backward = true) {
 
 class HostileClientTest : public ::testing::Test {
  protected:
-  void Start(ServerOptions options = Options()) {
-    auto server = LossServer::Start(options);
+  void Start(ServerOptions options = Options(), std::unique_ptr<LossEngine> engine = nullptr) {
+    auto server = engine ? LossServer::Start(options, std::move(engine)) : LossServer::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     address_ = "127.0.0.1:" + std::to_string(server_->port());
@@ -205,16 +207,34 @@ TEST_F(HostileClientTest, ForwardStreamHeadersBeyondTheBudgetAreRefusedAtOnce) {
   }
 }
 
+// The CPU engine, whose first Forward waits until the test opens the gate:
+// a request that holds the only worker for as long as the test needs,
+// whatever the machine's speed.
+class GatedEngine : public CpuEngine {
+ public:
+  explicit GatedEngine(absl::Notification* gate) : gate_(gate) {}
+  absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
+                                        const CancelFn& cancelled) override {
+    if (!first_done_.exchange(true)) gate_->WaitForNotification();
+    return CpuEngine::Forward(problem, spec, cancelled);
+  }
+
+ private:
+  absl::Notification* const gate_;
+  std::atomic<bool> first_done_{false};
+};
+
 // Unary requests are held in request memory while their calls last: a
 // client that queues requests behind a slow one is refused past the budget.
 TEST_F(HostileClientTest, QueuedUnaryRequestsAreBoundedByRequestMemory) {
   ServerOptions o = Options();
   o.workers = 1;
   o.requests.memory_bytes = int64_t{50} << 20;
-  Start(o);
-  OwnedProblem slow = Problem(4096, 512, 8000, 2);  // 24 MiB, about a second
+  absl::Notification gate;
+  Start(o, std::make_unique<GatedEngine>(&gate));
+  OwnedProblem slow = Problem(4096, 512, 8000, 2);  // 24 MiB, held at the gate
   std::thread busy([&] { EXPECT_TRUE(client_->Forward(Args(slow, false)).ok()); });
-  for (int i = 0; i < 5000 && server_->Metrics().gauges.running_requests == 0; ++i) {
+  for (int i = 0; i < 50000 && server_->Metrics().gauges.running_requests == 0; ++i) {
     absl::SleepFor(absl::Microseconds(200));
   }
   OwnedProblem medium = Problem(3072, 1024, 4, 3);  // 12 MiB
@@ -224,14 +244,15 @@ TEST_F(HostileClientTest, QueuedUnaryRequestsAreBoundedByRequestMemory) {
     queued.emplace_back(
         [&, i] { queued_results[i] = client_->Forward(Args(medium, false)).status(); });
   }
-  for (int i = 0; i < 10000 && server_->Metrics().gauges.queued_requests < 2; ++i) {
+  for (int i = 0; i < 150000 && server_->Metrics().gauges.queued_requests < 2; ++i) {
     absl::SleepFor(absl::Microseconds(200));
   }
-  ASSERT_EQ(server_->Metrics().gauges.queued_requests, 2);
+  EXPECT_EQ(server_->Metrics().gauges.queued_requests, 2);
   EXPECT_GT(Stats().request_memory_bytes(), int64_t{47} << 20);
   // 24 + 12 + 12 MiB held: one more does not fit.
   EXPECT_THAT(client_->Forward(Args(medium, false)),
               StatusIs(Code::kResourceExhausted, HasSubstr("--request_memory_bytes")));
+  gate.Notify();
   for (std::thread& t : queued) t.join();
   busy.join();
   for (const absl::Status& status : queued_results) EXPECT_TRUE(status.ok()) << status;
