@@ -236,11 +236,14 @@ int64_t PoolHighWater(F&& f) {
   EXPECT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
   uint64_t used = 0, high = 0;
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used);
-  cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &used);
+  EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used), cudaSuccess);
+  // The high-water mark can only be reset to zero (it then restarts from
+  // what is in use).
+  uint64_t zero = 0;
+  EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), cudaSuccess);
   f();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
+  EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high), cudaSuccess);
   return static_cast<int64_t>(high) - static_cast<int64_t>(used);
 }
 
