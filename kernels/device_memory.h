@@ -25,7 +25,17 @@ class DeviceBlock {
   virtual int64_t bytes() const = 0;
 };
 
-// Bytes of a cudaIpcMemHandle_t.
+// An event another process (a same-host worker) records on its stream,
+// mapped through CUDA IPC: device work made to wait for it runs after the
+// work that process queued before its latest record. Closed when destroyed.
+class DeviceEvent {
+ public:
+  virtual ~DeviceEvent() = default;
+  // The engine's native handle (a cudaEvent_t for the CUDA engine).
+  virtual void* native() const = 0;
+};
+
+// Bytes of a cudaIpcMemHandle_t and of a cudaIpcEventHandle_t.
 inline constexpr int kCudaIpcHandleBytes = 64;
 
 class DeviceMemory {
@@ -35,7 +45,12 @@ class DeviceMemory {
   // Maps the device allocation a cudaIpcMemHandle_t (kCudaIpcHandleBytes)
   // names, for views and destinations in MemorySpace::kCuda.
   // INVALID_ARGUMENT for a handle that does not open.
-  virtual absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(
+  virtual absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(const std::string& handle) = 0;
+
+  // Opens the event a cudaIpcEventHandle_t (kCudaIpcHandleBytes) names (an
+  // event made with cudaEventInterprocess | cudaEventDisableTiming).
+  // INVALID_ARGUMENT for a handle that does not open.
+  virtual absl::StatusOr<std::unique_ptr<DeviceEvent>> ImportCudaIpcEvent(
       const std::string& handle) = 0;
 
   // `bytes` of zeroed device memory, for long-lived tensors such as a

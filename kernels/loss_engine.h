@@ -63,6 +63,9 @@ struct LossProblem {
   LossOptions options;
   // Owner of the device memory hidden and weight point into, if any.
   std::shared_ptr<const void> device_owner;
+  // When set, the engine's device work on this call's device memory runs
+  // after this event (the worker recorded it after producing X and W).
+  const DeviceEvent* ready = nullptr;
 
   int64_t rows() const { return hidden.dim(0); }
   int64_t hidden_size() const { return hidden.dim(1); }
@@ -118,8 +121,10 @@ struct ForwardResult {
 struct GradientDestination {
   void* data = nullptr;
   MemorySpace space = MemorySpace::kHost;
-  // Add the gradient to what `data` holds instead of overwriting it: fp32
-  // gradients in device memory only (an accumulator the engine allocated).
+  // Add the gradient to what `data` holds instead of overwriting it (device
+  // memory only): fp32 sums add the fp32 gradient; a bf16 or fp16
+  // destination gets round(old + round(new)), as PyTorch's autograd adds a
+  // new gradient into a parameter's .grad of that dtype.
   bool accumulate = false;
 };
 
@@ -143,6 +148,9 @@ struct BackwardSpec {
   // Where given, the engine writes that gradient there; the returned tensor
   // then has its dtype and shape but no bytes.
   std::optional<GradientDestination> grad_hidden_to, grad_weight_to, grad_bias_to;
+  // When set, the engine writes device destinations only after this event
+  // (the worker recorded it after its last use of that memory).
+  const DeviceEvent* ready = nullptr;
 
   DType hidden_dtype(DType input) const { return grad_dtype.value_or(input); }
   DType weight_dtype(DType input) const { return weight_grad_dtype.value_or(hidden_dtype(input)); }

@@ -12,31 +12,37 @@ namespace flce {
 static_assert(static_cast<int>(absl::StatusCode::kOk) == grpc::StatusCode::OK);
 static_assert(static_cast<int>(absl::StatusCode::kCancelled) == grpc::StatusCode::CANCELLED);
 static_assert(static_cast<int>(absl::StatusCode::kUnknown) == grpc::StatusCode::UNKNOWN);
-static_assert(static_cast<int>(absl::StatusCode::kInvalidArgument) == grpc::StatusCode::INVALID_ARGUMENT);
-static_assert(static_cast<int>(absl::StatusCode::kDeadlineExceeded) == grpc::StatusCode::DEADLINE_EXCEEDED);
+static_assert(static_cast<int>(absl::StatusCode::kInvalidArgument) ==
+              grpc::StatusCode::INVALID_ARGUMENT);
+static_assert(static_cast<int>(absl::StatusCode::kDeadlineExceeded) ==
+              grpc::StatusCode::DEADLINE_EXCEEDED);
 static_assert(static_cast<int>(absl::StatusCode::kNotFound) == grpc::StatusCode::NOT_FOUND);
-static_assert(static_cast<int>(absl::StatusCode::kAlreadyExists) == grpc::StatusCode::ALREADY_EXISTS);
-static_assert(static_cast<int>(absl::StatusCode::kPermissionDenied) == grpc::StatusCode::PERMISSION_DENIED);
-static_assert(static_cast<int>(absl::StatusCode::kResourceExhausted) == grpc::StatusCode::RESOURCE_EXHAUSTED);
-static_assert(static_cast<int>(absl::StatusCode::kFailedPrecondition) == grpc::StatusCode::FAILED_PRECONDITION);
+static_assert(static_cast<int>(absl::StatusCode::kAlreadyExists) ==
+              grpc::StatusCode::ALREADY_EXISTS);
+static_assert(static_cast<int>(absl::StatusCode::kPermissionDenied) ==
+              grpc::StatusCode::PERMISSION_DENIED);
+static_assert(static_cast<int>(absl::StatusCode::kResourceExhausted) ==
+              grpc::StatusCode::RESOURCE_EXHAUSTED);
+static_assert(static_cast<int>(absl::StatusCode::kFailedPrecondition) ==
+              grpc::StatusCode::FAILED_PRECONDITION);
 static_assert(static_cast<int>(absl::StatusCode::kAborted) == grpc::StatusCode::ABORTED);
 static_assert(static_cast<int>(absl::StatusCode::kOutOfRange) == grpc::StatusCode::OUT_OF_RANGE);
-static_assert(static_cast<int>(absl::StatusCode::kUnimplemented) == grpc::StatusCode::UNIMPLEMENTED);
+static_assert(static_cast<int>(absl::StatusCode::kUnimplemented) ==
+              grpc::StatusCode::UNIMPLEMENTED);
 static_assert(static_cast<int>(absl::StatusCode::kInternal) == grpc::StatusCode::INTERNAL);
 static_assert(static_cast<int>(absl::StatusCode::kUnavailable) == grpc::StatusCode::UNAVAILABLE);
 static_assert(static_cast<int>(absl::StatusCode::kDataLoss) == grpc::StatusCode::DATA_LOSS);
-static_assert(static_cast<int>(absl::StatusCode::kUnauthenticated) == grpc::StatusCode::UNAUTHENTICATED);
+static_assert(static_cast<int>(absl::StatusCode::kUnauthenticated) ==
+              grpc::StatusCode::UNAUTHENTICATED);
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
 absl::StatusOr<DType> FromProto(v1::DType dtype, const std::string& field) {
@@ -126,8 +132,8 @@ absl::StatusOr<int64_t> TensorBytes(const v1::Tensor& tensor, const std::string&
   for (int i = 0; i < tensor.shape_size(); ++i) {
     const int64_t d = tensor.shape(i);
     if (d < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": dimension ", i, " is ", d, "; dimensions must be >= 0"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": dimension ", i, " is ", d, "; dimensions must be >= 0"));
     }
     if (d != 0 && count > std::numeric_limits<int64_t>::max() / 8 / d) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -149,6 +155,12 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& f
   view.dtype = *FromProto(tensor.dtype(), field);
   view.shape.assign(tensor.shape().begin(), tensor.shape().end());
   if (tensor.has_shm()) {
+    if (tensor.shm().accumulate()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field,
+                       ".shm.accumulate: only gradient outputs (grad_weight_out, grad_bias_out) "
+                       "accumulate"));
+    }
     if (shm == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
           field, ": shared memory is not enabled on this server (--enable_shared_memory)"));
@@ -156,18 +168,19 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& f
     auto memory = shm->Resolve(ToSliceRef(tensor.shm()), expected, field);
     if (!memory.ok()) return memory.status();
     if (memory->space != MemorySpace::kHost && !allow_device) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": GPU memory (a CUDA IPC region) is accepted for hidden and weight only; "
-                 "send it inline or through POSIX shared memory"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field,
+                       ": GPU memory (a CUDA IPC region) is accepted for hidden and weight only; "
+                       "send it inline or through POSIX shared memory"));
     }
     view.data = memory->data;
     view.space = memory->space;
     return view;
   }
   if (static_cast<int64_t>(tensor.data().size()) != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": expected ", ShapeString(view.shape), " ", DTypeName(view.dtype),
-        " = ", expected, " bytes, got ", tensor.data().size()));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", ShapeString(view.shape),
+                                                   " ", DTypeName(view.dtype), " = ", expected,
+                                                   " bytes, got ", tensor.data().size()));
   }
   view.data = tensor.data().data();
   return view;
@@ -187,8 +200,7 @@ void CopyToProto(const TensorView& view, v1::Tensor* out, bool with_data) {
   }
 }
 
-absl::StatusOr<HostTensor> MoveFromProto(v1::Tensor* tensor,
-                                         const std::string& field) {
+absl::StatusOr<HostTensor> MoveFromProto(v1::Tensor* tensor, const std::string& field) {
   auto view = ViewOf(*tensor, field);
   if (!view.ok()) return view.status();
   HostTensor out;

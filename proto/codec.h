@@ -39,11 +39,12 @@ struct SliceMemory {
 // decoding (LossCore) sees no wire type.
 struct SliceRef {
   std::string region_id;
-  int64_t offset = 0;  // bytes from the region's start
+  int64_t offset = 0;       // bytes from the region's start
+  bool accumulate = false;  // add into it (gradient outputs in device memory)
 };
 
 inline SliceRef ToSliceRef(const v1::SharedMemorySlice& slice) {
-  return SliceRef{slice.region_id(), slice.offset()};
+  return SliceRef{slice.region_id(), slice.offset(), slice.accumulate()};
 }
 
 class SliceResolver {
@@ -54,6 +55,14 @@ class SliceResolver {
   // bytes do not lie inside it.
   virtual absl::StatusOr<SliceMemory> Resolve(const SliceRef& slice, int64_t bytes,
                                               const std::string& field) const = 0;
+  // The registered event `region_id` names (a CUDA IPC event), valid as
+  // long as this resolver. NOT_FOUND for an unknown region, INVALID_ARGUMENT
+  // (naming `field`) for a region that is memory, not an event.
+  // (A resolver without events answers NOT_FOUND.)
+  virtual absl::StatusOr<const DeviceEvent*> ResolveEvent(const std::string& region_id,
+                                                          const std::string& field) const {
+    return absl::NotFoundError(field + ": unknown event region");
+  }
   // After a call: OK unless memory resolved by this resolver was taken
   // away under it (a client shrank its shared-memory object), in which case
   // what the call read or wrote there is void.
@@ -83,8 +92,7 @@ void MoveToProto(HostTensor&& tensor, v1::Tensor* out);
 void CopyToProto(const TensorView& view, v1::Tensor* out, bool with_data = true);
 
 // Moves a wire tensor's bytes out into a host tensor (no copy of the data).
-absl::StatusOr<HostTensor> MoveFromProto(v1::Tensor* tensor,
-                                         const std::string& field);
+absl::StatusOr<HostTensor> MoveFromProto(v1::Tensor* tensor, const std::string& field);
 
 }  // namespace flce
 

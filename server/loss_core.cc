@@ -126,11 +126,16 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   const int64_t dw_bytes = lease.info.vocab * lease.info.hidden * elem;
   const int64_t db_bytes = lease.info.has_bias ? lease.info.vocab * elem : 0;
   BackwardSpec spec;
+  spec.ready = call.ready;
   auto resolve = [&](const std::optional<SliceRef>& slice, int64_t bytes, const char* field,
                      std::optional<GradientDestination>* to) -> absl::Status {
     if (!slice || !status.ok()) return status;
     FLCE_ASSIGN_OR_RETURN(SliceMemory memory, call.shm->Resolve(*slice, bytes, field));
-    *to = GradientDestination{memory.data, memory.space};
+    if (slice->accumulate && memory.space != MemorySpace::kCuda) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".accumulate: only GPU memory (a CUDA IPC region) accumulates"));
+    }
+    *to = GradientDestination{memory.data, memory.space, slice->accumulate};
     return absl::OkStatus();
   };
   status = resolve(call.grad_hidden_out, dx_bytes, "grad_hidden_out", &spec.grad_hidden_to);

@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/version.h"
 #include "kernels/status_macros.h"
 #include "proto/codec.h"
-#include "common/version.h"
 #include "server/handler_support.h"
 #include "spdlog/spdlog.h"
 
@@ -23,8 +23,8 @@ namespace flce {
 
 int64_t ServiceLimits::stream_chunk_bytes() const {
   // Room for a chunk's header (a WeightInfo, a BackwardResponse's shapes).
-  return std::max<int64_t>(4096, std::min<int64_t>(int64_t{4} << 20,
-                                                   max_message_bytes - (int64_t{16} << 10)));
+  return std::max<int64_t>(
+      4096, std::min<int64_t>(int64_t{4} << 20, max_message_bytes - (int64_t{16} << 10)));
 }
 
 LossServiceImpl::LossServiceImpl(LossCore* core, WorkQueue* queue, ServiceLimits limits,
@@ -92,8 +92,8 @@ void LossServiceImpl::Run(Call* call, std::function<absl::Status(absl::Time)> wo
 
 LossServiceImpl::Unary* LossServiceImpl::ReleaseSession(Context* context, const Bytes* in,
                                                         Bytes* out) {
-  auto* call = NewUnary<v1::ReleaseSessionRequest, v1::ReleaseSessionResponse>(
-      context, in, out, "ReleaseSession");
+  auto* call = NewUnary<v1::ReleaseSessionRequest, v1::ReleaseSessionResponse>(context, in, out,
+                                                                               "ReleaseSession");
   if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
     const std::string& id = call->request().session_id();
     call->record().SetDetail(SessionDetail(id));
@@ -105,8 +105,8 @@ LossServiceImpl::Unary* LossServiceImpl::ReleaseSession(Context* context, const 
 
 LossServiceImpl::Unary* LossServiceImpl::GetServerInfo(Context* context, const Bytes* in,
                                                        Bytes* out) {
-  auto* call = NewUnary<v1::GetServerInfoRequest, v1::GetServerInfoResponse>(
-      context, in, out, "GetServerInfo");
+  auto* call = NewUnary<v1::GetServerInfoRequest, v1::GetServerInfoResponse>(context, in, out,
+                                                                             "GetServerInfo");
   if (!Accept(call, /*new_work=*/false)) return call;
   v1::GetServerInfoResponse* response = call->response();
   const LossEngine& engine = core_->engine();
@@ -153,8 +153,7 @@ void ToProto(const HistogramSnapshot& h, v1::Histogram* out) {
 
 }  // namespace
 
-LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes* in,
-                                                  Bytes* out) {
+LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes* in, Bytes* out) {
   auto* call = NewUnary<v1::GetStatsRequest, v1::GetStatsResponse>(context, in, out, "GetStats");
   if (!Accept(call, /*new_work=*/false)) return call;
   v1::GetStatsResponse* response = call->response();
@@ -210,6 +209,10 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
     call->record().SetDetail("cuda_ipc ");
     region = shared_memory_->RegisterCudaIpc(request.cuda_ipc_handle(), request.bytes(),
                                              core_->engine().device_memory(), *principal);
+  } else if (request.has_cuda_ipc_event_handle()) {
+    call->record().SetDetail("cuda_ipc_event ");
+    region = shared_memory_->RegisterCudaIpcEvent(request.cuda_ipc_event_handle(), request.bytes(),
+                                                  core_->engine().device_memory(), *principal);
   } else {
     call->record().SetDetail(absl::StrCat("shm=", LogSafe(request.shm_name()), " "));
     region = shared_memory_->Register(request.shm_name(), request.bytes(), *principal);
@@ -226,8 +229,8 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
   return call;
 }
 
-LossServiceImpl::Unary* LossServiceImpl::UnregisterSharedMemory(Context* context,
-                                                                const Bytes* in, Bytes* out) {
+LossServiceImpl::Unary* LossServiceImpl::UnregisterSharedMemory(Context* context, const Bytes* in,
+                                                                Bytes* out) {
   auto* call = NewUnary<v1::UnregisterSharedMemoryRequest, v1::UnregisterSharedMemoryResponse>(
       context, in, out, "UnregisterSharedMemory");
   if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {

@@ -9,9 +9,7 @@
 namespace flce {
 namespace {
 
-absl::Status Invalid(const std::string& message) {
-  return absl::InvalidArgumentError(message);
-}
+absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
 absl::StatusOr<TensorView> Required(bool present, const v1::Tensor& tensor,
                                     const std::string& field, const SliceResolver* shm,
@@ -29,21 +27,17 @@ absl::Status CheckFloating(const TensorView& view, const std::string& field) {
 }
 
 absl::Status CheckShape(const TensorView& view, const std::string& field,
-                        const std::vector<int64_t>& expected,
-                        const std::string& meaning) {
+                        const std::vector<int64_t>& expected, const std::string& meaning) {
   if (view.shape != expected) {
-    return Invalid(absl::StrCat(field, ": expected shape ", meaning, " = ",
-                                ShapeString(expected), ", got ",
-                                ShapeString(view.shape)));
+    return Invalid(absl::StrCat(field, ": expected shape ", meaning, " = ", ShapeString(expected),
+                                ", got ", ShapeString(view.shape)));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckSameDType(const TensorView& view, const std::string& field,
-                            DType hidden_dtype) {
+absl::Status CheckSameDType(const TensorView& view, const std::string& field, DType hidden_dtype) {
   if (view.dtype != hidden_dtype) {
-    return Invalid(absl::StrCat(field, ": dtype ", DTypeName(view.dtype),
-                                " differs from hidden's ",
+    return Invalid(absl::StrCat(field, ": dtype ", DTypeName(view.dtype), " differs from hidden's ",
                                 DTypeName(hidden_dtype)));
   }
   return absl::OkStatus();
@@ -65,8 +59,7 @@ absl::Status CheckOptions(const v1::LossOptions& o, LossOptions& out) {
   if (o.has_ignore_index()) out.ignore_index = o.ignore_index();
   const float eps = o.label_smoothing();
   if (!(eps >= 0.0f && eps < 1.0f)) {
-    return Invalid(absl::StrCat("options.label_smoothing: ", eps,
-                                " is not in [0, 1)"));
+    return Invalid(absl::StrCat("options.label_smoothing: ", eps, " is not in [0, 1)"));
   }
   out.label_smoothing = eps;
   if (o.has_logit_softcap()) {
@@ -79,8 +72,7 @@ absl::Status CheckOptions(const v1::LossOptions& o, LossOptions& out) {
   }
   const float s = o.z_loss_scale();
   if (!(s >= 0.0f) || !std::isfinite(s)) {
-    return Invalid(absl::StrCat("options.z_loss_scale: ", s,
-                                " must be finite and >= 0"));
+    return Invalid(absl::StrCat("options.z_loss_scale: ", s, " must be finite and >= 0"));
   }
   out.z_loss_scale = s;
   return absl::OkStatus();
@@ -92,12 +84,22 @@ absl::Status CheckTargets(const T* t, int64_t n, int64_t v, int64_t ignore_index
     const int64_t value = t[i];
     if (value == ignore_index) continue;
     if (value < 0 || value >= v) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "target[", i, "] = ", value, " is outside [0, ", v,
-          ") and is not ignore_index (", ignore_index, ")"));
+      return absl::OutOfRangeError(absl::StrCat("target[", i, "] = ", value, " is outside [0, ", v,
+                                                ") and is not ignore_index (", ignore_index, ")"));
     }
   }
   return absl::OkStatus();
+}
+
+// The registered event a request's ready_event names, or null for none.
+absl::StatusOr<const DeviceEvent*> ReadyEvent(const std::string& region_id,
+                                              const SliceResolver* shm) {
+  if (region_id.empty()) return nullptr;
+  if (shm == nullptr) {
+    return absl::FailedPreconditionError(
+        "ready_event: shared memory is not enabled on this server (--enable_shared_memory)");
+  }
+  return shm->ResolveEvent(region_id, "ready_event");
 }
 
 }  // namespace
@@ -110,28 +112,30 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
   call.shm = std::move(shm);
   const SliceResolver* resolver = call.shm.get();
   LossProblem& p = call.problem;
+  FLCE_ASSIGN_OR_RETURN(p.ready, ReadyEvent(r.ready_event(), resolver));
   FLCE_ASSIGN_OR_RETURN(p.hidden, Required(r.has_hidden(), r.hidden(), "hidden", resolver,
-                                            /*allow_device=*/true));
+                                           /*allow_device=*/true));
   FLCE_RETURN_IF_ERROR(CheckFloating(p.hidden, "hidden"));
   if (p.hidden.shape.size() != 2) {
-    return Invalid(absl::StrCat("hidden: expected rank 2 [N, H], got shape ",
-                                ShapeString(p.hidden.shape)));
+    return Invalid(
+        absl::StrCat("hidden: expected rank 2 [N, H], got shape ", ShapeString(p.hidden.shape)));
   }
   const int64_t n = p.hidden.dim(0), h = p.hidden.dim(1);
   if (h == 0) return Invalid("hidden: H is 0; expected H >= 1");
 
   switch (r.weight_source_case()) {
     case v1::ForwardRequest::kWeight: {
-      FLCE_ASSIGN_OR_RETURN(p.weight, ViewOf(r.weight(), "weight", resolver, /*allow_device=*/true));
+      FLCE_ASSIGN_OR_RETURN(p.weight,
+                            ViewOf(r.weight(), "weight", resolver, /*allow_device=*/true));
       break;
     }
     case v1::ForwardRequest::kWeightRef: {
       FLCE_ASSIGN_OR_RETURN(
-          call.weight_ref,
-          weights.Get(r.weight_ref().name(), r.weight_ref().version(), principal));
+          call.weight_ref, weights.Get(r.weight_ref().name(), r.weight_ref().version(), principal));
       if (r.has_bias()) {
-        return Invalid("bias: must be absent with weight_ref (the registered weight's bias "
-                       "is used)");
+        return Invalid(
+            "bias: must be absent with weight_ref (the registered weight's bias "
+            "is used)");
       }
       p.weight = call.weight_ref->weight().view();
       if (call.weight_ref->bias()) p.bias = call.weight_ref->bias()->view();
@@ -142,15 +146,15 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
   }
   FLCE_RETURN_IF_ERROR(CheckSameDType(p.weight, "weight", p.hidden.dtype));
   if (p.weight.shape.size() != 2) {
-    return Invalid(absl::StrCat("weight: expected rank 2 [V, H], got shape ",
-                                ShapeString(p.weight.shape)));
+    return Invalid(
+        absl::StrCat("weight: expected rank 2 [V, H], got shape ", ShapeString(p.weight.shape)));
   }
   const int64_t v = p.weight.dim(0);
   if (v == 0) return Invalid("weight: V is 0; expected V >= 1");
   if (p.weight.dim(1) != h) {
-    return Invalid(absl::StrCat("weight: expected [V, H=", h,
-                                "] to match hidden ", ShapeString(p.hidden.shape),
-                                ", got ", ShapeString(p.weight.shape)));
+    return Invalid(absl::StrCat("weight: expected [V, H=", h, "] to match hidden ",
+                                ShapeString(p.hidden.shape), ", got ",
+                                ShapeString(p.weight.shape)));
   }
   if (r.has_bias()) {
     FLCE_ASSIGN_OR_RETURN(TensorView bias, ViewOf(r.bias(), "bias", resolver));
@@ -172,8 +176,8 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
     FLCE_ASSIGN_OR_RETURN(TensorView cw,
                           ViewOf(r.options().class_weight(), "options.class_weight", resolver));
     if (cw.dtype != DType::kFloat32) {
-      return Invalid(absl::StrCat("options.class_weight: dtype ",
-                                  DTypeName(cw.dtype), " not supported; expected fp32"));
+      return Invalid(absl::StrCat("options.class_weight: dtype ", DTypeName(cw.dtype),
+                                  " not supported; expected fp32"));
     }
     FLCE_RETURN_IF_ERROR(CheckShape(cw, "options.class_weight", {v}, "[V]"));
     if (r.options().class_weight().has_shm()) cw = Privatize(cw, call);
@@ -204,11 +208,11 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
 
   // Targets last: the scan is O(N) and needs V.
   if (p.target.dtype == DType::kInt32) {
-    FLCE_RETURN_IF_ERROR(CheckTargets(static_cast<const int32_t*>(p.target.data),
-                                      n, v, p.options.ignore_index));
+    FLCE_RETURN_IF_ERROR(
+        CheckTargets(static_cast<const int32_t*>(p.target.data), n, v, p.options.ignore_index));
   } else {
-    FLCE_RETURN_IF_ERROR(CheckTargets(static_cast<const int64_t*>(p.target.data),
-                                      n, v, p.options.ignore_index));
+    FLCE_RETURN_IF_ERROR(
+        CheckTargets(static_cast<const int64_t*>(p.target.data), n, v, p.options.ignore_index));
   }
   return call;
 }
@@ -224,6 +228,10 @@ absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& r,
     return absl::FailedPreconditionError(
         "grad_*_out: shared memory is not enabled on this server (--enable_shared_memory)");
   }
+  if (call.grad_hidden_out && call.grad_hidden_out->accumulate) {
+    return Invalid("grad_hidden_out.accumulate: dX is never accumulated");
+  }
+  FLCE_ASSIGN_OR_RETURN(call.ready, ReadyEvent(r.ready_event(), call.shm.get()));
   if (r.session_id().empty()) return Invalid("session_id: required");
   call.session_id = r.session_id();
   call.keep_session = r.keep_session();
@@ -242,11 +250,11 @@ absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& r,
       call.grad_dtype = DType::kFloat32;
       break;
     default:
-      return Invalid(absl::StrCat(
-          "grad_dtype: ", v1::DType_Name(r.grad_dtype()).empty()
-                              ? std::to_string(r.grad_dtype())
-                              : v1::DType_Name(r.grad_dtype()),
-          " not supported; leave unset (input dtype) or DTYPE_FLOAT32"));
+      return Invalid(absl::StrCat("grad_dtype: ",
+                                  v1::DType_Name(r.grad_dtype()).empty()
+                                      ? std::to_string(r.grad_dtype())
+                                      : v1::DType_Name(r.grad_dtype()),
+                                  " not supported; leave unset (input dtype) or DTYPE_FLOAT32"));
   }
   return call;
 }
@@ -260,9 +268,10 @@ absl::Status CheckGradOutput(const BackwardCall& call, const SessionInfo& info) 
                                   " for reduction none, got ", ShapeString(shape)));
     }
   } else if (!(shape.empty() || shape == std::vector<int64_t>{1})) {
-    return Invalid(absl::StrCat("grad_output: expected a scalar (shape [] or [1]) for "
-                                "reduction ", ReductionName(info.reduction),
-                                ", got ", ShapeString(shape)));
+    return Invalid(
+        absl::StrCat("grad_output: expected a scalar (shape [] or [1]) for "
+                     "reduction ",
+                     ReductionName(info.reduction), ", got ", ShapeString(shape)));
   }
   return absl::OkStatus();
 }

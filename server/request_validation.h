@@ -56,6 +56,8 @@ struct BackwardCall {
   // Shared-memory destinations of the gradients, if asked for.
   std::optional<SliceRef> grad_hidden_out, grad_weight_out, grad_bias_out;
   std::shared_ptr<SliceResolver> shm;
+  // The caller's ready_event (kept alive by `shm`), or null.
+  const DeviceEvent* ready = nullptr;
   // Largest response the gradients may make (a unary Backward); 0: no
   // bound (streamed).
   int64_t max_response_bytes = 0;

@@ -39,6 +39,15 @@ SharedRegion::SharedRegion(void* base, int64_t bytes, MemorySpace space,
       fd_(fd),
       guard_slot_(guard_slot) {}
 
+SharedRegion::SharedRegion(const DeviceEvent* event, std::function<void()> release)
+    : base_(nullptr),
+      bytes_(0),
+      space_(MemorySpace::kCuda),
+      release_(std::move(release)),
+      fd_(-1),
+      guard_slot_(-1),
+      event_(event) {}
+
 SharedRegion::~SharedRegion() {
   SigbusGuard::Unguard(guard_slot_);
   release_();
@@ -49,17 +58,17 @@ bool SharedRegion::broken() const { return SigbusGuard::Broken(guard_slot_); }
 
 absl::Status SharedRegion::CheckUsable(const std::string& field) const {
   if (broken()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        field, ".shm: the region's shared-memory object was shrunk by its owner under a "
-               "call; unregister it and register a new one"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(field,
+                     ".shm: the region's shared-memory object was shrunk by its owner under a "
+                     "call; unregister it and register a new one"));
   }
   if (fd_ >= 0) {
     struct stat st;
     if (fstat(fd_, &st) != 0 || st.st_size < bytes_) {
       return absl::FailedPreconditionError(absl::StrCat(
-          field, ".shm: the region's shared-memory object holds ",
-          static_cast<int64_t>(st.st_size), " bytes now, ", bytes_,
-          " when it was registered; unregister it and register a new one"));
+          field, ".shm: the region's shared-memory object holds ", static_cast<int64_t>(st.st_size),
+          " bytes now, ", bytes_, " when it was registered; unregister it and register a new one"));
     }
   }
   return absl::OkStatus();
@@ -82,16 +91,43 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
       }
       region = it->second.region;
     }
+    if (region->event() != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".shm: region '", slice.region_id.substr(0, 64),
+                       "' is an event (cuda_ipc_event_handle), not memory"));
+    }
     if (slice.offset < 0 || bytes < 0 || slice.offset > region->bytes() - bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".shm: ", bytes, " bytes at offset ", slice.offset,
-          " do not lie inside the region's ", region->bytes(), " bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".shm: ", bytes, " bytes at offset ", slice.offset,
+                       " do not lie inside the region's ", region->bytes(), " bytes"));
     }
     absl::Status usable = region->CheckUsable(field);
     if (!usable.ok()) return usable;
     absl::MutexLock lock(&mu_);
     held_.push_back(region);
     return SliceMemory{region->base() + slice.offset, region->space()};
+  }
+
+  absl::StatusOr<const DeviceEvent*> ResolveEvent(const std::string& region_id,
+                                                  const std::string& field) const override {
+    std::shared_ptr<SharedRegion> region;
+    {
+      absl::MutexLock lock(&registry_->mu_);
+      auto it = registry_->regions_.find(region_id);
+      if (it == registry_->regions_.end() || it->second.principal != principal_) {
+        return absl::NotFoundError(
+            absl::StrCat(field, ": unknown region '", region_id.substr(0, 64), "'"));
+      }
+      region = it->second.region;
+    }
+    if (region->event() == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": region '", region_id.substr(0, 64),
+                       "' is memory, not an event; register one with cuda_ipc_event_handle"));
+    }
+    absl::MutexLock lock(&mu_);
+    held_.push_back(region);
+    return region->event();
   }
 
   absl::Status CheckIntact() const override {
@@ -128,9 +164,11 @@ SharedMemoryRegistry::~SharedMemoryRegistry() {
 absl::Status SharedMemoryRegistry::Admit(const std::string& principal, int64_t bytes) {
   absl::MutexLock lock(&mu_);
   if (count_ >= limits_.max_regions) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shared memory: ", count_, " regions are registered, the server's limit "
-        "(--max_shared_memory_regions) is ", limits_.max_regions, "; unregister some first"));
+    return absl::ResourceExhaustedError(absl::StrCat("shared memory: ", count_,
+                                                     " regions are registered, the server's limit "
+                                                     "(--max_shared_memory_regions) is ",
+                                                     limits_.max_regions,
+                                                     "; unregister some first"));
   }
   if (bytes > limits_.max_bytes - bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -138,8 +176,7 @@ absl::Status SharedMemoryRegistry::Admit(const std::string& principal, int64_t b
         " of the server's limit of ", limits_.max_bytes, " (--shared_memory_bytes)"));
   }
   Usage& usage = usage_[principal];
-  if (limits_.max_regions_per_principal > 0 &&
-      usage.regions >= limits_.max_regions_per_principal) {
+  if (limits_.max_regions_per_principal > 0 && usage.regions >= limits_.max_regions_per_principal) {
     if (usage.regions == 0) usage_.erase(principal);
     return absl::ResourceExhaustedError(absl::StrCat(
         "shared memory: this principal has ", usage.regions,
@@ -149,10 +186,10 @@ absl::Status SharedMemoryRegistry::Admit(const std::string& principal, int64_t b
   if (limits_.max_bytes_per_principal > 0 &&
       bytes > limits_.max_bytes_per_principal - usage.bytes) {
     if (usage.regions == 0) usage_.erase(principal);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shared memory: this region maps ", bytes, " bytes; this principal's regions map ",
-        usage.bytes, " of its limit of ", limits_.max_bytes_per_principal,
-        " (--shared_memory_bytes_per_principal)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shared memory: this region maps ", bytes,
+                     " bytes; this principal's regions map ", usage.bytes, " of its limit of ",
+                     limits_.max_bytes_per_principal, " (--shared_memory_bytes_per_principal)"));
   }
   ++count_;
   bytes_ += bytes;
@@ -209,8 +246,8 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Register(const std::strin
   if (slot < 0) {
     munmap(base, static_cast<size_t>(bytes));
     close(fd);
-    return fail(absl::ResourceExhaustedError(absl::StrCat(
-        "shared memory: ", SigbusGuard::kCapacity, " POSIX regions are mapped already")));
+    return fail(absl::ResourceExhaustedError(absl::StrCat("shared memory: ", SigbusGuard::kCapacity,
+                                                          " POSIX regions are mapped already")));
   }
   // The region's place in the bounds is given back when it is unmapped.
   return Add(std::make_shared<SharedRegion>(
@@ -224,13 +261,11 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Register(const std::strin
 }
 
 absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
-    const std::string& handle, int64_t bytes, DeviceMemory* memory,
-    const std::string& principal) {
+    const std::string& handle, int64_t bytes, DeviceMemory* memory, const std::string& principal) {
   if (handle.size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: expected ",
-                                                   kCudaIpcHandleBytes,
-                                                   " bytes (a cudaIpcMemHandle_t), got ",
-                                                   handle.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc_handle: expected ", kCudaIpcHandleBytes,
+                     " bytes (a cudaIpcMemHandle_t), got ", handle.size()));
   }
   if (bytes < 0) {
     return absl::InvalidArgumentError(
@@ -264,6 +299,39 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
              principal);
 }
 
+absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpcEvent(
+    const std::string& handle, int64_t bytes, DeviceMemory* memory, const std::string& principal) {
+  if (handle.size() != kCudaIpcHandleBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc_event_handle: expected ", kCudaIpcHandleBytes,
+                     " bytes (a cudaIpcEventHandle_t), got ", handle.size()));
+  }
+  if (bytes != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bytes: ", bytes, "; an event region has none (expected 0)"));
+  }
+  if (memory == nullptr) {
+    return absl::FailedPreconditionError(
+        "cuda_ipc_event_handle: this server's backend has no GPU; run the server with "
+        "--backend=cuda");
+  }
+  // Counted among the regions like any other.
+  if (absl::Status admitted = Admit(principal, 0); !admitted.ok()) return admitted;
+  absl::StatusOr<std::unique_ptr<DeviceEvent>> imported = memory->ImportCudaIpcEvent(handle);
+  if (!imported.ok()) {
+    Unadmit(principal, 0);
+    return imported.status();
+  }
+  const DeviceEvent* event = imported->get();
+  std::shared_ptr<DeviceEvent> owned = std::move(*imported);
+  return Add(std::make_shared<SharedRegion>(event,
+                                            [this, principal, owned]() mutable {
+                                              owned.reset();
+                                              Unadmit(principal, 0);
+                                            }),
+             principal);
+}
+
 absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Add(std::shared_ptr<SharedRegion> region,
                                                            const std::string& principal) {
   unsigned char id_bytes[16];
@@ -278,8 +346,7 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Add(std::shared_ptr<Share
   return out;
 }
 
-bool SharedMemoryRegistry::Unregister(const std::string& region_id,
-                                      const std::string& principal) {
+bool SharedMemoryRegistry::Unregister(const std::string& region_id, const std::string& principal) {
   // Unmapped after the lock, once no call holds it; it leaves the bounds then.
   std::shared_ptr<SharedRegion> region;
   absl::MutexLock lock(&mu_);

@@ -4,7 +4,8 @@
 // Shared-memory regions registered by same-host clients, so tensors travel
 // as (region, offset) instead of bytes on the wire: POSIX shm objects mapped
 // read-write, and GPU allocations mapped through CUDA IPC (by the engine,
-// which must be able to read device memory). A region belongs to the
+// which must be able to read device memory); and the clients' CUDA IPC
+// events, which order the server's device work after theirs. A region belongs to the
 // principal that registered it; others see NOT_FOUND. Unregistering unmaps
 // once no call holds the region any more.
 //
@@ -47,6 +48,8 @@ class SharedRegion {
   // its size at each use; `guard_slot` its SigbusGuard slot (-1: none).
   SharedRegion(void* base, int64_t bytes, MemorySpace space, std::function<void()> release,
                int fd = -1, int guard_slot = -1);
+  // A registered event instead of memory (no bytes); `release` closes it.
+  SharedRegion(const DeviceEvent* event, std::function<void()> release);
   ~SharedRegion();
   SharedRegion(const SharedRegion&) = delete;
   SharedRegion& operator=(const SharedRegion&) = delete;
@@ -59,6 +62,8 @@ class SharedRegion {
   absl::Status CheckUsable(const std::string& field) const;
   // True once a fault hit the region (its owner shrank it under a call).
   bool broken() const;
+  // The event of an event region; null for memory.
+  const DeviceEvent* event() const { return event_; }
 
  private:
   void* const base_;
@@ -67,6 +72,7 @@ class SharedRegion {
   const std::function<void()> release_;
   const int fd_;
   const int guard_slot_;
+  const DeviceEvent* const event_ = nullptr;
 };
 
 struct RegisteredRegion {
@@ -95,6 +101,13 @@ class SharedMemoryRegistry {
   absl::StatusOr<RegisteredRegion> RegisterCudaIpc(const std::string& handle, int64_t bytes,
                                                    DeviceMemory* memory,
                                                    const std::string& principal);
+
+  // Opens the event a cudaIpcEventHandle_t names through `memory`, as a
+  // region (no bytes) that requests name as their ready_event. Errors as
+  // RegisterCudaIpc's; `bytes` must be 0.
+  absl::StatusOr<RegisteredRegion> RegisterCudaIpcEvent(const std::string& handle, int64_t bytes,
+                                                        DeviceMemory* memory,
+                                                        const std::string& principal);
 
   bool Unregister(const std::string& region_id, const std::string& principal);
 

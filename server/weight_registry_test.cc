@@ -33,7 +33,8 @@ TEST(WeightRegistryTest, EachPutIsANewVersion) {
   EXPECT_EQ((*registry.Get("lm_head", 0, ""))->version(), 2);
   EXPECT_EQ((*registry.Get("lm_head", 2, ""))->version(), 2);
   EXPECT_THAT(registry.Get("lm_head", 1, ""),
-              StatusIs(Code::kNotFound, HasSubstr("version 1 is not registered (the latest is version 2)")));
+              StatusIs(Code::kNotFound,
+                       HasSubstr("version 1 is not registered (the latest is version 2)")));
   // The old version lives on while held, and its bytes count until it goes.
   EXPECT_EQ((*v1)->weight().data_as<float>()[0], 1.0f);
   EXPECT_EQ(registry.bytes_in_use(), 96);
@@ -52,7 +53,8 @@ TEST(WeightRegistryTest, ReservedUploadsCountUntilTheyEnd) {
     auto hold = registry.Reserve("x", 16);
     ASSERT_TRUE(hold.ok());
     EXPECT_EQ(registry.bytes_in_use(), 96);
-    EXPECT_THAT(registry.Reserve("y", 8), StatusIs(Code::kResourceExhausted, HasSubstr("--weight_memory_bytes")));
+    EXPECT_THAT(registry.Reserve("y", 8),
+                StatusIs(Code::kResourceExhausted, HasSubstr("--weight_memory_bytes")));
   }  // an upload that never finished
   EXPECT_EQ(registry.bytes_in_use(), 80);
   auto hold = *registry.Reserve("x", 16);
@@ -85,8 +87,9 @@ TEST(WeightRegistryTest, BudgetIsResourceExhaustedAndReplacingCountsOnce) {
   ASSERT_TRUE(registry.Put("w", "", Weight(5, 4, 0), std::nullopt).ok());  // 80 bytes
   // Replacing w frees its 80 bytes first.
   ASSERT_TRUE(registry.Put("w", "", Weight(5, 4, 0), std::nullopt).ok());
-  EXPECT_THAT(registry.Put("x", "", Weight(2, 4, 0), std::nullopt),
-              StatusIs(Code::kResourceExhausted, HasSubstr("needs 32 bytes, 80 of the budget of 100")));
+  EXPECT_THAT(
+      registry.Put("x", "", Weight(2, 4, 0), std::nullopt),
+      StatusIs(Code::kResourceExhausted, HasSubstr("needs 32 bytes, 80 of the budget of 100")));
 }
 
 TEST(WeightRegistryTest, DeleteIsIdempotentAndVersionsAreNeverReused) {
@@ -196,6 +199,9 @@ class FakeDeviceMemory : public DeviceMemory {
   absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(const std::string&) override {
     return absl::UnimplementedError("fake");
   }
+  absl::StatusOr<std::unique_ptr<DeviceEvent>> ImportCudaIpcEvent(const std::string&) override {
+    return absl::UnimplementedError("fake");
+  }
   absl::StatusOr<std::unique_ptr<DeviceBlock>> Allocate(int64_t bytes) override {
     if (exhausted) return absl::ResourceExhaustedError("fake device full");
     ++allocations;
@@ -298,7 +304,7 @@ TEST(WeightRegistryTest, WithoutDeviceMemoryTheHostServes) {
   const void* device = w->DeviceWeight(&memory);
   ASSERT_NE(device, nullptr);
   EXPECT_EQ(static_cast<const float*>(device)[3], 1.5f);  // copied from the host
-  EXPECT_EQ(w->DeviceWeight(&memory), device);              // once per version
+  EXPECT_EQ(w->DeviceWeight(&memory), device);            // once per version
   EXPECT_TRUE(w->LeaseDeviceGrad(&memory).has_value());
 
   // An engine without device memory (null): remembered, never asked again.

@@ -112,7 +112,8 @@ class PythonClientTest(unittest.TestCase):
 
     def test_cuda_ipc_slices_are_checked_and_released(self):
         import grpc
-        from flce.client import CudaIpc, to_wire
+        from flce.client import to_wire
+        from flce.cuda_ipc import CudaIpcRegistry
         from flce_pb.v1 import loss_service_pb2 as pb
 
         self._needs_cuda_server()
@@ -120,8 +121,8 @@ class PythonClientTest(unittest.TestCase):
         t = torch.randint(0, 10, (8,))
         w = torch.randn(10, 16)
 
-        def forward_with(hidden_slice, target_on_gpu=False):
-            r = pb.ForwardRequest()
+        def forward_with(hidden_slice, target_on_gpu=False, ready_event=""):
+            r = pb.ForwardRequest(ready_event=ready_event)
             r.hidden.dtype = pb.DTYPE_FLOAT32
             r.hidden.shape.extend([8, 16])
             r.hidden.shm.CopyFrom(hidden_slice)
@@ -137,7 +138,7 @@ class PythonClientTest(unittest.TestCase):
             except grpc.RpcError as e:
                 return e
 
-        ipc = CudaIpc(self.client)
+        ipc = CudaIpcRegistry(self.client)
         good = ipc.slice(h)
         expected = self.client.forward(h.cpu(), t, w).loss
         self.assertEqual(forward_with(good).loss, expected)
@@ -146,8 +147,117 @@ class PythonClientTest(unittest.TestCase):
         e = forward_with(good, target_on_gpu=True)
         self.assertEqual(e.code(), grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("hidden and weight only", e.details())
-        ipc.release()
+        # An input never accumulates; memory is no event, an event no memory.
+        adding = pb.SharedMemorySlice(region_id=good.region_id, offset=0, accumulate=True)
+        self.assertEqual(forward_with(adding).code(), grpc.StatusCode.INVALID_ARGUMENT)
+        e = forward_with(good, ready_event=good.region_id)
+        self.assertEqual(e.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("not an event", e.details())
+        token, event_region = ipc.record_ready(h.device)
+        self.assertEqual(forward_with(good, ready_event=event_region).loss, expected)
+        e = forward_with(pb.SharedMemorySlice(region_id=event_region))
+        self.assertEqual(e.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("is an event", e.details())
+        ipc.done(token)
+        # Registrations last until close() (or until their memory is gone).
+        self.assertEqual(forward_with(good).loss, expected)
+        ipc.close()
         self.assertEqual(forward_with(good).code(), grpc.StatusCode.NOT_FOUND)
+
+    def _ipc_step(self, loss_fn, h, w, t):
+        hv, wv = h.detach().requires_grad_(), w.detach().requires_grad_()
+        loss = loss_fn(hv, wv, t)
+        loss.backward()
+        return loss.detach(), hv.grad, wv.grad
+
+    def test_cuda_ipc_registrations_last_across_calls(self):
+        self._needs_cuda_server()
+        before = self.client.stats().shared_memory_regions
+        client = flce.Client(self.server.address)
+        try:
+            torch.manual_seed(6)
+            h = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+            w = (torch.randn(1000, 32, device="cuda") / 6).to(torch.bfloat16)
+            t = torch.randint(0, 1000, (64,), device="cuda")
+            loss_fn = flce.RemoteLinearCrossEntropy(client, cuda_ipc=True)
+            self._ipc_step(loss_fn, h, w, t)
+            first = client.cuda_ipc().registrations
+            regions = client.stats().shared_memory_regions
+            for _ in range(3):
+                self._ipc_step(loss_fn, h, w, t)
+            # Steady state: the same allocations (the caching allocator hands
+            # the gradients the same blocks), no new registration.
+            self.assertEqual(client.cuda_ipc().registrations, first)
+            self.assertEqual(client.stats().shared_memory_regions, regions)
+        finally:
+            client.close()
+        # close() unregisters everything the client registered.
+        self.assertEqual(self.client.stats().shared_memory_regions, before)
+
+    def test_cuda_ipc_never_reads_a_freed_allocation_at_the_same_address(self):
+        self._needs_cuda_server()
+        client = flce.Client(self.server.address)
+        try:
+            torch.manual_seed(7)
+            rows, hidden, vocab = 512, 1024, 300  # X alone: 1 MiB in fp32, its own segment
+            w = torch.randn(vocab, hidden, device="cuda") / 30
+            t = torch.randint(0, vocab, (rows,))
+            registry = client.cuda_ipc()
+            a = torch.randn(rows, hidden, device="cuda") * 4
+            loss_a = client.forward(a, t, w, cuda_ipc=True).loss
+            address, count = a.data_ptr(), registry.registrations
+            entries, regions = registry.registered(), client.stats().shared_memory_regions
+            del a
+            torch.cuda.empty_cache()  # the segment goes back to the driver
+            b = torch.randn(rows, hidden, device="cuda")
+            got = client.forward(b, t, w, cuda_ipc=True).loss
+            want = client.forward(b.cpu(), t, w.cpu()).loss
+            self.assertEqual(flce.from_wire(got), flce.from_wire(want))
+            self.assertNotEqual(flce.from_wire(got), flce.from_wire(loss_a))
+            if b.data_ptr() == address:
+                # The same address, a new allocation: registered anew.
+                self.assertGreater(registry.registrations, count)
+            # The freed allocation's registration is gone, client and server:
+            # B's took its place.
+            self.assertEqual(registry.registered(), entries)
+            self.assertEqual(client.stats().shared_memory_regions, regions)
+        finally:
+            client.close()
+
+    def test_cuda_ipc_waits_for_the_workers_stream_not_the_device(self):
+        self._needs_cuda_server()
+        torch.manual_seed(8)
+        data = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(500, 64, device="cuda") / 8).to(torch.bfloat16)
+        t = torch.randint(0, 500, (256,))  # on the host: no implicit synchronisation
+        want = self.client.forward(data, t, w).loss  # inline bytes
+        for _ in range(3):
+            h = torch.zeros_like(data)
+            torch.cuda.synchronize()
+            # A slow kernel, then the producer of X, both still queued when
+            # the call goes out: only the event orders the server after them.
+            torch.cuda._sleep(50_000_000)
+            h.copy_(data)
+            got = self.client.forward(h, t, w, cuda_ipc=True).loss
+            self.assertEqual(flce.from_wire(got), flce.from_wire(want))
+
+    def test_weight_grad_in_place_equals_autograd_accumulation(self):
+        self._needs_cuda_server()
+        torch.manual_seed(9)
+        h = [torch.randn(40, 24, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        w0 = (torch.randn(301, 24, device="cuda") / 5).to(torch.bfloat16)
+        b0 = torch.randn(301, device="cuda", dtype=torch.bfloat16)
+        t = torch.randint(0, 301, (40,), device="cuda")
+        grads = []
+        for in_place in (False, True):
+            w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+            loss_fn = flce.RemoteLinearCrossEntropy(self.client, cuda_ipc=True,
+                                                    weight_grad_in_place=in_place)
+            for x in h:  # gradient accumulation over three micro-batches
+                loss_fn(x, w, t, b).backward()
+            grads.append((w.grad, b.grad))
+        self.assertTrue(torch.equal(grads[0][0], grads[1][0]))
+        self.assertTrue(torch.equal(grads[0][1], grads[1][1]))
 
     def test_reduction_none_and_bf16_round_trip(self):
         torch.manual_seed(2)

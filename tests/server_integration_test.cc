@@ -5,15 +5,15 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <cstring>
-#include <cstdlib>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -79,8 +79,7 @@ class ServerTest : public ::testing::Test {
     stub_ = v1::LossService::NewStub(channel_);
   }
 
-  static OwnedProblem Problem(int64_t n, int64_t h, int64_t v,
-                              DType dtype = DType::kFloat32,
+  static OwnedProblem Problem(int64_t n, int64_t h, int64_t v, DType dtype = DType::kFloat32,
                               Reduction reduction = Reduction::kMean) {
     RandomProblemSpec spec;
     spec.rows = n;
@@ -106,8 +105,7 @@ class ServerTest : public ::testing::Test {
   absl::Status RawForward(const v1::ForwardRequest& request,
                           absl::Duration timeout = absl::Seconds(30)) {
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         absl::ToChronoMilliseconds(timeout));
+    context.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
     v1::ForwardResponse response;
     return FromGrpcStatus(stub_->Forward(&context, request, &response));
   }
@@ -143,8 +141,8 @@ class ServerTimingTest : public ServerTest {};
 
 // --- results -------------------------------------------------------------
 
-void ExpectMatchesReference(LossClient& client, const OwnedProblem& p,
-                            BackwardMode mode, bool keep_session = false) {
+void ExpectMatchesReference(LossClient& client, const OwnedProblem& p, BackwardMode mode,
+                            bool keep_session = false) {
   ForwardArgs args;
   args.problem = p.view();
   args.need_backward = true;
@@ -678,8 +676,10 @@ TEST_F(ServerTest, WeightErrorsHaveTheirCodes) {
   v1::PutWeightChunk corrupt = rest;
   (*corrupt.mutable_data())[3] ^= 1;
   EXPECT_THAT(put({first, corrupt}), StatusIs(Code::kInvalidArgument, HasSubstr("header.crc32c")));
-  EXPECT_THAT(put({first}), StatusIs(Code::kInvalidArgument, HasSubstr("received 40 of the header's 72 bytes")));
-  EXPECT_THAT(put({first, rest, rest}), StatusIs(Code::kInvalidArgument, HasSubstr("more bytes than the header's 72")));
+  EXPECT_THAT(put({first}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("received 40 of the header's 72 bytes")));
+  EXPECT_THAT(put({first, rest, rest}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("more bytes than the header's 72")));
   EXPECT_THAT(put({rest}), StatusIs(Code::kInvalidArgument, HasSubstr("header: required")));
   EXPECT_THAT(put({}), StatusIs(Code::kInvalidArgument, HasSubstr("no chunk")));
   v1::PutWeightChunk bad_shape = first;
@@ -797,7 +797,11 @@ TEST_F(ServerTest, SharedMemoryIsOffByDefault) {
   OwnedProblem p = Problem(4, 3, 6);
   v1::ForwardRequest r = BuildForwardRequest(Args(p));
   r.mutable_hidden()->mutable_shm()->set_region_id("x");
-  EXPECT_THAT(RawForward(r), StatusIs(Code::kFailedPrecondition, HasSubstr("hidden: shared memory")));
+  EXPECT_THAT(RawForward(r),
+              StatusIs(Code::kFailedPrecondition, HasSubstr("hidden: shared memory")));
+  r = BuildForwardRequest(Args(p));
+  r.set_ready_event("x");
+  EXPECT_THAT(RawForward(r), StatusIs(Code::kFailedPrecondition, HasSubstr("ready_event: shared")));
 }
 
 // GET `path` from 127.0.0.1:`port` over plain HTTP/1.1; the whole reply.
@@ -811,7 +815,8 @@ std::string HttpGet(int port, const std::string& path) {
     close(fd);
     return "";
   }
-  const std::string request = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+  const std::string request =
+      "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
   (void)!write(fd, request.data(), request.size());
   std::string reply;
   char buffer[4096];
@@ -879,7 +884,7 @@ TEST_F(ServerTest, NonFiniteLogitsAreServedAndCountedAsForwardReruns) {
   StartServer(o);
   OwnedProblem p = Problem(9, 7, 32);
   p.hidden.mutable_data<float>()[7 * 3] = std::nanf("");  // row 3
-  p.target.mutable_data<int64_t>()[3] = 5;                 // not ignored
+  p.target.mutable_data<int64_t>()[3] = 5;                // not ignored
   auto fwd = client_->Forward(Args(p, true, BackwardMode::kStoreGrads));
   ASSERT_TRUE(fwd.ok()) << fwd.status();
   EXPECT_TRUE(std::isnan(fwd->loss.data_as<float>()[0]));
@@ -902,7 +907,8 @@ TEST_F(ServerTest, DrainRefusesNewWorkButServesExistingSessions) {
   ASSERT_TRUE(fwd.ok());
   std::atomic<int64_t> left{-1};
   std::thread drain([&] { left = server_->Drain(absl::Seconds(20)); });
-  for (int i = 0; i < 200 && *client_->CheckHealth() == grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
+  for (int i = 0;
+       i < 200 && *client_->CheckHealth() == grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   EXPECT_EQ(*client_->CheckHealth(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
@@ -913,7 +919,7 @@ TEST_F(ServerTest, DrainRefusesNewWorkButServesExistingSessions) {
   BackwardArgs back;
   back.session_id = fwd->session_id;
   EXPECT_TRUE(client_->Backward(back).ok());  // the session here is still served
-  drain.join();  // returns once no session is left
+  drain.join();                               // returns once no session is left
   EXPECT_EQ(left.load(), 0);
   server_->Shutdown(absl::Seconds(1));
 }
@@ -935,15 +941,33 @@ TEST_F(ServerTest, CudaIpcRegistrationErrorsHaveTheirCodes) {
               StatusIs(Code::kInvalidArgument, HasSubstr("cuda_ipc_handle: expected 64 bytes")));
   EXPECT_THAT(register_handle(std::string(64, '\0'), -1),
               StatusIs(Code::kInvalidArgument, HasSubstr("bytes: -1")));
+  auto register_event = [&](const std::string& handle, int64_t bytes) {
+    grpc::ClientContext context;
+    v1::RegisterSharedMemoryRequest request;
+    request.set_cuda_ipc_event_handle(handle);
+    request.set_bytes(bytes);
+    v1::RegisterSharedMemoryResponse response;
+    return FromGrpcStatus(stub_->RegisterSharedMemory(&context, request, &response));
+  };
+  EXPECT_THAT(register_event(std::string(10, 'x'), 0),
+              StatusIs(Code::kInvalidArgument, HasSubstr("cuda_ipc_event_handle: expected 64")));
+  EXPECT_THAT(register_event(std::string(64, '\0'), 8),
+              StatusIs(Code::kInvalidArgument, HasSubstr("an event region has none")));
   // A handle no process exported: the CPU backend cannot map GPU memory at
   // all; the CUDA backend fails to open it and keeps serving.
   if (Backend() == "cpu") {
     EXPECT_THAT(register_handle(std::string(64, '\0'), 0),
                 StatusIs(Code::kFailedPrecondition, HasSubstr("--backend=cuda")));
+    EXPECT_THAT(register_event(std::string(64, '\0'), 0),
+                StatusIs(Code::kFailedPrecondition, HasSubstr("--backend=cuda")));
   } else {
     EXPECT_THAT(register_handle(std::string(64, '\0'), 0),
                 StatusIs(Code::kInvalidArgument, HasSubstr("cuda_ipc_handle: cannot open")));
+    EXPECT_THAT(register_event(std::string(64, '\0'), 0),
+                StatusIs(Code::kInvalidArgument, HasSubstr("cuda_ipc_event_handle: cannot open")));
   }
+  ExpectStillServing();
+  EXPECT_EQ(server_->Metrics().gauges.shared_memory_regions, 0);
   ExpectStillServing();
 }
 
@@ -1006,6 +1030,28 @@ TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
   v1::BackwardResponse ignored;
   EXPECT_THAT(FromGrpcStatus(stub_->Backward(&far_context, too_far, &ignored)),
               StatusIs(Code::kInvalidArgument, HasSubstr("grad_weight_out.shm")));
+  // Host memory never accumulates, dX never does, and a memory region is no
+  // ready_event: refused before any compute, the session kept.
+  v1::BackwardRequest adding = back;
+  adding.mutable_grad_weight_out()->set_accumulate(true);
+  grpc::ClientContext adding_context;
+  EXPECT_THAT(
+      FromGrpcStatus(stub_->Backward(&adding_context, adding, &ignored)),
+      StatusIs(Code::kInvalidArgument, HasSubstr("grad_weight_out.accumulate: only GPU memory")));
+  adding = back;
+  adding.mutable_grad_hidden_out()->set_accumulate(true);
+  grpc::ClientContext hidden_context;
+  EXPECT_THAT(FromGrpcStatus(stub_->Backward(&hidden_context, adding, &ignored)),
+              StatusIs(Code::kInvalidArgument, HasSubstr("dX is never accumulated")));
+  v1::BackwardRequest not_an_event = back;
+  not_an_event.set_ready_event(region.region_id());
+  grpc::ClientContext event_context;
+  EXPECT_THAT(FromGrpcStatus(stub_->Backward(&event_context, not_an_event, &ignored)),
+              StatusIs(Code::kInvalidArgument, HasSubstr("ready_event: region")));
+  not_an_event.set_ready_event("nope");
+  grpc::ClientContext unknown_context;
+  EXPECT_THAT(FromGrpcStatus(stub_->Backward(&unknown_context, not_an_event, &ignored)),
+              StatusIs(Code::kNotFound, HasSubstr("ready_event: unknown region")));
   grpc::ClientContext backward_context;
   v1::BackwardResponse shm_grads;
   ASSERT_TRUE(stub_->Backward(&backward_context, back, &shm_grads).ok());
@@ -1025,6 +1071,13 @@ TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
   EXPECT_THAT(RawForward(bad), StatusIs(Code::kInvalidArgument, HasSubstr("hidden.shm")));
   bad.mutable_hidden()->mutable_shm()->set_region_id("nope");
   EXPECT_THAT(RawForward(bad), StatusIs(Code::kNotFound, HasSubstr("unknown region")));
+  bad = r;
+  bad.mutable_hidden()->mutable_shm()->set_accumulate(true);
+  EXPECT_THAT(RawForward(bad),
+              StatusIs(Code::kInvalidArgument, HasSubstr("hidden.shm.accumulate")));
+  bad = r;
+  bad.set_ready_event(region.region_id());
+  EXPECT_THAT(RawForward(bad), StatusIs(Code::kInvalidArgument, HasSubstr("not an event")));
   grpc::ClientContext missing_context;
   v1::RegisterSharedMemoryRequest missing;
   missing.set_shm_name("/flce-does-not-exist");
@@ -1119,8 +1172,7 @@ TEST(ServerStartTest, BadOptionsAndMissingBackends) {
   ServerOptions o = cpu_options();
   if (!CudaBuiltIn()) {
     o.backend = "cuda";
-    EXPECT_THAT(LossServer::Start(o),
-                StatusIs(Code::kUnimplemented, HasSubstr("--backend=cuda")));
+    EXPECT_THAT(LossServer::Start(o), StatusIs(Code::kUnimplemented, HasSubstr("--backend=cuda")));
   }
   o.backend = "tpu";
   EXPECT_THAT(LossServer::Start(o), StatusIs(Code::kInvalidArgument, HasSubstr("--backend")));

@@ -31,6 +31,22 @@ class IpcMemory : public DeviceBlock {
   const int64_t bytes_;
 };
 
+// An event of another process's, opened through CUDA IPC; destroyed with
+// this.
+class IpcEvent : public DeviceEvent {
+ public:
+  IpcEvent(int device, cudaEvent_t event) : device_(device), event_(event) {}
+  ~IpcEvent() override {
+    cudaSetDevice(device_);
+    cudaEventDestroy(event_);
+  }
+  void* native() const override { return event_; }
+
+ private:
+  const int device_;
+  const cudaEvent_t event_;
+};
+
 // Device memory of CudaDeviceMemory::Allocate, freed when destroyed;
 // counted in `allocated` (shared with the engine, which it may outlive)
 // while alive.
@@ -142,6 +158,30 @@ absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::ImportCudaIpc(
     return bytes.status();
   }
   return std::unique_ptr<DeviceBlock>(new IpcMemory(device_, base, *bytes));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceEvent>> CudaDeviceMemory::ImportCudaIpcEvent(
+    const std::string& handle) {
+  FLCE_RETURN_IF_ERROR(health_.status());
+  if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc_event_handle: expected ", sizeof(cudaIpcEventHandle_t),
+                     " bytes (cudaIpcEventHandle_t), got ", handle.size()));
+  }
+  FLCE_RETURN_IF_ERROR(SetDevice());
+  cudaIpcEventHandle_t ipc;
+  std::memcpy(&ipc, handle.data(), sizeof(ipc));
+  cudaEvent_t event = nullptr;
+  const cudaError_t error = cudaIpcOpenEventHandle(&event, ipc);
+  if (error != cudaSuccess) {
+    if (IsStickyError(error)) return health_.Check(error, "cudaIpcOpenEventHandle");
+    cudaGetLastError();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda_ipc_event_handle: cannot open it (", cudaGetErrorName(error),
+        "); it must come from cudaIpcGetEventHandle in another process on this host, for an "
+        "event made with cudaEventInterprocess | cudaEventDisableTiming"));
+  }
+  return std::unique_ptr<DeviceEvent>(new IpcEvent(device_, event));
 }
 
 }  // namespace internal_cuda

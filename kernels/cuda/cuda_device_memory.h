@@ -25,6 +25,8 @@ class CudaDeviceMemory final : public DeviceMemory {
   CudaDeviceMemory(int device, DeviceHealth& health) : device_(device), health_(health) {}
 
   absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(const std::string& handle) override;
+  absl::StatusOr<std::unique_ptr<DeviceEvent>> ImportCudaIpcEvent(
+      const std::string& handle) override;
   absl::StatusOr<std::unique_ptr<DeviceBlock>> Allocate(int64_t bytes) override;
   // Waits for all of the device's work first (the engine's lanes are
   // non-blocking streams).

@@ -68,6 +68,19 @@ class EngineImpl {
 using internal_cuda::CallContext;
 using internal_cuda::LanePool;
 
+namespace {
+
+// The lane's later work runs after the worker's `ready` event, if any: a
+// wait on the device, not on the host.
+absl::Status WaitFor(const internal_cuda::Lane& lane, const DeviceEvent* ready) {
+  if (ready == nullptr) return absl::OkStatus();
+  return lane.Check(
+      cudaStreamWaitEvent(lane.stream(), static_cast<cudaEvent_t>(ready->native()), 0),
+      "waiting for the worker's event");
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Create(const CudaEngineOptions& options) {
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
@@ -127,6 +140,7 @@ absl::StatusOr<ForwardResult> CudaEngine::Forward(const LossProblem& problem,
   FLCE_RETURN_IF_ERROR(impl_->SetDevice());
   LanePool::Lease lane(*impl_->lanes);
   const CallContext call{impl_->options, *impl_->gemms, *lane, cancelled};
+  FLCE_RETURN_IF_ERROR(WaitFor(*lane, problem.ready));
   FLCE_ASSIGN_OR_RETURN(internal_cuda::DeviceInputs in,
                         internal_cuda::MakeDeviceInputs(*lane, problem));
   FLCE_ASSIGN_OR_RETURN(
@@ -142,6 +156,7 @@ absl::StatusOr<Gradients> CudaEngine::Backward(SavedState& state, const Backward
   FLCE_RETURN_IF_ERROR(impl_->SetDevice());
   LanePool::Lease lane(*impl_->lanes);
   const CallContext call{impl_->options, *impl_->gemms, *lane, cancelled};
+  FLCE_RETURN_IF_ERROR(WaitFor(*lane, spec.ready));
   return internal_cuda::BackwardOnDevice(call, state, spec);
 }
 

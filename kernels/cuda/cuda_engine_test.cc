@@ -151,8 +151,8 @@ TEST(CudaEngineSemanticsTest, DeviceDestinationsHoldTheHostResults) {
 }
 
 // An accumulating destination (engine-allocated device memory) gets the
-// scaled fp32 dW and db added: overwritten by the first Backward, added by
-// the second, so it holds exactly twice the host result; dX is returned as
+// scaled fp32 dW and db added (and a bf16 one autograd's rounding): overwritten by the first
+// Backward, added by the second, so it holds exactly twice the host result; dX is returned as
 // usual. Both modes, both RECOMPUTE layouts. The allocation is zeroed,
 // counted in device_memory_bytes() while alive, and round-trips through
 // DeviceMemory::CopyToDevice / CopyToHost.
@@ -206,16 +206,38 @@ TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
       for (int64_t i = 0; i < sum_b.num_elements(); ++i) {
         ASSERT_EQ(sum_b.data_as<float>()[i], 2.0f * want->grad_bias->data_as<float>()[i]) << i;
       }
-      // Only fp32 dW and db accumulate.
+      // dX never accumulates, and host memory never does.
       BackwardSpec bad = host;
       bad.grad_hidden_to = GradientDestination{(*dw)->data(), MemorySpace::kCuda, true};
       EXPECT_EQ(engine->Backward(*fwd->saved, bad, nullptr).status().code(),
                 absl::StatusCode::kInvalidArgument);
       bad = host;
-      bad.weight_grad_dtype = DType::kBFloat16;
-      bad.grad_weight_to = GradientDestination{(*dw)->data(), MemorySpace::kCuda, true};
+      bad.grad_weight_to = GradientDestination{sum_w.data.data(), MemorySpace::kHost, true};
       EXPECT_EQ(engine->Backward(*fwd->saved, bad, nullptr).status().code(),
                 absl::StatusCode::kInvalidArgument);
+      // A bf16 destination (a bf16 parameter's .grad) gets round(old +
+      // round(new)), as autograd adds a new gradient into it.
+      BackwardSpec narrow = host;
+      narrow.weight_grad_dtype = DType::kBFloat16;
+      auto want16 = engine->Backward(*fwd->saved, narrow, nullptr);
+      ASSERT_TRUE(want16.ok()) << want16.status();
+      HostTensor old16(DType::kBFloat16, {spec.vocab, spec.hidden});
+      for (int64_t i = 0; i < old16.num_elements(); ++i) {
+        old16.mutable_data<uint16_t>()[i] = FloatToBFloat16(0.001f * static_cast<float>(i % 97));
+      }
+      DeviceBytes grad16(old16.data.size());
+      ASSERT_EQ(
+          cudaMemcpy(grad16.data, old16.data.data(), old16.data.size(), cudaMemcpyHostToDevice),
+          cudaSuccess);
+      narrow.grad_weight_to = GradientDestination{grad16.data, MemorySpace::kCuda, true};
+      ASSERT_TRUE(engine->Backward(*fwd->saved, narrow, nullptr).ok());
+      const std::string sum16 = grad16.Read();
+      const uint16_t* got16 = reinterpret_cast<const uint16_t*>(sum16.data());
+      for (int64_t i = 0; i < old16.num_elements(); ++i) {
+        const float expected = BFloat16ToFloat(old16.data_as<uint16_t>()[i]) +
+                               BFloat16ToFloat(want16->grad_weight.data_as<uint16_t>()[i]);
+        ASSERT_EQ(got16[i], FloatToBFloat16(expected)) << i;
+      }
     }
     std::string back(db_bytes, 'y');
     ASSERT_TRUE(engine->device_memory()->CopyToDevice(zeros.data(), (*db)->data(), db_bytes).ok());

@@ -10,16 +10,15 @@ namespace flce {
 namespace internal_cuda {
 namespace {
 
-// Accumulating destinations: dW and db only, in device memory, fp32.
-absl::Status CheckAccumulating(const BackwardSpec& spec, DType input) {
+// Accumulating destinations: dW and db only, in device memory.
+absl::Status CheckAccumulating(const BackwardSpec& spec) {
   if (spec.grad_hidden_to && spec.grad_hidden_to->accumulate) {
     return absl::InvalidArgumentError("grad_hidden_out: dX is never accumulated");
   }
   for (const auto* to : {&spec.grad_weight_to, &spec.grad_bias_to}) {
-    if (*to && (*to)->accumulate &&
-        ((*to)->space != MemorySpace::kCuda || spec.weight_dtype(input) != DType::kFloat32)) {
+    if (*to && (*to)->accumulate && (*to)->space != MemorySpace::kCuda) {
       return absl::InvalidArgumentError(
-          "an accumulating gradient destination must be fp32 device memory");
+          "an accumulating gradient destination must be device memory");
     }
   }
   return absl::OkStatus();
@@ -31,17 +30,17 @@ absl::StatusOr<Gradients> BackwardStored(const CallContext& call, StoredGradient
   const DType wdtype = spec.weight_dtype(stored.dtype);
   Gradients out;
   FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
-                        DeliverGradient(call.lane, stored.dx.as<float>(), {stored.n, stored.h},
-                                        dtype, scale, spec.grad_hidden_to));
+                        DeliverGradient(call.lane, stored.dx.data(), DType::kFloat32,
+                                        {stored.n, stored.h}, dtype, scale, spec.grad_hidden_to));
   Mark(call.clock, "narrowing dX");
   FLCE_ASSIGN_OR_RETURN(out.grad_weight,
-                        DeliverGradient(call.lane, stored.dw.as<float>(), {stored.v, stored.h},
-                                        wdtype, scale, spec.grad_weight_to));
+                        DeliverGradient(call.lane, stored.dw.data(), DType::kFloat32,
+                                        {stored.v, stored.h}, wdtype, scale, spec.grad_weight_to));
   Mark(call.clock, "narrowing dW");
   if (stored.db.bytes() > 0) {
-    FLCE_ASSIGN_OR_RETURN(
-        out.grad_bias, DeliverGradient(call.lane, stored.db.as<float>(), {stored.v}, wdtype, scale,
-                                       spec.grad_bias_to));
+    FLCE_ASSIGN_OR_RETURN(out.grad_bias,
+                          DeliverGradient(call.lane, stored.db.data(), DType::kFloat32, {stored.v},
+                                          wdtype, scale, spec.grad_bias_to));
     Mark(call.clock, "narrowing db");
   }
   return out;
@@ -87,19 +86,20 @@ absl::StatusOr<Gradients> BackwardRecompute(const CallContext& call, RecomputeSt
                                           dw_out, wdtype,
                                           db.bytes() > 0 ? db.as<float>() : nullptr));
   Gradients out;
-  FLCE_ASSIGN_OR_RETURN(out.grad_hidden, DeliverGradient(lane, dx.as<float>(), {in.n, in.h}, dtype,
-                                                         1.0f, spec.grad_hidden_to));
+  FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
+                        DeliverGradient(lane, dx.data(), DType::kFloat32, {in.n, in.h}, dtype, 1.0f,
+                                        spec.grad_hidden_to));
   Mark(call.clock, "narrowing dX");
   if (spec.grad_weight_to && spec.grad_weight_to->accumulate) {
-    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverGradient(lane, dw.as<float>(), {in.v, in.h},
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverGradient(lane, dw.data(), wdtype, {in.v, in.h},
                                                            wdtype, 1.0f, spec.grad_weight_to));
   } else {
     FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverFinalGradient(lane, dw_out, {in.v, in.h}, wdtype,
                                                                 spec.grad_weight_to));
   }
   if (db.bytes() > 0) {
-    FLCE_ASSIGN_OR_RETURN(out.grad_bias, DeliverGradient(lane, db.as<float>(), {in.v}, wdtype, 1.0f,
-                                                         spec.grad_bias_to));
+    FLCE_ASSIGN_OR_RETURN(out.grad_bias, DeliverGradient(lane, db.data(), DType::kFloat32, {in.v},
+                                                         wdtype, 1.0f, spec.grad_bias_to));
     Mark(call.clock, "narrowing db");
   }
   return out;
@@ -224,10 +224,10 @@ absl::StatusOr<Gradients> BackwardOnDevice(const CallContext& call, SavedState& 
   if (spec.grad_output) g = TensorToFloats(*spec.grad_output);
   absl::StatusOr<Gradients> out;
   if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
-    FLCE_RETURN_IF_ERROR(CheckAccumulating(spec, stored->dtype));
+    FLCE_RETURN_IF_ERROR(CheckAccumulating(spec));
     out = BackwardStored(call, *stored, spec, g.empty() ? 1.0f : g[0]);
   } else if (auto* saved = dynamic_cast<RecomputeState*>(&state)) {
-    FLCE_RETURN_IF_ERROR(CheckAccumulating(spec, saved->inputs->dtype));
+    FLCE_RETURN_IF_ERROR(CheckAccumulating(spec));
     out = BackwardRecompute(call, *saved, spec, g);
   } else {
     return absl::InternalError("saved state was not made by the CUDA engine");

@@ -114,7 +114,7 @@ absl::StatusOr<RowBuffers> AllocateRows(const Lane& lane, int64_t n) {
   return b;
 }
 
-absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const float* src32,
+absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const void* src, DType src_dtype,
                                            std::vector<int64_t> shape, DType dtype, float scale,
                                            const std::optional<GradientDestination>& to) {
   HostTensor out;
@@ -125,8 +125,8 @@ absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const float* src32,
   if (to && to->space == MemorySpace::kCuda) {
     if (count > 0) {
       FLCE_RETURN_IF_ERROR(lane.Check(
-          to->accumulate ? LaunchAccumulate(src32, static_cast<float*>(to->data), count, scale, s)
-                         : LaunchConvert(src32, DType::kFloat32, to->data, dtype, count, scale, s),
+          to->accumulate ? LaunchAccumulate(src, src_dtype, to->data, dtype, count, scale, s)
+                         : LaunchConvert(src, src_dtype, to->data, dtype, count, scale, s),
           "convert"));
     }
     return out;
@@ -142,7 +142,8 @@ absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const float* src32,
   for (int64_t first = 0; first < count; first += kSliceElements) {
     const int64_t m = std::min(kSliceElements, count - first);
     FLCE_RETURN_IF_ERROR(
-        lane.Check(LaunchConvert(src32 + first, DType::kFloat32, slice.data(), dtype, m, scale, s),
+        lane.Check(LaunchConvert(static_cast<const char*>(src) + first * DTypeSize(src_dtype),
+                                 src_dtype, slice.data(), dtype, m, scale, s),
                    "convert"));
     FLCE_RETURN_IF_ERROR(lane.Check(
         cudaMemcpyAsync(dst + first * elem, slice.data(), m * elem, cudaMemcpyDeviceToHost, s),

@@ -75,14 +75,15 @@ struct RowBuffers {
 
 absl::StatusOr<RowBuffers> AllocateRows(const Lane& lane, int64_t n);
 
-// An fp32 device gradient × scale, rounded once on the device to `dtype`,
-// queued on the lane: into a device `to` (added to what it holds when `to`
-// accumulates), or into host memory (`to`, else a new tensor that is
-// returned) through conversion slices of bounded size. The returned tensor
-// has dtype and shape, and bytes only when it is that new tensor. Host
-// memory is written when this returns (it waits); a device `to` is written
-// in stream order, without a wait.
-absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const float* src32,
+// A device gradient (`src`, in `src_dtype`: the fp32 sum, or already in its
+// final dtype) × scale, rounded once on the device to `dtype`, queued on the
+// lane: into a device `to` (added to what it holds when `to` accumulates),
+// or into host memory (`to`, else a new tensor that is returned) through
+// conversion slices of bounded size. The returned tensor has dtype and
+// shape, and bytes only when it is that new tensor. Host memory is written
+// when this returns (it waits); a device `to` is written in stream order,
+// without a wait.
+absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const void* src, DType src_dtype,
                                            std::vector<int64_t> shape, DType dtype, float scale,
                                            const std::optional<GradientDestination>& to);
 

@@ -1,8 +1,11 @@
 // The CUDA engine's element-wise kernels. See elementwise.h for what each
 // computes.
 
-#include "kernels/cuda/device_primitives.cuh"
 #include "kernels/cuda/elementwise.h"
+
+#include <type_traits>
+
+#include "kernels/cuda/device_primitives.cuh"
 
 namespace flce {
 namespace internal_cuda {
@@ -69,10 +72,19 @@ __global__ void WidenTargetsKernel(const int32_t* src, int64_t count, int64_t* d
   if (i < count) dst[i] = src[i];
 }
 
-__global__ void AccumulateKernel(const float* src, float* dst, int64_t count, float scale) {
+// dst[i] += src[i] × scale in dst's dtype: fp32 sums in one FMA; a bf16 or
+// fp16 dst gets round(dst + round(src × scale)), PyTorch's accumulation of a
+// new gradient into a .grad of that dtype.
+template <typename Src, typename Dst>
+__global__ void AccumulateKernel(const Src* src, Dst* dst, int64_t count, float scale) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] += src[i] * scale;
+    if constexpr (std::is_same_v<Dst, float>) {
+      dst[i] += ToFloatDev(src[i]) * scale;
+    } else {
+      const Dst add = FromFloatDev<Dst>(ToFloatDev(src[i]) * scale);
+      dst[i] = FromFloatDev<Dst>(ToFloatDev(dst[i]) + ToFloatDev(add));
+    }
   }
 }
 
@@ -122,11 +134,16 @@ cudaError_t LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst
   });
 }
 
-cudaError_t LaunchAccumulate(const float* src, float* dst, int64_t count, float scale,
-                             cudaStream_t stream) {
+cudaError_t LaunchAccumulate(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                             int64_t count, float scale, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  AccumulateKernel<<<Blocks(count, 256), 256, 0, stream>>>(src, dst, count, scale);
-  return cudaGetLastError();
+  return FLCE_DISPATCH_FLOAT_DTYPE(src_dtype, Src, [&] {
+    return FLCE_DISPATCH_FLOAT_DTYPE(dst_dtype, Dst, [&] {
+      AccumulateKernel<<<Blocks(count, 256), 256, 0, stream>>>(
+          static_cast<const Src*>(src), static_cast<Dst*>(dst), count, scale);
+      return cudaGetLastError();
+    });
+  });
 }
 
 cudaError_t LaunchWidenTargets(const int32_t* src, int64_t count, int64_t* dst,

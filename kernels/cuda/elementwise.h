@@ -26,9 +26,12 @@ cudaError_t LaunchScaleRows(const void* src, void* dst, DType dtype, const float
 cudaError_t LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                           int64_t count, float scale, cudaStream_t stream);
 
-// dst[i] += src[i] × scale, fp32 (a gradient added into an accumulator).
-cudaError_t LaunchAccumulate(const float* src, float* dst, int64_t count, float scale,
-                             cudaStream_t stream);
+// dst[i] += src[i] × scale, in dst's dtype (a gradient added into a sum):
+// fp32 dst in one FMA; bf16/fp16 dst as round(dst + round(src × scale)),
+// PyTorch's autograd accumulation into a .grad of that dtype. Floating
+// dtypes only.
+cudaError_t LaunchAccumulate(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                             int64_t count, float scale, cudaStream_t stream);
 
 // dst[i] = src[i]: int32 targets widened to int64.
 cudaError_t LaunchWidenTargets(const int32_t* src, int64_t count, int64_t* dst,

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import grpc
 import numpy as np
 
+from flce.cuda_ipc import is_cuda as _is_cuda
 from flce_pb.v1 import loss_service_pb2 as pb
 from flce_pb.v1 import loss_service_pb2_grpc as pb_grpc
 
@@ -225,78 +226,6 @@ def _place(region: SharedMemoryRegion, tensor: "pb.Tensor", offset: int) -> int:
     return (offset + len(data) + 63) // 64 * 64
 
 
-_TORCH_WIRE = {"torch.float32": pb.DTYPE_FLOAT32, "torch.float16": pb.DTYPE_FLOAT16,
-               "torch.bfloat16": pb.DTYPE_BFLOAT16}
-
-
-class CudaIpc:
-    """Passes CUDA tensors of this process to a server on the same host
-    through CUDA IPC (the server runs on the CUDA backend with
-    --enable_shared_memory): the server reads hidden states and weights from,
-    and writes gradients into, this process's GPU memory; no bytes travel.
-
-    For one call at a time: ``slice`` registers the allocation holding a
-    tensor (cudaIpcGetMemHandle of its base, from the CUDA driver) and
-    ``release`` unregisters everything registered since, once the call is
-    over, so no allocation stays mapped that PyTorch's caching allocator
-    might free later."""
-
-    def __init__(self, client: "Client"):
-        import ctypes
-
-        self._ctypes = ctypes
-        self._client = client
-        self._cuda = ctypes.CDLL("libcuda.so.1")
-        self._cuda.cuMemGetAddressRange_v2.argtypes = [
-            ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        self._cuda.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
-        self._regions = {}  # allocation base → region id, for the current call
-
-    def slice(self, tensor) -> "pb.SharedMemorySlice":
-        """The slice naming ``tensor``'s bytes (contiguous, on the GPU)."""
-        import torch
-
-        if not tensor.is_cuda or not tensor.is_contiguous():
-            raise ValueError("cuda_ipc: tensors must be contiguous CUDA tensors")
-        # The server reads and writes outside this process's streams.
-        torch.cuda.synchronize(tensor.device)
-        ct = self._ctypes
-        ptr = tensor.data_ptr()
-        base, size = ct.c_uint64(), ct.c_size_t()
-        self._check(self._cuda.cuMemGetAddressRange_v2(ct.byref(base), ct.byref(size), ptr),
-                    "cuMemGetAddressRange")
-        if base.value not in self._regions:
-            handle = ct.create_string_buffer(64)
-            self._check(self._cuda.cuIpcGetMemHandle(handle, base.value), "cuIpcGetMemHandle")
-            response = self._client._call(
-                self._client._stub.RegisterSharedMemory,
-                pb.RegisterSharedMemoryRequest(cuda_ipc_handle=handle.raw, bytes=0))
-            self._regions[base.value] = response.region_id
-        return pb.SharedMemorySlice(region_id=self._regions[base.value], offset=ptr - base.value)
-
-    def place(self, tensor, out: "pb.Tensor"):
-        """Sets ``out`` to ``tensor``'s dtype, shape and slice (no bytes)."""
-        out.dtype = _TORCH_WIRE[str(tensor.dtype)]
-        del out.shape[:]
-        out.shape.extend(tensor.shape)
-        out.shm.CopyFrom(self.slice(tensor))
-
-    def release(self):
-        regions, self._regions = self._regions, {}
-        for region_id in regions.values():
-            self._client._call(self._client._stub.UnregisterSharedMemory,
-                               pb.UnregisterSharedMemoryRequest(region_id=region_id))
-
-    @staticmethod
-    def _check(result, what):
-        if result != 0:
-            raise RuntimeError(f"cuda_ipc: {what} failed with CUDA driver error {result}")
-
-
-def _is_cuda(tensor) -> bool:
-    return tensor is not None and getattr(tensor, "is_cuda", False)
-
-
 @dataclasses.dataclass
 class ForwardResult:
     loss: pb.Tensor            # fp32: [] for mean/sum, [N] for none
@@ -306,6 +235,7 @@ class ForwardResult:
     num_correct: int
     session_id: str
     backward_mode: str
+    stats: Optional[pb.CallStats] = None  # the server's queue and engine time
 
 
 @dataclasses.dataclass
@@ -313,6 +243,7 @@ class Gradients:
     grad_hidden: pb.Tensor
     grad_weight: Optional[pb.Tensor]  # None when accumulated on the server
     grad_bias: Optional[pb.Tensor]
+    stats: Optional[pb.CallStats] = None
 
 
 class Client:
@@ -348,11 +279,27 @@ class Client:
         self._sessions = {}  # session id → (N, H, V, has_bias, dtype), for shm layouts
         self._lost_takes = {}  # weight name → a take that did not arrive whole
         self._releases = []  # ReleaseSession calls in flight
+        self._cuda_ipc = None  # the CudaIpcRegistry, made on first use
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         self.stream_chunk_bytes = stream_chunk_bytes
 
+    def cuda_ipc(self):
+        """This client's :class:`flce.cuda_ipc.CudaIpcRegistry`: the GPU
+        allocations and events it has registered with the server."""
+        if self._cuda_ipc is None:
+            from flce.cuda_ipc import CudaIpcRegistry
+
+            self._cuda_ipc = CudaIpcRegistry(self)
+        return self._cuda_ipc
+
     def close(self):
+        if self._cuda_ipc is not None:
+            try:
+                self._cuda_ipc.close()
+            except Exception:  # pragma: no cover - the server went away
+                pass
+            self._cuda_ipc = None
         for pending in self._releases:  # let the sessions' releases go out
             try:
                 pending.result(timeout=1)
@@ -389,15 +336,22 @@ class Client:
         registered weight. ``need_backward`` keeps a session for backward().
         With ``shm``, the tensors travel through that shared-memory region;
         with ``cuda_ipc``, hidden and weight on the GPU are read by the
-        server from this process's GPU memory (see :class:`CudaIpc`)."""
+        server from this process's GPU memory, in stream order after the
+        work queued before the call (see :mod:`flce.cuda_ipc`)."""
         check_loss_options(reduction=reduction, backward_mode=backward_mode,
                            label_smoothing=label_smoothing, logit_softcap=logit_softcap,
                            z_loss_scale=z_loss_scale)
-        ipc = CudaIpc(self) if cuda_ipc and (_is_cuda(hidden) or _is_cuda(weight)) else None
+        ipc = self.cuda_ipc() if cuda_ipc and (_is_cuda(hidden) or _is_cuda(weight)) else None
+        token = None
         try:
             r = pb.ForwardRequest()
+            if ipc is not None:
+                ipc.sweep()
+            # Contiguous copies (if any) live until the call returns: the
+            # server reads them.
             if ipc is not None and _is_cuda(hidden):
-                ipc.place(hidden.contiguous(), r.hidden)
+                hidden = hidden.contiguous()
+                ipc.place(hidden, r.hidden)
             else:
                 to_wire(hidden, r.hidden)
             to_wire(target, r.target)
@@ -406,7 +360,8 @@ class Client:
                 r.weight_ref.version = weight_version
             elif weight is not None:
                 if ipc is not None and _is_cuda(weight):
-                    ipc.place(weight.contiguous(), r.weight)
+                    weight = weight.contiguous()
+                    ipc.place(weight, r.weight)
                 else:
                     to_wire(weight, r.weight)
                 if bias is not None:
@@ -424,6 +379,9 @@ class Client:
             r.backward_mode = _MODES[backward_mode]
             r.outputs.lse = want_lse
             r.outputs.per_row_loss = want_per_row_loss
+            if ipc is not None:
+                token, r.ready_event = ipc.record_ready(
+                    hidden.device if _is_cuda(hidden) else weight.device)
             if shm is not None:
                 offset = 0
                 tensors = [r.target] + ([] if r.hidden.HasField("shm") else [r.hidden])
@@ -444,24 +402,28 @@ class Client:
             return ForwardResult(resp.loss, resp.z_loss,
                                  resp.lse if resp.HasField("lse") else None,
                                  resp.num_valid, resp.num_correct, resp.session_id,
-                                 _MODE_NAMES.get(resp.backward_mode, "auto"))
+                                 _MODE_NAMES.get(resp.backward_mode, "auto"), resp.stats)
         finally:
-            if ipc is not None:
-                ipc.release()
+            if token is not None:
+                ipc.done(token)
 
     def backward(self, session_id: str, grad_output=None, *, keep_session: bool = False,
                  float32_grads: bool = False, accumulate_weight_grad: bool = False,
-                 shm: Optional[SharedMemoryRegion] = None, into=None) -> Gradients:
+                 shm: Optional[SharedMemoryRegion] = None, into=None,
+                 accumulate_into: bool = False) -> Gradients:
         """Backward for a session; grad_output is a scalar (mean/sum) or [N]
         (none), None meaning 1. With ``shm``, the gradients come back through
         that region (the session must be this client's, with the weight sent).
         With ``into`` = (dX, dW, db), contiguous CUDA tensors of the
         gradients' dtypes and shapes (None for any to return as bytes), the
-        server writes those gradients straight into them (CUDA IPC)."""
+        server writes those gradients straight into them (CUDA IPC), after
+        the work queued before the call; with ``accumulate_into`` it adds dW
+        and db into what those tensors hold (as autograd adds into .grad)."""
         targets = [t for t in (into or ()) if t is not None]
         if targets and shm is not None:
             raise ValueError("backward: pass shm or into, not both")
-        ipc = CudaIpc(self) if targets else None
+        ipc = self.cuda_ipc() if targets else None
+        token = None
         try:
             r = pb.BackwardRequest(session_id=session_id, keep_session=keep_session,
                                    accumulate_weight_grad=accumulate_weight_grad)
@@ -491,10 +453,13 @@ class Client:
                         getattr(r, field).region_id = shm.region_id
                         getattr(r, field).offset = offset
             if ipc is not None:
+                ipc.sweep()
                 for field, tensor in zip(("grad_hidden_out", "grad_weight_out", "grad_bias_out"),
                                          into):
                     if tensor is not None:
-                        getattr(r, field).CopyFrom(ipc.slice(tensor))
+                        getattr(r, field).CopyFrom(ipc.slice(
+                            tensor, accumulate=accumulate_into and field != "grad_hidden_out"))
+                token, r.ready_event = ipc.record_ready(targets[0].device)
             resp = self._call(self._stub.Backward, r)
             if shm is not None:
                 for t in (resp.grad_hidden, resp.grad_weight, resp.grad_bias):
@@ -503,10 +468,10 @@ class Client:
                         t.data = bytes(shm.buffer[t.shm.offset:t.shm.offset + nbytes])
             return Gradients(resp.grad_hidden,
                              resp.grad_weight if resp.HasField("grad_weight") else None,
-                             resp.grad_bias if resp.HasField("grad_bias") else None)
+                             resp.grad_bias if resp.HasField("grad_bias") else None, resp.stats)
         finally:
-            if ipc is not None:
-                ipc.release()
+            if token is not None:
+                ipc.done(token)
 
     def release_session(self, session_id: str) -> bool:
         self._sessions.pop(session_id, None)

@@ -49,7 +49,14 @@ class _RemoteFunction(torch.autograd.Function):
         ctx.module = module
         ctx.meta = [(t.device, t.dtype, t.shape) if t is not None else None
                     for t in (hidden, weight, bias)]
+        # A RECOMPUTE session reads X and W again in Backward: through CUDA
+        # IPC they must stay alive (and unchanged) until then.
+        ctx.keep = ((hidden, weight) if module.cuda_ipc and result.backward_mode == "recompute"
+                    else None)
+        # The parameters, whose .grad a Backward may add into in place.
+        ctx.params = (weight, bias)
         module.last_num_valid = result.num_valid
+        module.last_stats = [result.stats, None]
         module.last_z_loss = float(to_torch(result.z_loss).sum())
         return to_torch(result.loss, hidden.device)
 
@@ -63,30 +70,54 @@ class _RemoteFunction(torch.autograd.Function):
                 "flce: backward already ran through this loss and its server session was "
                 "consumed; to run backward more than once (retain_graph=True), construct "
                 "RemoteLinearCrossEntropy(..., retain_graph=True)")
-        retain = ctx.module.retain_graph
+        module = ctx.module
+        retain = module.retain_graph
         g = grad_output.detach().float().cpu()
-        # With CUDA IPC the server writes the GPU gradients in place.
-        into = None
-        if ctx.module.cuda_ipc:
-            into = tuple(torch.empty(meta[2], device=meta[0], dtype=meta[1])
-                         if meta is not None and meta[0].type == "cuda" else None
-                         for meta in ctx.meta)
-        grads = ctx.module.client.backward(session.id, g if g.dim() else g.reshape(()),
-                                           keep_session=retain, shm=ctx.module._region, into=into)
+        # With CUDA IPC the server writes the GPU gradients in place: into
+        # new tensors that autograd takes as they are, or (weight_grad_in_place)
+        # added into the parameters' existing .grad, for which autograd then
+        # gets None.
+        into, in_place = None, False
+        if module.cuda_ipc:
+            into = [torch.empty(meta[2], device=meta[0], dtype=meta[1])
+                    if meta is not None and meta[0].type == "cuda" else None
+                    for meta in ctx.meta]
+            grads_now = [p.grad if p is not None else None for p in ctx.params]
+            if (module.weight_grad_in_place and into[1] is not None
+                    and _can_add_into(grads_now[0], into[1])
+                    and (into[2] is None or _can_add_into(grads_now[1], into[2]))):
+                into[1], into[2] = grads_now[0], (grads_now[1] if into[2] is not None else None)
+                in_place = True
+        grads = module.client.backward(session.id, g if g.dim() else g.reshape(()),
+                                       keep_session=retain, shm=module._region,
+                                       into=into, accumulate_into=in_place)
+        module.last_stats[1] = grads.stats
         # Without retain_graph the session is gone; with it, it lives until the
         # graph does.
         session.consumed = not retain
+        if not retain:
+            ctx.keep = None
         wire = (grads.grad_hidden, grads.grad_weight, grads.grad_bias)
         result = []
         for i, meta in enumerate(ctx.meta):
             if meta is None:
                 result.append(None)
+            elif in_place and i > 0:
+                result.append(None)  # added into .grad by the server
             elif into is not None and into[i] is not None:
                 result.append(into[i])
             else:
                 device, dtype, _ = meta
                 result.append(to_torch(wire[i]).to(device=device, dtype=dtype))
         return result[0], result[1], result[2], None, None, None
+
+
+def _can_add_into(grad, like) -> bool:
+    """Whether the server may add a gradient like ``like`` into ``grad`` (a
+    parameter's .grad): a contiguous CUDA tensor of the same dtype and shape."""
+    return (grad is not None and grad.is_cuda and grad.is_contiguous()
+            and grad.dtype == like.dtype and grad.shape == like.shape
+            and grad.device == like.device)
 
 
 class RemoteLinearCrossEntropy(torch.nn.Module):
@@ -100,7 +131,14 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     --enable_shared_memory); ``close()`` frees it. ``cuda_ipc=True`` lets
     the server read hidden and weight from, and write their gradients into,
     this process's GPU memory (same host, server on the CUDA backend with
-    --enable_shared_memory): nothing but the targets travels.
+    --enable_shared_memory): nothing but the targets travels, nothing is
+    copied, each GPU allocation is registered once, and the server's work is
+    ordered after this process's stream by an event (no device-wide
+    synchronisation). With ``cuda_ipc``, ``weight_grad_in_place=True`` has
+    the server add dW (and db) straight into ``weight.grad`` (``bias.grad``)
+    when they exist, in their dtype and rounded as autograd adds, so gradient
+    accumulation allocates no dW-sized temporary; autograd then sees no
+    gradient for them (hooks on those parameters do not run).
 
     A server session is kept only when autograd will call backward (grad
     mode on and an input that requires grad); it is consumed by backward, or
@@ -114,7 +152,7 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
                  label_smoothing: float = 0.0, logit_softcap: Optional[float] = None,
                  z_loss_scale: float = 0.0, class_weight=None, backward_mode: str = "auto",
                  shared_memory: bool = False, cuda_ipc: bool = False,
-                 retain_graph: bool = False):
+                 retain_graph: bool = False, weight_grad_in_place: bool = False):
         super().__init__()
         if shared_memory and cuda_ipc:
             raise ValueError("choose shared_memory or cuda_ipc, not both")
@@ -132,7 +170,10 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self.shared_memory = shared_memory
         self.cuda_ipc = cuda_ipc
         self.retain_graph = retain_graph
+        self.weight_grad_in_place = weight_grad_in_place
         self._region = None
+        # The server's CallStats of the last Forward and Backward.
+        self.last_stats = [None, None]
         self.last_num_valid = 0
         self.last_z_loss = 0.0
 
