@@ -90,6 +90,38 @@ class PythonClientTest(unittest.TestCase):
                 self.assertLess(rel_err(p.detach(), p_ref.detach()), 1e-5,
                                 f"{name} after step {step}")
 
+    def test_shared_memory_gradients_are_never_overwritten_while_alive(self):
+        torch.manual_seed(10)
+        loss_fn = flce.RemoteLinearCrossEntropy(self.client, shared_memory=True)
+        t = torch.randint(0, 50, (9,))
+        kept = []
+        for step in range(3):
+            h = torch.randn(9, 6, requires_grad=True)
+            w = torch.randn(50, 6, requires_grad=True)
+            loss_fn(h, w, t).backward()
+            h_ref = h.detach().clone().requires_grad_()
+            F.cross_entropy(h_ref @ w.detach().T, t).backward()
+            want = h_ref.grad
+            kept.append((h.grad, h.grad.clone(), want))
+        # Three calls, every gradient still alive: each landed in a region no
+        # earlier one was viewing, and none was written over.
+        self.assertEqual(len(loss_fn._grad_regions), 3)
+        for grad, copy_then, want in kept:
+            self.assertTrue(torch.equal(grad, copy_then))
+            self.assertLess(rel_err(grad, want), 1e-5)
+        loss_fn.close()  # the views stay readable after the regions go
+        for grad, copy_then, _ in kept:
+            self.assertTrue(torch.equal(grad, copy_then))
+        del kept
+        # Once the gradients are gone the regions are reused, not added to.
+        loss_fn = flce.RemoteLinearCrossEntropy(self.client, shared_memory=True)
+        self.addCleanup(loss_fn.close)
+        for _ in range(3):
+            h = torch.randn(9, 6, requires_grad=True)
+            loss_fn(h, torch.randn(50, 6, requires_grad=True), t).backward()
+            del h
+        self.assertEqual(len(loss_fn._grad_regions), 1)
+
     def test_cuda_ipc_equals_the_wire_bit_for_bit(self):
         self._needs_cuda_server()
         torch.manual_seed(5)

@@ -3,11 +3,12 @@
 # tools/device_bundle.sh packed .devbin/bundle.tar.xz here: the GPU test
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
-# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [ipc] [gemms]
+# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [worker] [gemms]
 # bench reads BENCH_SHAPES, BENCH_DTYPES, BENCH_MODES, BENCH_WARMUP,
 # BENCH_CHUNK_BYTES and BENCH_FLAGS (more flce_bench flags); gemms reads
 # BENCH_SHAPES, GEMM_CHUNK_ROWS, GEMM_ALGOS and GEMM_FLAGS (more gemm_algos
-# flags, e.g. --full=false).
+# flags, e.g. --full=false); worker (bench/worker_bench.py) reads
+# WORKER_TRANSPORTS and WORKER_FLAGS.
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
@@ -91,9 +92,11 @@ if want rpc && [ -n "$ARGS" ]; then
   "$bin/rpc_bench" --backend=cuda --shape="${RPC_SHAPE:-8192x4096x128256}" --dtype=bf16 \
     --iters=10 2>&1 | tee "$OUT/rpc_bench.txt" || status=1
 fi
-if want ipc && [ -n "$ARGS" ]; then
-  echo "== ipc_bench --shape=${IPC_SHAPE:-4096x4096x16384}"
-  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/ipc_bench.py "$bin/flce_server" \
-    --shape="${IPC_SHAPE:-4096x4096x16384}" 2>&1 | tee "$OUT/ipc_bench.txt" || status=1
+if want worker && [ -n "$ARGS" ]; then
+  echo "== worker_bench --transports=${WORKER_TRANSPORTS:-cuda_ipc}"
+  read -r -a worker_flags <<< "${WORKER_FLAGS:-}"
+  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/worker_bench.py "$bin/flce_server" \
+    --transports="${WORKER_TRANSPORTS:-cuda_ipc}" --json="$OUT/worker_bench.json" \
+    ${worker_flags[@]+"${worker_flags[@]}"} 2>&1 | tee "$OUT/worker_bench.txt" || status=1
 fi
 exit "$status"

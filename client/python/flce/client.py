@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import grpc
 import numpy as np
 
-from flce.cuda_ipc import is_cuda as _is_cuda
+from flce.wire_dtypes import TORCH_TO_WIRE, is_cuda as _is_cuda, torch_dtype
 from flce_pb.v1 import loss_service_pb2 as pb
 from flce_pb.v1 import loss_service_pb2_grpc as pb_grpc
 
@@ -188,6 +188,8 @@ class SharedMemoryRegion:
         self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
         self.nbytes = nbytes
         self._client = client
+        self._file = None  # np.memmap of the object, for view_torch
+        self._views = []   # weak references to view_torch's arrays
         try:
             self.region_id = client._call(
                 client._stub.RegisterSharedMemory,
@@ -202,6 +204,79 @@ class SharedMemoryRegion:
     def buffer(self) -> memoryview:
         return self._shm.buf
 
+    def write(self, tensor, out: "pb.Tensor", offset: int) -> int:
+        """Copies a NumPy array or torch tensor into the region at ``offset``
+        (one copy) and sets ``out`` to its dtype, shape and slice; returns
+        the next 64-byte aligned offset."""
+        if hasattr(tensor, "detach"):  # torch
+            import torch
+
+            t = tensor.detach()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            t = t.contiguous()
+            out.dtype = TORCH_TO_WIRE[str(t.dtype)]
+            raw = t.reshape(-1).view(torch.uint8)
+            nbytes = raw.numel()
+            self._check_fits(offset, nbytes)
+            if nbytes:
+                torch.frombuffer(self.buffer, dtype=torch.uint8, count=nbytes,
+                                 offset=offset).copy_(raw)
+            shape = list(t.shape)
+        else:
+            arr = np.ascontiguousarray(tensor)
+            out.dtype = _wire_dtype(arr.dtype)
+            arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+            nbytes = arr.nbytes
+            self._check_fits(offset, nbytes)
+            if nbytes:
+                np.copyto(np.frombuffer(self.buffer, np.uint8, nbytes, offset),
+                          arr.reshape(-1).view(np.uint8))
+            shape = list(arr.shape)
+        del out.shape[:]
+        out.shape.extend(shape)
+        out.shm.region_id = self.region_id
+        out.shm.offset = offset  # (setting the oneof drops any bytes)
+        return (offset + nbytes + 63) // 64 * 64
+
+    def read_torch(self, tensor: "pb.Tensor"):
+        """A torch copy (in its own dtype) of a wire tensor that names a
+        slice of this region: read it before the region's next call."""
+        import torch
+
+        shape = tuple(tensor.shape)
+        count = int(np.prod(shape)) if shape else 1
+        nbytes = count * _elem_size(tensor.dtype)
+        raw = torch.frombuffer(self.buffer, dtype=torch.uint8, count=nbytes,
+                               offset=tensor.shm.offset) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return raw.clone().view(torch_dtype(tensor.dtype)).reshape(shape)
+
+    def view_torch(self, tensor: "pb.Tensor"):
+        """A torch tensor that *is* the slice of this region a wire tensor
+        names (no copy): it stays valid after the region is closed, and
+        while any such view lives the region is :meth:`in_use` (its bytes
+        must not be written by another call)."""
+        import weakref
+
+        import torch
+
+        if self._file is None:  # a mapping of our own: the views outlive close()
+            self._file = np.memmap(f"/dev/shm/{self._shm.name}", dtype=np.uint8, mode="r+",
+                                   shape=(self.nbytes,))
+        shape = tuple(tensor.shape)
+        nbytes = (int(np.prod(shape)) if shape else 1) * _elem_size(tensor.dtype)
+        part = self._file[tensor.shm.offset:tensor.shm.offset + nbytes]
+        self._views = [ref for ref in self._views if ref() is not None] + [weakref.ref(part)]
+        return torch.from_numpy(part).view(torch_dtype(tensor.dtype)).reshape(shape)
+
+    def in_use(self) -> bool:
+        """Whether a tensor :meth:`view_torch` returned is still alive."""
+        return any(ref() is not None for ref in self._views)
+
+    def _check_fits(self, offset, nbytes):
+        if offset + nbytes > self.nbytes:
+            raise ValueError(f"shm: the tensors need more than the region's {self.nbytes} bytes")
+
     def close(self):
         if self._shm is None:
             return
@@ -212,18 +287,6 @@ class SharedMemoryRegion:
             self._shm.close()
             self._shm.unlink()
             self._shm = None
-
-
-def _place(region: SharedMemoryRegion, tensor: "pb.Tensor", offset: int) -> int:
-    """Moves a wire tensor's bytes into the region at ``offset``; returns the
-    next 64-byte aligned offset."""
-    data = tensor.data
-    if offset + len(data) > region.nbytes:
-        raise ValueError(f"shm: the tensors need more than the region's {region.nbytes} bytes")
-    region.buffer[offset:offset + len(data)] = data
-    tensor.shm.region_id = region.region_id
-    tensor.shm.offset = offset  # (setting the oneof drops the bytes)
-    return (offset + len(data) + 63) // 64 * 64
 
 
 @dataclasses.dataclass
@@ -256,13 +319,15 @@ class Client:
     TLS); ``server_name`` is the name the server's certificate must carry
     when it is not the host dialled (a pod dialled by IP whose certificate
     names its Service). ``token`` is sent as "authorization: Bearer
-    <token>" on every call."""
+    <token>" on every call. ``cuda_ipc_keep_registrations=False`` registers
+    GPU memory per call (see :class:`flce.cuda_ipc.CudaIpcRegistry`)."""
 
     def __init__(self, target: str, timeout: float = 300.0,
                  max_message_bytes: int = 256 << 20, stream_chunk_bytes: int = 4 << 20, *,
                  tls: bool = False, root_certificates: Optional[bytes] = None,
                  certificate_chain: Optional[bytes] = None, private_key: Optional[bytes] = None,
-                 server_name: Optional[str] = None, token: Optional[str] = None):
+                 server_name: Optional[str] = None, token: Optional[str] = None,
+                 cuda_ipc_keep_registrations: bool = True):
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         target = with_default_port(target)
@@ -280,6 +345,7 @@ class Client:
         self._lost_takes = {}  # weight name → a take that did not arrive whole
         self._releases = []  # ReleaseSession calls in flight
         self._cuda_ipc = None  # the CudaIpcRegistry, made on first use
+        self._cuda_ipc_keep = cuda_ipc_keep_registrations
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         self.stream_chunk_bytes = stream_chunk_bytes
@@ -290,7 +356,7 @@ class Client:
         if self._cuda_ipc is None:
             from flce.cuda_ipc import CudaIpcRegistry
 
-            self._cuda_ipc = CudaIpcRegistry(self)
+            self._cuda_ipc = CudaIpcRegistry(self, keep=self._cuda_ipc_keep)
         return self._cuda_ipc
 
     def close(self):
@@ -347,14 +413,24 @@ class Client:
             r = pb.ForwardRequest()
             if ipc is not None:
                 ipc.sweep()
+            # Tensors go into the region (one copy each) or the message.
+            offset = 0
+
+            def put(tensor, out):
+                nonlocal offset
+                if shm is None:
+                    to_wire(tensor, out)
+                else:
+                    offset = shm.write(tensor, out, offset)
+
             # Contiguous copies (if any) live until the call returns: the
             # server reads them.
             if ipc is not None and _is_cuda(hidden):
                 hidden = hidden.contiguous()
                 ipc.place(hidden, r.hidden)
             else:
-                to_wire(hidden, r.hidden)
-            to_wire(target, r.target)
+                put(hidden, r.hidden)
+            put(target, r.target)
             if weight_name:
                 r.weight_ref.name = weight_name
                 r.weight_ref.version = weight_version
@@ -363,15 +439,15 @@ class Client:
                     weight = weight.contiguous()
                     ipc.place(weight, r.weight)
                 else:
-                    to_wire(weight, r.weight)
+                    put(weight, r.weight)
                 if bias is not None:
-                    to_wire(bias, r.bias)
+                    put(bias, r.bias)
             o = r.options
             o.ignore_index = ignore_index
             o.reduction = _REDUCTIONS[reduction]
             o.label_smoothing = label_smoothing
             if class_weight is not None:
-                to_wire(class_weight, o.class_weight)
+                put(class_weight, o.class_weight)
             if logit_softcap is not None:
                 o.logit_softcap = logit_softcap
             o.z_loss_scale = z_loss_scale
@@ -382,17 +458,6 @@ class Client:
             if ipc is not None:
                 token, r.ready_event = ipc.record_ready(
                     hidden.device if _is_cuda(hidden) else weight.device)
-            if shm is not None:
-                offset = 0
-                tensors = [r.target] + ([] if r.hidden.HasField("shm") else [r.hidden])
-                if not weight_name and weight is not None and not r.weight.HasField("shm"):
-                    tensors.append(r.weight)
-                    if bias is not None:
-                        tensors.append(r.bias)
-                if class_weight is not None:
-                    tensors.append(o.class_weight)
-                for t in tensors:
-                    offset = _place(shm, t, offset)
             resp = self._call(self._stub.Forward, r)
             if resp.session_id:
                 h = r.hidden.shape[1]
@@ -406,11 +471,13 @@ class Client:
         finally:
             if token is not None:
                 ipc.done(token)
+            if ipc is not None and not ipc.keep:
+                ipc.release_allocations()
 
     def backward(self, session_id: str, grad_output=None, *, keep_session: bool = False,
                  float32_grads: bool = False, accumulate_weight_grad: bool = False,
                  shm: Optional[SharedMemoryRegion] = None, into=None,
-                 accumulate_into: bool = False) -> Gradients:
+                 accumulate_into: bool = False, copy_out: bool = True) -> Gradients:
         """Backward for a session; grad_output is a scalar (mean/sum) or [N]
         (none), None meaning 1. With ``shm``, the gradients come back through
         that region (the session must be this client's, with the weight sent).
@@ -461,7 +528,7 @@ class Client:
                             tensor, accumulate=accumulate_into and field != "grad_hidden_out"))
                 token, r.ready_event = ipc.record_ready(targets[0].device)
             resp = self._call(self._stub.Backward, r)
-            if shm is not None:
+            if shm is not None and copy_out:
                 for t in (resp.grad_hidden, resp.grad_weight, resp.grad_bias):
                     if t.HasField("shm"):
                         nbytes = int(np.prod(t.shape)) * _elem_size(t.dtype)
@@ -472,6 +539,8 @@ class Client:
         finally:
             if token is not None:
                 ipc.done(token)
+            if ipc is not None and not ipc.keep:
+                ipc.release_allocations()
 
     def release_session(self, session_id: str) -> bool:
         self._sessions.pop(session_id, None)

@@ -26,8 +26,9 @@ after the answer sees them.
 import ctypes
 import threading
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Dict, List
 
+from flce.wire_dtypes import TORCH_TO_WIRE
 from flce_pb.v1 import loss_service_pb2 as pb
 
 # cuPointerGetAttribute(s) attributes (cuda.h).
@@ -35,9 +36,6 @@ _CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
 _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
 _CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
 
-_TORCH_WIRE = {"torch.float32": pb.DTYPE_FLOAT32, "torch.float16": pb.DTYPE_FLOAT16,
-               "torch.bfloat16": pb.DTYPE_BFLOAT16, "torch.int32": pb.DTYPE_INT32,
-               "torch.int64": pb.DTYPE_INT64}
 
 
 class _Driver:
@@ -92,10 +90,18 @@ class CudaIpcRegistry:
     kept across calls (see the module's doc). One per :class:`flce.Client`
     (``client.cuda_ipc()``); thread-safe. ``max_entries`` bounds the
     allocations kept registered: past it the least recently used is
-    unregistered."""
+    unregistered. ``keep=False`` registers each call's allocations for that
+    call only (two more small RPCs per tensor and call), for workers that
+    free cached GPU memory while training: CUDA calls freeing memory that
+    another process still maps undefined, and until the next call's sweep a
+    registration made by an earlier call may still map a segment the
+    caching allocator has given back."""
 
-    def __init__(self, client, max_entries: int = 256):
+    def __init__(self, client, max_entries: int = 256, keep: bool = True):
         self._client = client
+        # False: every call's allocations are unregistered when it ends (see
+        # release_allocations).
+        self.keep = keep
         self._driver = _Driver()
         self._lock = threading.Lock()
         self._entries: "OrderedDict[int, _Entry]" = OrderedDict()  # base → entry, LRU order
@@ -131,7 +137,7 @@ class CudaIpcRegistry:
 
     def place(self, tensor, out: "pb.Tensor"):
         """Sets ``out`` to ``tensor``'s dtype, shape and slice (no bytes)."""
-        out.dtype = _TORCH_WIRE[str(tensor.dtype)]
+        out.dtype = TORCH_TO_WIRE[str(tensor.dtype)]
         del out.shape[:]
         out.shape.extend(tensor.shape)
         out.shm.CopyFrom(self.slice(tensor))
@@ -144,6 +150,15 @@ class CudaIpcRegistry:
                 found = self._driver.allocation(base)
                 if found is None or found[0] != base or found[2] != self._entries[base].buffer_id:
                     self._drop(base)
+
+    def release_allocations(self):
+        """Unregisters every allocation (the events stay). Call it before
+        freeing cached GPU memory (``torch.cuda.empty_cache()``) if the
+        server must never map memory the allocator has given back; with
+        ``keep=False`` the client calls it after every call."""
+        with self._lock:
+            for base in list(self._entries):
+                self._drop(base)
 
     def registered(self) -> int:
         """Allocations registered now."""
@@ -222,14 +237,3 @@ class CudaIpcRegistry:
             self._event_regions = []
         for region_id in regions:
             self._unregister(region_id)
-
-
-def is_cuda(tensor) -> bool:
-    return tensor is not None and getattr(tensor, "is_cuda", False)
-
-
-def first_cuda_device(*tensors) -> Optional[object]:
-    for t in tensors:
-        if is_cuda(t):
-            return t.device
-    return None

@@ -88,9 +88,12 @@ class _RemoteFunction(torch.autograd.Function):
                     and (into[2] is None or _can_add_into(grads_now[1], into[2]))):
                 into[1], into[2] = grads_now[0], (grads_now[1] if into[2] is not None else None)
                 in_place = True
+        # Through shared memory the gradients land in a region of their own
+        # that no live gradient views, and come back as views of it.
+        region = module._grad_region(ctx.meta) if module.shared_memory else None
         grads = module.client.backward(session.id, g if g.dim() else g.reshape(()),
-                                       keep_session=retain, shm=module._region,
-                                       into=into, accumulate_into=in_place)
+                                       keep_session=retain, shm=region,
+                                       into=into, accumulate_into=in_place, copy_out=False)
         module.last_stats[1] = grads.stats
         # Without retain_graph the session is gone; with it, it lives until the
         # graph does.
@@ -106,6 +109,9 @@ class _RemoteFunction(torch.autograd.Function):
                 result.append(None)  # added into .grad by the server
             elif into is not None and into[i] is not None:
                 result.append(into[i])
+            elif region is not None and wire[i].HasField("shm"):
+                device, dtype, _ = meta
+                result.append(region.view_torch(wire[i]).to(device=device, dtype=dtype))
             else:
                 device, dtype, _ = meta
                 result.append(to_torch(wire[i]).to(device=device, dtype=dtype))
@@ -172,6 +178,9 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self.retain_graph = retain_graph
         self.weight_grad_in_place = weight_grad_in_place
         self._region = None
+        # Regions the gradients come back in, each reused once no gradient
+        # viewing it is alive (autograd may keep one as .grad for a while).
+        self._grad_regions = []
         # The server's CallStats of the last Forward and Backward.
         self.last_stats = [None, None]
         self.last_num_valid = 0
@@ -193,10 +202,29 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
             self._region = self.client.create_shared_memory(need)
         return self._region
 
+    def _grad_region(self, meta):
+        """A gradient region with room for dX, dW, db (fp32 at most) that no
+        live gradient views."""
+        def nbytes(m):
+            return 0 if m is None else 4 * int(torch.Size(m[2]).numel())
+        need = sum(nbytes(m) + 64 for m in meta) + 256
+        for region in self._grad_regions:
+            if region.nbytes >= need and not region.in_use():
+                return region
+        idle = [r for r in self._grad_regions if not r.in_use()]
+        for region in idle:  # too small: replaced
+            region.close()
+            self._grad_regions.remove(region)
+        region = self.client.create_shared_memory(need)
+        self._grad_regions.append(region)
+        return region
+
     def close(self):
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+        for region in [self._region] + self._grad_regions:
+            if region is not None:
+                region.close()
+        self._region = None
+        self._grad_regions = []
 
     def forward(self, hidden, weight, target, bias=None):
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])

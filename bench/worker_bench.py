@@ -1,0 +1,166 @@
+"""What a training worker waits for: one loss step through flce, beside local PyTorch.
+
+In one process, on the same data, for each shape: the worker-visible wall
+time of forward + backward of ``RemoteLinearCrossEntropy`` for each
+transport, the server's engine time for the same calls (Forward's and
+Backward's ``CallStats.engine_ms``, from the responses), and local PyTorch
+eager ``F.cross_entropy(F.linear(x, w).float(), t)`` forward + backward;
+plus the worker's extra memory (peak during the step beyond its inputs and
+its own gradients). Median of ``--iters`` steps after ``--warmup``. Starts
+its own flce_server (``--backend`` cuda or cpu, shared memory on).
+
+Transports: ``cuda_ipc`` (GPU tensors read and written in place), ``inline``
+(bytes in the messages), ``shm`` (CPU tensors through a POSIX shared-memory
+region). GPU tensors need ``--device=cuda``; ``shm`` takes CPU tensors.
+
+Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
+  [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
+  [--iters 10] [--warmup 3] [--json PATH]
+Needs PyTorch, the flce package and server_process.py on PYTHONPATH.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flce
+from server_process import ServerProcess
+
+DEFAULT_SHAPES = ("512x256x32000,4096x4096x32000,4096x4096x128256,8192x4096x128256,"
+                  "8192x2304x256000")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory(device):
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device):
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def time_steps(step, hidden, weight, target, warmup, iters):
+    """Worker-visible ms of each timed step, and the extra bytes beyond the
+    inputs and the step's own gradients (dX, dW) at its peak."""
+    device = hidden.device
+    times, extra, stats = [], 0, []
+    for i in range(warmup + iters):
+        h = hidden.detach().requires_grad_()
+        w = weight.detach().requires_grad_()
+        sync(device)
+        reset_peak(device)
+        base = memory(device)
+        start = time.perf_counter()
+        step_stats = step(h, w, target)
+        sync(device)
+        elapsed = (time.perf_counter() - start) * 1e3
+        if i >= warmup:
+            times.append(elapsed)
+            if step_stats is not None:
+                stats.append(step_stats)
+            own = sum(g.numel() * g.element_size() for g in (h.grad, w.grad)
+                      if g is not None and g.device.type == device.type)
+            extra = max(extra, peak(device) - base - own)
+        del h, w
+    return times, extra, stats
+
+
+def eager_step(h, w, t):
+    F.cross_entropy(F.linear(h, w).float(), t).backward()
+    return None
+
+
+def flce_step(module):
+    def step(h, w, t):
+        module(h, w, t).backward()
+        fwd, bwd = module.last_stats
+        return fwd.engine_ms + bwd.engine_ms
+    return step
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("server_binary")
+    parser.add_argument("--backend", default="cuda")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    parser.add_argument("--transports", default="cuda_ipc")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    transports = [t for t in args.transports.split(",") if t]
+    server = ServerProcess(args.server_binary, f"--backend={args.backend}",
+                           "--enable_shared_memory", f"--max_message_bytes={1 << 30}")
+    rows = []
+    try:
+        client = flce.Client(server.address, max_message_bytes=1 << 30)
+        info = client.info()
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(f"worker on {name} ({args.dtype}); server backend {info.backend}; "
+              f"median of {args.iters} steps after {args.warmup}, forward + backward")
+        print(f"{'N×H×V':<18} {'transport':<9} {'worker ms':>10} {'engine ms':>10} "
+              f"{'overhead':>9} {'eager ms':>9} {'vs eager':>9} {'extra GiB':>10} "
+              f"{'eager extra':>12}")
+        for shape in args.shapes.split(","):
+            n, h, v = (int(x) for x in shape.split("x"))
+            torch.manual_seed(0)
+            hidden = torch.randn(n, h, device=device).to(dtype)
+            weight = (torch.randn(v, h, device=device) / h ** 0.5).to(dtype)
+            target = torch.randint(0, v, (n,), device=device)
+            eager, eager_extra, _ = time_steps(eager_step, hidden, weight, target,
+                                               args.warmup, args.iters)
+            eager_ms = statistics.median(eager)
+            for transport in transports:
+                module = flce.RemoteLinearCrossEntropy(
+                    client, cuda_ipc=transport == "cuda_ipc",
+                    shared_memory=transport == "shm")
+                try:
+                    times, extra, engine = time_steps(flce_step(module), hidden, weight, target,
+                                                      args.warmup, args.iters)
+                finally:
+                    module.close()
+                worker_ms, engine_ms = statistics.median(times), statistics.median(engine)
+                row = {"shape": shape, "dtype": args.dtype, "transport": transport,
+                       "worker_ms": worker_ms, "worker_best_ms": min(times),
+                       "engine_ms": engine_ms, "overhead_ms": worker_ms - engine_ms,
+                       "eager_ms": eager_ms, "worker_over_eager": worker_ms / eager_ms,
+                       "extra_gib": extra / 2 ** 30, "eager_extra_gib": eager_extra / 2 ** 30,
+                       "device": name, "backend": info.backend}
+                rows.append(row)
+                print(f"{shape:<18} {transport:<9} {worker_ms:>10.2f} {engine_ms:>10.2f} "
+                      f"{worker_ms - engine_ms:>9.2f} {eager_ms:>9.2f} "
+                      f"{worker_ms / eager_ms:>9.3f} {extra / 2 ** 30:>10.3f} "
+                      f"{eager_extra / 2 ** 30:>12.3f}", flush=True)
+            del hidden, weight, target
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        client.close()
+    finally:
+        server.kill()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
