@@ -15,12 +15,13 @@ region). GPU tensors need ``--device=cuda``; ``shm`` takes CPU tensors.
 
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
-  [--iters 10] [--warmup 3] [--json PATH]
+  [--iters 10] [--warmup 3] [--json PATH] [--breakdown]
 Needs PyTorch, the flce package and server_process.py on PYTHONPATH.
 """
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -86,11 +87,59 @@ def eager_step(h, w, t):
 
 
 def flce_step(module):
+    """A step that returns where its time went (ms): the module's forward
+    and backward as the worker sees them, their RPCs' wall time, and the
+    server's queue and engine time of each."""
+    client = module.client
+
     def step(h, w, t):
-        module(h, w, t).backward()
-        fwd, bwd = module.last_stats
-        return fwd.engine_ms + bwd.engine_ms
+        start = time.perf_counter()
+        loss = module(h, w, t)
+        forward_ms = (time.perf_counter() - start) * 1e3
+        forward_rpc = client.last_call_ms
+        start = time.perf_counter()
+        loss.backward()
+        backward_ms = (time.perf_counter() - start) * 1e3
+        fwd, bwd = module.last_stats  # bwd None: the gradients came with Forward
+        return {"engine": fwd.engine_ms + (bwd.engine_ms if bwd else 0.0),
+                "forward": forward_ms, "forward_rpc": forward_rpc,
+                "forward_queue": fwd.queue_ms, "forward_engine": fwd.engine_ms,
+                "backward": backward_ms, "backward_rpc": client.last_call_ms if bwd else 0.0,
+                "backward_queue": bwd.queue_ms if bwd else 0.0,
+                "backward_engine": bwd.engine_ms if bwd else 0.0}
     return step
+
+
+def profiled(profile, step):
+    def run(h, w, t):
+        profile.enable()
+        try:
+            return step(h, w, t)
+        finally:
+            profile.disable()
+    return run
+
+
+def server_ms(server, rpc, count):
+    """The server's own time (receipt to answer, its access log) of the last
+    `count` calls of `rpc`."""
+    found = re.findall(rf"rpc={rpc} .*? ms=([0-9.]+)", server.read_log())
+    return [float(x) for x in found[-count:]]
+
+
+def print_breakdown(shape, transport, times, stats, server):
+    """Medians of where a step's time went."""
+    med = lambda key: statistics.median(s[key] for s in stats)
+    fwd_server = statistics.median(server_ms(server, "Forward", len(stats)))
+    bwd_calls = server_ms(server, "Backward", len(stats))
+    bwd_server = statistics.median(bwd_calls) if med("backward_rpc") > 0 and bwd_calls else 0.0
+    print(f"  {shape} {transport} breakdown (ms, medians): step {statistics.median(times):.2f} = "
+          f"forward {med('forward'):.2f} [rpc {med('forward_rpc'):.2f}: server "
+          f"{fwd_server:.1f} (queue {med('forward_queue'):.2f}, engine "
+          f"{med('forward_engine'):.2f})] + backward {med('backward'):.2f} [rpc "
+          f"{med('backward_rpc'):.2f}: server {bwd_server:.1f} (queue "
+          f"{med('backward_queue'):.2f}, engine {med('backward_engine'):.2f})] + the rest",
+          flush=True)
 
 
 def main(argv):
@@ -104,6 +153,10 @@ def main(argv):
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default="")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print where each transport's step time went")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the worker's Python profile of each transport's steps")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -115,8 +168,14 @@ def main(argv):
         client = flce.Client(server.address, max_message_bytes=1 << 30)
         info = client.info()
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        bare = []
+        for _ in range(50):
+            start = time.perf_counter()
+            client.info()
+            bare.append((time.perf_counter() - start) * 1e3)
         print(f"worker on {name} ({args.dtype}); server backend {info.backend}; "
-              f"median of {args.iters} steps after {args.warmup}, forward + backward")
+              f"median of {args.iters} steps after {args.warmup}, forward + backward; "
+              f"a bare GetServerInfo round trip: {statistics.median(bare):.3f} ms")
         print(f"{'N×H×V':<18} {'transport':<9} {'worker ms':>10} {'engine ms':>10} "
               f"{'overhead':>9} {'eager ms':>9} {'vs eager':>9} {'extra GiB':>10} "
               f"{'eager extra':>12}")
@@ -133,23 +192,42 @@ def main(argv):
                 module = flce.RemoteLinearCrossEntropy(
                     client, cuda_ipc=transport == "cuda_ipc",
                     shared_memory=transport == "shm")
+                profile = None
+                if args.profile:
+                    import cProfile
+
+                    profile = cProfile.Profile()
+                step = flce_step(module)
+                if profile is not None:
+                    step = profiled(profile, step)
                 try:
-                    times, extra, engine = time_steps(flce_step(module), hidden, weight, target,
+                    times, extra, engine = time_steps(step, hidden, weight, target,
                                                       args.warmup, args.iters)
                 finally:
                     module.close()
-                worker_ms, engine_ms = statistics.median(times), statistics.median(engine)
+                if profile is not None:
+                    import pstats
+
+                    print(f"  {shape} {transport}: the worker's Python, {args.warmup + args.iters} "
+                          "steps (tottime order)")
+                    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+                worker_ms = statistics.median(times)
+                engine_ms = statistics.median(s["engine"] for s in engine)
                 row = {"shape": shape, "dtype": args.dtype, "transport": transport,
                        "worker_ms": worker_ms, "worker_best_ms": min(times),
                        "engine_ms": engine_ms, "overhead_ms": worker_ms - engine_ms,
                        "eager_ms": eager_ms, "worker_over_eager": worker_ms / eager_ms,
                        "extra_gib": extra / 2 ** 30, "eager_extra_gib": eager_extra / 2 ** 30,
-                       "device": name, "backend": info.backend}
+                       "device": name, "backend": info.backend,
+                       "phases_ms": {key: statistics.median(s[key] for s in engine)
+                                     for key in engine[0]}}
                 rows.append(row)
                 print(f"{shape:<18} {transport:<9} {worker_ms:>10.2f} {engine_ms:>10.2f} "
                       f"{worker_ms - engine_ms:>9.2f} {eager_ms:>9.2f} "
                       f"{worker_ms / eager_ms:>9.3f} {extra / 2 ** 30:>10.3f} "
                       f"{eager_extra / 2 ** 30:>12.3f}", flush=True)
+                if args.breakdown:
+                    print_breakdown(shape, transport, times, engine, server)
             del hidden, weight, target
             if device.type == "cuda":
                 torch.cuda.empty_cache()

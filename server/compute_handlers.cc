@@ -1,8 +1,6 @@
 // LossServiceImpl's compute handlers: Forward, Backward, ForwardStream and
 // BackwardStream.
 
-#include "server/loss_service.h"
-
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -16,6 +14,7 @@
 #include "proto/codec.h"
 #include "server/forward_assembly.h"
 #include "server/handler_support.h"
+#include "server/loss_service.h"
 #include "server/stream_call.h"
 
 namespace flce {
@@ -47,12 +46,40 @@ int64_t ForwardResponseBytes(const ForwardCall& call) {
   return tensors * rows * 4;
 }
 
+// ForwardRequest.backward as the Backward call it stands for (on the session
+// the Forward makes, kept; the Forward's shared memory and ready event).
+absl::StatusOr<BackwardCall> DecodeEagerBackward(const v1::ForwardRequest& request,
+                                                 const ForwardCall& forward) {
+  const v1::EagerBackward& part = request.backward();
+  if (!request.need_backward()) {
+    return absl::InvalidArgumentError("backward: needs need_backward (it runs on the session)");
+  }
+  if (!part.has_grad_hidden_out() || !part.has_grad_weight_out() ||
+      part.has_grad_bias_out() != forward.problem.bias.has_value()) {
+    return absl::InvalidArgumentError(
+        "backward: every gradient needs its destination (grad_hidden_out, grad_weight_out, and "
+        "grad_bias_out exactly when there is a bias); gradients come back as bytes only from "
+        "Backward");
+  }
+  v1::BackwardRequest as_backward;
+  as_backward.set_session_id("(this Forward's)");
+  as_backward.set_keep_session(true);
+  if (part.has_grad_output()) *as_backward.mutable_grad_output() = part.grad_output();
+  as_backward.set_grad_dtype(part.grad_dtype());
+  *as_backward.mutable_grad_hidden_out() = part.grad_hidden_out();
+  *as_backward.mutable_grad_weight_out() = part.grad_weight_out();
+  if (part.has_grad_bias_out()) *as_backward.mutable_grad_bias_out() = part.grad_bias_out();
+  as_backward.set_ready_event(request.ready_event());
+  return DecodeBackward(as_backward, forward.shm);
+}
+
 }  // namespace
 
 // --- Forward ---------------------------------------------------------------
 
 absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& principal,
-                                             const ForwardCall& forward,
+                                             const ForwardCall& forward, BackwardCall* eager,
+                                             const v1::EagerBackward* eager_request,
                                              v1::ForwardResponse* response, absl::Time queued) {
   Context* context = call->context();
   const absl::Time engine_start = absl::Now();
@@ -66,6 +93,30 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
     call->WhenOver([this, id = outcome->session_id, principal](bool delivered) {
       if (!delivered) core_->Release(id, principal);
     });
+  }
+  if (eager != nullptr) {
+    // The gradients now, into the caller's memory; the session stays for
+    // a Backward that needs another grad_output.
+    eager->session_id = outcome->session_id;
+    absl::StatusOr<BackwardOutcome> grads = core_->Backward(*eager, principal, CancelFor(context));
+    if (!grads.ok()) {
+      core_->Release(outcome->session_id, principal);
+      return Explain(grads.status(), context);
+    }
+    core_->Answered(*grads);
+    core_->Settle(*grads, /*delivered=*/true);
+    const v1::EagerBackward& slices = *eager_request;
+    v1::BackwardResponse* back = response->mutable_backward();
+    EncodeGradient(std::move(grads->grad_hidden), true, slices.grad_hidden_out(),
+                   back->mutable_grad_hidden());
+    if (grads->grad_weight) {
+      EncodeGradient(std::move(*grads->grad_weight), true, slices.grad_weight_out(),
+                     back->mutable_grad_weight());
+    }
+    if (grads->grad_bias) {
+      EncodeGradient(std::move(*grads->grad_bias), true, slices.grad_bias_out(),
+                     back->mutable_grad_bias());
+    }
   }
   FLCE_RETURN_IF_ERROR(CheckAlive(context, "while computing"));
   ForwardResult& r = outcome->result;
@@ -99,17 +150,27 @@ void LossServiceImpl::StartForward(Call* call, const std::string& principal,
   // Refused before any compute rather than computed and then undeliverable.
   const int64_t response_bytes = ForwardResponseBytes(*decoded);
   if (response_bytes > limits_.max_message_bytes - 4096) {
-    call->Reply(absl::ResourceExhaustedError(absl::StrCat(
-        "Forward: the response's per-row outputs take ", response_bytes,
-        " bytes, over the server's message limit of ", limits_.max_message_bytes,
-        " (--max_message_bytes); ask for fewer outputs or split the batch")));
+    call->Reply(absl::ResourceExhaustedError(
+        absl::StrCat("Forward: the response's per-row outputs take ", response_bytes,
+                     " bytes, over the server's message limit of ", limits_.max_message_bytes,
+                     " (--max_message_bytes); ask for fewer outputs or split the batch")));
     return;
+  }
+  std::shared_ptr<BackwardCall> eager;
+  if (request->has_backward()) {
+    absl::StatusOr<BackwardCall> part = DecodeEagerBackward(*request, *decoded);
+    if (!part.ok()) {
+      call->Reply(part.status());
+      return;
+    }
+    eager = std::make_shared<BackwardCall>(*std::move(part));
   }
   auto forward = std::make_shared<ForwardCall>(*std::move(decoded));
   Run(
       call,
       [=](absl::Time queued) {
-        return ComputeForward(call, principal, *forward, response, queued);
+        return ComputeForward(call, principal, *forward, eager.get(),
+                              eager ? &request->backward() : nullptr, response, queued);
       },
       [call](const absl::Status& status) { call->Reply(status); });
 }
@@ -125,8 +186,7 @@ LossServiceImpl::Unary* LossServiceImpl::Forward(Context* context, const Bytes* 
 // --- Backward --------------------------------------------------------------
 
 void LossServiceImpl::StartBackward(Call* call, const std::string& principal,
-                                    const v1::BackwardRequest* request,
-                                    int64_t max_response_bytes,
+                                    const v1::BackwardRequest* request, int64_t max_response_bytes,
                                     std::shared_ptr<BackwardOutcome> outcome,
                                     std::shared_ptr<CallStats> stats,
                                     std::function<void(const absl::Status&)> done) {
@@ -265,9 +325,8 @@ class BackwardStreamReactor final : public WriteStream {
     add(std::move(outcome.grad_hidden), outcome.grad_hidden_in_shm, request_.grad_hidden_out(),
         header->mutable_grad_hidden(), v1::TENSOR_FIELD_GRAD_HIDDEN);
     if (outcome.grad_weight) {
-      add(std::move(*outcome.grad_weight), outcome.grad_weight_in_shm,
-          request_.grad_weight_out(), header->mutable_grad_weight(),
-          v1::TENSOR_FIELD_GRAD_WEIGHT);
+      add(std::move(*outcome.grad_weight), outcome.grad_weight_in_shm, request_.grad_weight_out(),
+          header->mutable_grad_weight(), v1::TENSOR_FIELD_GRAD_WEIGHT);
     }
     if (outcome.grad_bias) {
       add(std::move(*outcome.grad_bias), outcome.grad_bias_in_shm, request_.grad_bias_out(),
@@ -314,7 +373,7 @@ class BackwardStreamReactor final : public WriteStream {
 }  // namespace
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::ForwardStream(Context* context,
-                                                                         Bytes* response) {
+                                                                          Bytes* response) {
   auto* reactor = new ForwardStreamReactor(
       context, response, metrics_, limits_.max_message_bytes, limits_.max_stream_request_bytes,
       [this](ForwardStreamReactor* r) {
@@ -325,7 +384,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::ForwardStream(Contex
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::BackwardStream(Context* context,
-                                                                           const Bytes* in) {
+                                                                            const Bytes* in) {
   auto* reactor = new BackwardStreamReactor(context, metrics_, limits_.max_message_bytes,
                                             limits_.stream_chunk_bytes());
   absl::StatusOr<std::string> principal = Authenticate(context);
@@ -340,8 +399,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::BackwardStream(Cont
   }
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
-  StartBackward(reactor, *principal, reactor->request(), /*max_response_bytes=*/0, outcome,
-                stats, [this, reactor, outcome, stats](const absl::Status& status) {
+  StartBackward(reactor, *principal, reactor->request(), /*max_response_bytes=*/0, outcome, stats,
+                [this, reactor, outcome, stats](const absl::Status& status) {
                   if (status.ok()) core_->Answered(*outcome);
                   reactor->Start(status, *outcome, stats->queue_ms, stats->engine_ms);
                 });

@@ -43,8 +43,8 @@ struct ServiceLimits {
 
 // The service on raw bytes: every request is parsed by the service itself
 // (server/rpc_call.h), so one that does not parse is INVALID_ARGUMENT.
-using RawLossService = v1::LossService::WithRawCallbackMethod_Forward<
-    v1::LossService::WithRawCallbackMethod_Backward<
+using RawLossService =
+    v1::LossService::WithRawCallbackMethod_Forward<v1::LossService::WithRawCallbackMethod_Backward<
         v1::LossService::WithRawCallbackMethod_ForwardStream<
             v1::LossService::WithRawCallbackMethod_BackwardStream<
                 v1::LossService::WithRawCallbackMethod_ReleaseSession<
@@ -54,9 +54,11 @@ using RawLossService = v1::LossService::WithRawCallbackMethod_Forward<
                                 v1::LossService::WithRawCallbackMethod_DeleteWeight<
                                     v1::LossService::WithRawCallbackMethod_ListWeights<
                                         v1::LossService::WithRawCallbackMethod_RegisterSharedMemory<
-                                            v1::LossService::WithRawCallbackMethod_UnregisterSharedMemory<
-                                                v1::LossService::WithRawCallbackMethod_TakeWeightGrad<
-                                                    v1::LossService::Service>>>>>>>>>>>>>;
+                                            v1::LossService::
+                                                WithRawCallbackMethod_UnregisterSharedMemory<
+                                                    v1::LossService::
+                                                        WithRawCallbackMethod_TakeWeightGrad<
+                                                            v1::LossService::Service>>>>>>>>>>>>>;
 
 class LossServiceImpl final : public RawLossService {
  public:
@@ -84,19 +86,16 @@ class LossServiceImpl final : public RawLossService {
   Unary* Forward(Context* context, const Bytes* request, Bytes* response) override;
   Unary* Backward(Context* context, const Bytes* request, Bytes* response) override;
   grpc::ServerReadReactor<Bytes>* ForwardStream(Context* context, Bytes* response) override;
-  grpc::ServerWriteReactor<Bytes>* BackwardStream(Context* context,
-                                                  const Bytes* request) override;
+  grpc::ServerWriteReactor<Bytes>* BackwardStream(Context* context, const Bytes* request) override;
   Unary* ReleaseSession(Context* context, const Bytes* request, Bytes* response) override;
   Unary* GetServerInfo(Context* context, const Bytes* request, Bytes* response) override;
   Unary* GetStats(Context* context, const Bytes* request, Bytes* response) override;
   Unary* RegisterSharedMemory(Context* context, const Bytes* request, Bytes* response) override;
-  Unary* UnregisterSharedMemory(Context* context, const Bytes* request,
-                                Bytes* response) override;
+  Unary* UnregisterSharedMemory(Context* context, const Bytes* request, Bytes* response) override;
   grpc::ServerReadReactor<Bytes>* PutWeight(Context* context, Bytes* response) override;
   Unary* DeleteWeight(Context* context, const Bytes* request, Bytes* response) override;
   Unary* ListWeights(Context* context, const Bytes* request, Bytes* response) override;
-  grpc::ServerWriteReactor<Bytes>* TakeWeightGrad(Context* context,
-                                                  const Bytes* request) override;
+  grpc::ServerWriteReactor<Bytes>* TakeWeightGrad(Context* context, const Bytes* request) override;
 
  private:
   // Decodes a Forward request, queues its computation and replies on `call`
@@ -104,18 +103,20 @@ class LossServiceImpl final : public RawLossService {
   // the call is over.
   void StartForward(Call* call, const std::string& principal, const v1::ForwardRequest* request,
                     v1::ForwardResponse* response);
-  absl::Status ComputeForward(Call* call, const std::string& principal,
-                              const ForwardCall& forward, v1::ForwardResponse* response,
-                              absl::Time queued);
+  // `eager`: the request's Backward part (ForwardRequest.backward, decoded
+  // by DecodeEagerBackward, and as sent), or null.
+  absl::Status ComputeForward(Call* call, const std::string& principal, const ForwardCall& forward,
+                              BackwardCall* eager, const v1::EagerBackward* eager_request,
+                              v1::ForwardResponse* response, absl::Time queued);
   // The same for Backward; the gradients land in *outcome, whose session
   // is settled when the call is over. `max_response_bytes` bounds the
   // inline gradients (0: none, for BackwardStream).
   struct CallStats {
     double queue_ms = 0, engine_ms = 0;
   };
-  void StartBackward(Call* call, const std::string& principal,
-                     const v1::BackwardRequest* request, int64_t max_response_bytes,
-                     std::shared_ptr<BackwardOutcome> outcome, std::shared_ptr<CallStats> stats,
+  void StartBackward(Call* call, const std::string& principal, const v1::BackwardRequest* request,
+                     int64_t max_response_bytes, std::shared_ptr<BackwardOutcome> outcome,
+                     std::shared_ptr<CallStats> stats,
                      std::function<void(const absl::Status&)> done);
 
   // Queues `work` (returning the call's status), then calls done(status) on

@@ -131,16 +131,25 @@ class PythonClientTest(unittest.TestCase):
         t = torch.randint(0, 101, (37,), device="cuda")
         for mode in ("store_grads", "recompute"):
             results = []
-            for cuda_ipc in (False, True):
+            # The wire; then CUDA IPC twice: its Forward brings the gradients
+            # for upstream 1, so the first backward (upstream 3) redoes them
+            # with a Backward, and the second Forward brings them for 3.
+            for cuda_ipc, step in ((False, 0), (True, 0), (True, 1)):
+                if step == 0:
+                    loss_fn = flce.RemoteLinearCrossEntropy(self.client, z_loss_scale=1e-3,
+                                                            cuda_ipc=cuda_ipc,
+                                                            backward_mode=mode)
                 hv, wv, bv = (x.clone().requires_grad_() for x in (h, w, b))
-                loss_fn = flce.RemoteLinearCrossEntropy(self.client, z_loss_scale=1e-3,
-                                                        cuda_ipc=cuda_ipc, backward_mode=mode)
                 loss = loss_fn(hv, wv, t, bv)
                 (3 * loss).backward()
                 results.append((loss.detach(), hv.grad, wv.grad, bv.grad))
-            for wire, ipc in zip(*results):
+                if cuda_ipc:
+                    brought = loss_fn.last_stats[1] is None
+                    self.assertEqual(brought, step == 1, f"{mode} step {step}")
+            for wire, ipc, eager in zip(*results):
                 self.assertEqual(ipc.device.type, "cuda", mode)
                 self.assertTrue(torch.equal(wire.cpu(), ipc.cpu()), mode)
+                self.assertTrue(torch.equal(wire.cpu(), eager.cpu()), mode)
 
     def test_cuda_ipc_slices_are_checked_and_released(self):
         import grpc

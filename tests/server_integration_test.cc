@@ -1065,6 +1065,43 @@ TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
   EXPECT_EQ(std::string(shm.base() + out + x, w), wire_grads->grad_weight->data);
   EXPECT_EQ(std::string(shm.base() + out + x + w, b), wire_grads->grad_bias->data);
 
+  // Forward and Backward in one call: the gradients land in the region as
+  // the Backward above put them, and the session stays for another Backward.
+  std::memset(shm.base() + out, 0, x + w + b);
+  v1::ForwardRequest both = r;
+  *both.mutable_backward()->mutable_grad_hidden_out() = back.grad_hidden_out();
+  *both.mutable_backward()->mutable_grad_weight_out() = back.grad_weight_out();
+  *both.mutable_backward()->mutable_grad_bias_out() = back.grad_bias_out();
+  grpc::ClientContext both_context;
+  v1::ForwardResponse both_response;
+  ASSERT_TRUE(stub_->Forward(&both_context, both, &both_response).ok());
+  EXPECT_EQ(both_response.loss().data(), wire_forward->loss.data);
+  EXPECT_TRUE(both_response.backward().grad_weight().has_shm());
+  EXPECT_EQ(std::string(shm.base() + out, x), wire_grads->grad_hidden.data);
+  EXPECT_EQ(std::string(shm.base() + out + x, w), wire_grads->grad_weight->data);
+  EXPECT_EQ(std::string(shm.base() + out + x + w, b), wire_grads->grad_bias->data);
+  HostTensor two(DType::kFloat32, {});
+  two.mutable_data<float>()[0] = 2.0f;
+  BackwardArgs again;
+  again.session_id = both_response.session_id();
+  again.grad_output = two.view();
+  EXPECT_TRUE(client_->Backward(again).ok());
+  v1::ForwardRequest no_session = both;
+  no_session.set_need_backward(false);
+  EXPECT_THAT(RawForward(no_session),
+              StatusIs(Code::kInvalidArgument, HasSubstr("backward: needs need_backward")));
+  v1::ForwardRequest no_bias_out = both;
+  no_bias_out.mutable_backward()->clear_grad_bias_out();
+  EXPECT_THAT(RawForward(no_bias_out),
+              StatusIs(Code::kInvalidArgument, HasSubstr("every gradient needs its destination")));
+  v1::ForwardRequest too_far_both = both;
+  too_far_both.mutable_backward()->mutable_grad_weight_out()->set_offset(
+      static_cast<int64_t>(2 * (x + w + b) + t));
+  const int64_t sessions_before = server_->Metrics().gauges.live_sessions;
+  EXPECT_THAT(RawForward(too_far_both),
+              StatusIs(Code::kInvalidArgument, HasSubstr("grad_weight_out.shm")));
+  EXPECT_EQ(server_->Metrics().gauges.live_sessions, sessions_before);  // none kept
+
   // Out of bounds, unknown region.
   v1::ForwardRequest bad = r;
   bad.mutable_hidden()->mutable_shm()->set_offset(static_cast<int64_t>(2 * (x + w + b) + t));

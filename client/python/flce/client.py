@@ -7,6 +7,7 @@ deadline; server errors raise :class:`FlceError` carrying the gRPC code.
 """
 
 import dataclasses
+import time
 from typing import Optional, Sequence
 
 import grpc
@@ -299,6 +300,8 @@ class ForwardResult:
     session_id: str
     backward_mode: str
     stats: Optional[pb.CallStats] = None  # the server's queue and engine time
+    # With backward_into: the gradients (written into those tensors).
+    gradients: Optional["Gradients"] = None
 
 
 @dataclasses.dataclass
@@ -385,10 +388,14 @@ class Client:
         self.close()
 
     def _call(self, method, request):
+        start = time.perf_counter()
         try:
             return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise FlceError(e.code(), e.details()) from None
+        finally:
+            # Wall time of the last unary call (for benchmarks' breakdowns).
+            self.last_call_ms = (time.perf_counter() - start) * 1e3
 
     def forward(self, hidden, target, weight=None, bias=None, *, weight_name: str = "",
                 weight_version: int = 0, class_weight=None, ignore_index: int = -100,
@@ -397,13 +404,20 @@ class Client:
                 need_backward: bool = False, backward_mode: str = "auto",
                 want_lse: bool = False, want_per_row_loss: bool = False,
                 shm: Optional[SharedMemoryRegion] = None,
-                cuda_ipc: bool = False) -> ForwardResult:
+                cuda_ipc: bool = False, backward_into=None,
+                backward_grad_output: Optional[float] = None) -> ForwardResult:
         """Forward. Pass ``weight`` (and ``bias``), or ``weight_name`` of a
         registered weight. ``need_backward`` keeps a session for backward().
         With ``shm``, the tensors travel through that shared-memory region;
         with ``cuda_ipc``, hidden and weight on the GPU are read by the
         server from this process's GPU memory, in stream order after the
-        work queued before the call (see :mod:`flce.cuda_ipc`)."""
+        work queued before the call (see :mod:`flce.cuda_ipc`). With
+        ``backward_into`` = (dX, dW, db) CUDA tensors (db None without a
+        bias) and ``cuda_ipc``, the same call also runs Backward for the
+        upstream gradient ``backward_grad_output`` (None: 1) and writes the
+        gradients there (``ForwardResult.gradients``); the session is kept
+        for a Backward with another grad_output, and is the caller's to
+        release."""
         check_loss_options(reduction=reduction, backward_mode=backward_mode,
                            label_smoothing=label_smoothing, logit_softcap=logit_softcap,
                            z_loss_scale=z_loss_scale)
@@ -455,6 +469,16 @@ class Client:
             r.backward_mode = _MODES[backward_mode]
             r.outputs.lse = want_lse
             r.outputs.per_row_loss = want_per_row_loss
+            if backward_into is not None:
+                if ipc is None or not need_backward:
+                    raise ValueError("backward_into needs cuda_ipc and need_backward")
+                for field, tensor in zip(("grad_hidden_out", "grad_weight_out", "grad_bias_out"),
+                                         backward_into):
+                    if tensor is not None:
+                        getattr(r.backward, field).CopyFrom(ipc.slice(tensor))
+                if backward_grad_output is not None:
+                    to_wire(np.asarray(backward_grad_output, dtype=np.float32),
+                            r.backward.grad_output)
             if ipc is not None:
                 token, r.ready_event = ipc.record_ready(
                     hidden.device if _is_cuda(hidden) else weight.device)
@@ -464,10 +488,17 @@ class Client:
                 v = r.weight.shape[0] if r.HasField("weight") else 0
                 self._sessions[resp.session_id] = (r.hidden.shape[0], h, v,
                                                    r.HasField("bias"), r.hidden.dtype)
+            gradients = None
+            if resp.HasField("backward"):
+                b = resp.backward
+                gradients = Gradients(b.grad_hidden,
+                                      b.grad_weight if b.HasField("grad_weight") else None,
+                                      b.grad_bias if b.HasField("grad_bias") else None, resp.stats)
             return ForwardResult(resp.loss, resp.z_loss,
                                  resp.lse if resp.HasField("lse") else None,
                                  resp.num_valid, resp.num_correct, resp.session_id,
-                                 _MODE_NAMES.get(resp.backward_mode, "auto"), resp.stats)
+                                 _MODE_NAMES.get(resp.backward_mode, "auto"), resp.stats,
+                                 gradients)
         finally:
             if token is not None:
                 ipc.done(token)

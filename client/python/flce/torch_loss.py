@@ -38,13 +38,23 @@ class _RemoteFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, module, needs_grad):
         # (Grad mode is off inside forward: whether autograd will call
         # backward is decided by the caller, needs_grad.)
+        # Through CUDA IPC the gradients come with the forward, for the
+        # upstream gradient the last backward had (one round trip a step);
+        # backward only checks that it was the right one.
+        eager = None
+        if needs_grad and module._eager_possible(hidden, weight, bias):
+            eager = [None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                     for x in (hidden, weight, bias)]
+        expected = module._expected_grad_output
         result = module.client.forward(
             hidden, target, weight, bias,
             ignore_index=module.ignore_index, reduction=module.reduction,
             label_smoothing=module.label_smoothing, logit_softcap=module.logit_softcap,
             z_loss_scale=module.z_loss_scale, class_weight=module.class_weight,
             need_backward=needs_grad, backward_mode=module.backward_mode,
-            shm=module._region_for(hidden, weight, bias, target), cuda_ipc=module.cuda_ipc)
+            shm=module._region_for(hidden, weight, bias, target), cuda_ipc=module.cuda_ipc,
+            backward_into=eager, backward_grad_output=expected if eager else None)
+        ctx.eager = (eager, expected) if eager is not None else None
         ctx.session = _Session(module.client, result.session_id) if result.session_id else None
         ctx.module = module
         ctx.meta = [(t.device, t.dtype, t.shape) if t is not None else None
@@ -73,6 +83,20 @@ class _RemoteFunction(torch.autograd.Function):
         module = ctx.module
         retain = module.retain_graph
         g = grad_output.detach().float().cpu()
+        if ctx.eager is not None:
+            into, expected = ctx.eager
+            value = float(g.reshape(()))
+            if value == expected:
+                # The gradients are in place already; the session's job is
+                # done (or kept for another backward with retain_graph).
+                if not retain:
+                    session.consumed = True
+                    ctx.keep = None
+                    module.client.release_session_later(session.id)
+                return into[0], into[1], into[2], None, None, None
+            # Another upstream gradient: Backward redoes them exactly, and
+            # the next forward expects this one.
+            module._expected_grad_output = value
         # With CUDA IPC the server writes the GPU gradients in place: into
         # new tensors that autograd takes as they are, or (weight_grad_in_place)
         # added into the parameters' existing .grad, for which autograd then
@@ -181,8 +205,12 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         # Regions the gradients come back in, each reused once no gradient
         # viewing it is alive (autograd may keep one as .grad for a while).
         self._grad_regions = []
-        # The server's CallStats of the last Forward and Backward.
+        # The server's CallStats of the last Forward and Backward (None when
+        # Forward brought the gradients).
         self.last_stats = [None, None]
+        # The upstream gradient the last backward had: through CUDA IPC the
+        # next Forward computes the gradients for it.
+        self._expected_grad_output = 1.0
         self.last_num_valid = 0
         self.last_z_loss = 0.0
 
@@ -201,6 +229,11 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
                 self._region.close()
             self._region = self.client.create_shared_memory(need)
         return self._region
+
+    def _eager_possible(self, hidden, weight, bias) -> bool:
+        """Whether Forward can bring the gradients (see _RemoteFunction)."""
+        return (self.cuda_ipc and self.reduction != "none" and not self.weight_grad_in_place
+                and all(t is None or t.is_cuda for t in (hidden, weight, bias)))
 
     def _grad_region(self, meta):
         """A gradient region with room for dX, dW, db (fp32 at most) that no
