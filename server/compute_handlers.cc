@@ -73,6 +73,9 @@ absl::StatusOr<BackwardCall> DecodeEagerBackward(const v1::ForwardRequest& reque
   return DecodeBackward(as_backward, forward.shm);
 }
 
+// ForwardRequest.release_sessions' bound.
+constexpr int kMaxReleasedSessions = 64;
+
 }  // namespace
 
 // --- Forward ---------------------------------------------------------------
@@ -137,6 +140,13 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
 void LossServiceImpl::StartForward(Call* call, const std::string& principal,
                                    const v1::ForwardRequest* request,
                                    v1::ForwardResponse* response) {
+  if (request->release_sessions_size() > kMaxReleasedSessions) {
+    call->Reply(absl::InvalidArgumentError(
+        absl::StrCat("release_sessions: ", request->release_sessions_size(), " ids; at most ",
+                     kMaxReleasedSessions, " per Forward")));
+    return;
+  }
+  for (const std::string& id : request->release_sessions()) core_->Release(id, principal);
   absl::StatusOr<ForwardCall> decoded = GuardMemory(
       [&]() -> absl::StatusOr<ForwardCall> {
         return DecodeForward(*request, core_->weights(), principal, ResolverFor(principal));

@@ -362,6 +362,17 @@ class PythonClientTest(unittest.TestCase):
             time.sleep(0.02)
         self.assertEqual(self.client.info().live_sessions, n)
 
+    def test_sessions_released_with_the_next_forward(self):
+        before = self.client.info().live_sessions
+        h, w, t = torch.randn(4, 3), torch.randn(5, 3), torch.randint(0, 5, (4,))
+        first = self.client.forward(h, t, w, need_backward=True).session_id
+        self.client.release_with_next_forward(first)
+        self.assertEqual(self.client.info().live_sessions, before + 1)  # not yet
+        second = self.client.forward(h, t, w, need_backward=True).session_id
+        self.assertEqual(self.client.info().live_sessions, before + 1)  # the second only
+        self.client.release_session(second)
+        self._live_sessions_become(before)
+
     def test_no_session_is_kept_without_a_backward(self):
         torch.manual_seed(3)
         loss_fn = flce.RemoteLinearCrossEntropy(self.client)

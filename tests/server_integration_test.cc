@@ -1085,7 +1085,20 @@ TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
   BackwardArgs again;
   again.session_id = both_response.session_id();
   again.grad_output = two.view();
+  again.keep_session = true;
   EXPECT_TRUE(client_->Backward(again).ok());
+  // The next Forward may release it (as ReleaseSession; unknown ids ignored).
+  const int64_t live = server_->Metrics().gauges.live_sessions;
+  v1::ForwardRequest releasing = r;
+  releasing.set_need_backward(false);
+  releasing.add_release_sessions(both_response.session_id());
+  releasing.add_release_sessions("unknown");
+  EXPECT_TRUE(RawForward(releasing).ok());
+  EXPECT_EQ(server_->Metrics().gauges.live_sessions, live - 1);
+  v1::ForwardRequest too_many = r;
+  for (int i = 0; i < 65; ++i) too_many.add_release_sessions("x");
+  EXPECT_THAT(RawForward(too_many),
+              StatusIs(Code::kInvalidArgument, HasSubstr("release_sessions: 65 ids")));
   v1::ForwardRequest no_session = both;
   no_session.set_need_backward(false);
   EXPECT_THAT(RawForward(no_session),

@@ -347,6 +347,7 @@ class Client:
         self._sessions = {}  # session id → (N, H, V, has_bias, dtype), for shm layouts
         self._lost_takes = {}  # weight name → a take that did not arrive whole
         self._releases = []  # ReleaseSession calls in flight
+        self._deferred_releases = []  # sessions the next forward() releases
         self._cuda_ipc = None  # the CudaIpcRegistry, made on first use
         self._cuda_ipc_keep = cuda_ipc_keep_registrations
         self.timeout = timeout
@@ -363,6 +364,7 @@ class Client:
         return self._cuda_ipc
 
     def close(self):
+        self._flush_releases()
         if self._cuda_ipc is not None:
             try:
                 self._cuda_ipc.close()
@@ -425,6 +427,9 @@ class Client:
         token = None
         try:
             r = pb.ForwardRequest()
+            released, self._deferred_releases = self._deferred_releases, []
+            r.release_sessions.extend(released[:64])
+            self._deferred_releases.extend(released[64:])
             if ipc is not None:
                 ipc.sweep()
             # Tensors go into the region (one copy each) or the message.
@@ -482,7 +487,11 @@ class Client:
             if ipc is not None:
                 token, r.ready_event = ipc.record_ready(
                     hidden.device if _is_cuda(hidden) else weight.device)
-            resp = self._call(self._stub.Forward, r)
+            try:
+                resp = self._call(self._stub.Forward, r)
+            except Exception:
+                self._deferred_releases.extend(released[:64])  # again next time
+                raise
             if resp.session_id:
                 h = r.hidden.shape[1]
                 v = r.weight.shape[0] if r.HasField("weight") else 0
@@ -582,11 +591,26 @@ class Client:
         """Releases a session without waiting for the answer (safe from a
         finalizer; errors are dropped: the session then expires by its TTL)."""
         self._sessions.pop(session_id, None)
+        self._deferred_releases.append(session_id)
+        self._flush_releases()
+
+    def release_with_next_forward(self, session_id: str):
+        """Releases a session without a call of its own: the next forward()
+        carries it (ForwardRequest.release_sessions); past 32 waiting, or at
+        close(), ReleaseSession calls go out instead."""
+        self._sessions.pop(session_id, None)
+        self._deferred_releases.append(session_id)
+        if len(self._deferred_releases) > 32:
+            self._flush_releases()
+
+    def _flush_releases(self):
+        ids, self._deferred_releases = self._deferred_releases, []
         try:
             self._releases = [f for f in self._releases if not f.done()]
-            self._releases.append(self._stub.ReleaseSession.future(
-                pb.ReleaseSessionRequest(session_id=session_id), timeout=self.timeout,
-                metadata=self._metadata))
+            for session_id in ids:
+                self._releases.append(self._stub.ReleaseSession.future(
+                    pb.ReleaseSessionRequest(session_id=session_id), timeout=self.timeout,
+                    metadata=self._metadata))
         except Exception:  # pragma: no cover - e.g. the channel is closed
             pass
 

@@ -50,19 +50,22 @@ class _Driver:
         attrs = (_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, _CU_POINTER_ATTRIBUTE_RANGE_SIZE,
                  _CU_POINTER_ATTRIBUTE_BUFFER_ID)
         self._attrs = (ctypes.c_int * 3)(*attrs)
+        # The answers' storage, made once (callers hold the registry's lock).
+        self._base, self._size, self._buffer_id = (ctypes.c_uint64(), ctypes.c_size_t(),
+                                                   ctypes.c_uint64())
+        self._data = (ctypes.c_void_p * 3)(
+            ctypes.cast(ctypes.byref(self._base), ctypes.c_void_p),
+            ctypes.cast(ctypes.byref(self._size), ctypes.c_void_p),
+            ctypes.cast(ctypes.byref(self._buffer_id), ctypes.c_void_p))
 
     def allocation(self, ptr: int):
         """(base, size, buffer id) of the allocation holding ``ptr``, or None
         when no allocation of this process's holds it."""
-        base, size, buffer_id = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
-        data = (ctypes.c_void_p * 3)(ctypes.cast(ctypes.byref(base), ctypes.c_void_p),
-                                     ctypes.cast(ctypes.byref(size), ctypes.c_void_p),
-                                     ctypes.cast(ctypes.byref(buffer_id), ctypes.c_void_p))
-        if self._cuda.cuPointerGetAttributes(3, self._attrs, data, ptr) != 0:
+        if self._cuda.cuPointerGetAttributes(3, self._attrs, self._data, ptr) != 0:
             return None
-        if base.value == 0 and size.value == 0:
+        if self._base.value == 0 and self._size.value == 0:
             return None
-        return base.value, size.value, buffer_id.value
+        return self._base.value, self._size.value, self._buffer_id.value
 
     def ipc_handle(self, base: int) -> bytes:
         handle = ctypes.create_string_buffer(64)
@@ -118,12 +121,12 @@ class CudaIpcRegistry:
         if not tensor.is_cuda or not tensor.is_contiguous():
             raise ValueError("cuda_ipc: tensors must be contiguous CUDA tensors")
         ptr = tensor.data_ptr()
-        found = self._driver.allocation(ptr)
-        if found is None:
-            raise ValueError("cuda_ipc: the tensor's memory is not a CUDA allocation of this "
-                             "process")
-        base, size, buffer_id = found
         with self._lock:
+            found = self._driver.allocation(ptr)
+            if found is None:
+                raise ValueError("cuda_ipc: the tensor's memory is not a CUDA allocation of "
+                                 "this process")
+            base, size, buffer_id = found
             entry = self._entries.get(base)
             if entry is not None and entry.buffer_id != buffer_id:
                 # Freed and allocated again at the same address: a new allocation.

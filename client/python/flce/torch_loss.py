@@ -92,8 +92,12 @@ class _RemoteFunction(torch.autograd.Function):
                 if not retain:
                     session.consumed = True
                     ctx.keep = None
-                    module.client.release_session_later(session.id)
-                return into[0], into[1], into[2], None, None, None
+                    # No reference of ours may stay: autograd then takes the
+                    # tensors as .grad instead of copying them.
+                    ctx.eager = None
+                    # The next step's Forward releases it: no call of its own.
+                    module.client.release_with_next_forward(session.id)
+                return tuple(into) + (None, None, None)
             # Another upstream gradient: Backward redoes them exactly, and
             # the next forward expects this one.
             module._expected_grad_output = value
