@@ -8,7 +8,7 @@
 //
 // CPU: the engine's host API, floor = OpenBLAS sgemm, both on the host
 // clock. CUDA: the engine's device work on resident inputs
-// (CudaEngine::DeviceRun: no host transfers), floor = cuBLAS GEMMs in the
+// (DeviceRun, kernels/cuda/device_run.h: no host transfers), floor = cuBLAS GEMMs in the
 // input dtype, both timed with CUDA events (median); the extra device memory is the
 // stream-ordered pool's measured high-water mark minus X, W and the dX, dW
 // the run keeps (fp32 accumulators; RECOMPUTE's dW in the input dtype).

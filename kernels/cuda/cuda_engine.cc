@@ -12,7 +12,7 @@
 #include "kernels/cuda/device_health.h"
 #include "kernels/cuda/device_pipeline.h"
 #include "kernels/cuda/device_problem.h"
-#include "kernels/cuda/device_run.h"
+#include "kernels/cuda/device_runner.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/lane_pool.h"
 #include "kernels/status_macros.h"
@@ -162,8 +162,8 @@ absl::StatusOr<Gradients> CudaEngine::Backward(SavedState& state, const Backward
 
 DeviceMemory* CudaEngine::device_memory() const { return &impl_->memory; }
 
-absl::StatusOr<std::unique_ptr<CudaEngine::DeviceRun>> CudaEngine::PrepareDeviceRun(
-    const LossProblem& problem, BackwardMode mode) {
+absl::StatusOr<std::unique_ptr<DeviceRun>> CudaEngine::PrepareDeviceRun(const LossProblem& problem,
+                                                                        BackwardMode mode) {
   FLCE_RETURN_IF_ERROR(impl_->SetDevice());
   return internal_cuda::PrepareDeviceRun(impl_->parts(), problem, mode);
 }

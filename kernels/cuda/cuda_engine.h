@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/cuda/cuda_engine_options.h"
+#include "kernels/cuda/device_run.h"
 #include "kernels/loss_engine.h"
 
 namespace flce {
@@ -59,27 +60,12 @@ class CudaEngine : public LossEngine {
   // health path. The process's CUDA context is unusable after it.
   void InjectGemmFaultForTesting();
 
-  // For benchmarks: X and W of `problem` uploaded once, then each Run()
-  // runs the served Forward(need_backward, mode) + Backward(grad_output 1)
-  // pipeline with X and W read in place on the device and the gradients
-  // delivered into device memory (no host transfers of them), and waits.
+  // For benchmarks: X and W of `problem` uploaded once, then each
+  // DeviceRun::Run() runs the served Forward(need_backward, mode) +
+  // Backward(grad_output 1) pipeline with X and W read in place on the
+  // device and the gradients delivered into device memory (no host
+  // transfers of them), and waits.
   // REQUIRES: `problem`'s host tensors stay valid while the run lives.
-  class DeviceRun {
-   public:
-    virtual ~DeviceRun() = default;
-    // One Forward + Backward of the prepared problem; returns its device
-    // milliseconds, from CUDA events on the lane's stream before its first
-    // and after its last work.
-    virtual absl::StatusOr<double> Run() = 0;
-    // Run() with CUDA events between its stages: device milliseconds per
-    // stage (logits GEMM, row kernel, dX GEMM, dW GEMM, narrowing, ...),
-    // summed over chunks.
-    virtual absl::StatusOr<std::map<std::string, double>> RunStages() = 0;
-    // Bytes of dX and dW that Run() holds: the gradients in their final
-    // dtype and the fp32 sums they are made from (STORE_GRADS' state,
-    // RECOMPUTE's dX). With X and W, what a served call holds anyway.
-    virtual int64_t gradient_bytes() const = 0;
-  };
   absl::StatusOr<std::unique_ptr<DeviceRun>> PrepareDeviceRun(const LossProblem& problem,
                                                               BackwardMode mode);
 

@@ -1,29 +1,35 @@
 #ifndef FLCE_KERNELS_CUDA_DEVICE_RUN_H_
 #define FLCE_KERNELS_CUDA_DEVICE_RUN_H_
 
-// The benchmark's runner (CudaEngine::DeviceRun): the served device pipeline
-// (device_pipeline.h) on inputs that already live on the device, with the
-// gradients delivered into device memory: what a same-host worker's call
-// costs the device, without host transfers of X, W or the gradients.
+// What a benchmark gets from CudaEngine::PrepareDeviceRun: the served device
+// pipeline, run again and again on one prepared problem (device_runner.h
+// makes it).
 
-#include <memory>
+#include <cstdint>
+#include <map>
+#include <string>
 
 #include "absl/status/statusor.h"
-#include "kernels/cuda/cuda_engine.h"
-#include "kernels/cuda/device_pipeline.h"
 
 namespace flce {
-namespace internal_cuda {
 
-// Uploads X and W of `problem` once and allocates the gradients'
-// destinations (in the input dtype). REQUIRES: `problem`'s host tensors
-// (target, bias, class_weight) stay valid while the run lives; `parts`
-// outlives it.
-absl::StatusOr<std::unique_ptr<CudaEngine::DeviceRun>> PrepareDeviceRun(const PipelineParts& parts,
-                                                                        const LossProblem& problem,
-                                                                        BackwardMode mode);
+class DeviceRun {
+ public:
+  virtual ~DeviceRun() = default;
+  // One Forward + Backward of the prepared problem; returns its device
+  // milliseconds, from CUDA events on the lane's stream before its first
+  // and after its last work.
+  virtual absl::StatusOr<double> Run() = 0;
+  // Run() with CUDA events between its stages: device milliseconds per
+  // stage (logits GEMM, row kernel, dX GEMM, dW GEMM, narrowing, ...),
+  // summed over chunks.
+  virtual absl::StatusOr<std::map<std::string, double>> RunStages() = 0;
+  // Bytes of dX and dW that Run() holds: the gradients in their final
+  // dtype and the fp32 sums they are made from (STORE_GRADS' state,
+  // RECOMPUTE's dX). With X and W, what a served call holds anyway.
+  virtual int64_t gradient_bytes() const = 0;
+};
 
-}  // namespace internal_cuda
 }  // namespace flce
 
 #endif  // FLCE_KERNELS_CUDA_DEVICE_RUN_H_

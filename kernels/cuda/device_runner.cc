@@ -1,4 +1,4 @@
-#include "kernels/cuda/device_run.h"
+#include "kernels/cuda/device_runner.h"
 
 #include <optional>
 #include <utility>
@@ -10,7 +10,7 @@ namespace flce {
 namespace internal_cuda {
 namespace {
 
-class DeviceRunner : public CudaEngine::DeviceRun {
+class DeviceRunner : public DeviceRun {
  public:
   DeviceRunner(const PipelineParts& parts, BackwardMode mode) : parts_(parts), mode_(mode) {}
 
@@ -95,12 +95,12 @@ class DeviceRunner : public CudaEngine::DeviceRun {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaEngine::DeviceRun>> PrepareDeviceRun(const PipelineParts& parts,
-                                                                        const LossProblem& problem,
-                                                                        BackwardMode mode) {
+absl::StatusOr<std::unique_ptr<DeviceRun>> PrepareDeviceRun(const PipelineParts& parts,
+                                                            const LossProblem& problem,
+                                                            BackwardMode mode) {
   auto run = std::make_unique<DeviceRunner>(parts, mode);
   FLCE_RETURN_IF_ERROR(run->Prepare(problem));
-  return std::unique_ptr<CudaEngine::DeviceRun>(std::move(run));
+  return std::unique_ptr<DeviceRun>(std::move(run));
 }
 
 }  // namespace internal_cuda
