@@ -15,6 +15,7 @@ TARGETS=(
   //bench:rpc_bench
   //bench:gemm_algos
   //kernels/cuda:cuda_engine_test
+  //kernels/cuda:device_destinations_test
   //kernels/cuda:gemm_test
   //tests:server_integration_gpu_test
   //tests:sticky_error_gpu_test

@@ -32,6 +32,10 @@ if [ -z "$ARGS" ] || want tests; then
   REQUIRE_GPU=1 "$bin/cuda_engine_test" --gtest_output="xml:$OUT/cuda_engine_test.xml" \
     > "$OUT/cuda_engine_test.log" 2>&1 || status=1
   tail -5 "$OUT/cuda_engine_test.log"
+  REQUIRE_GPU=1 "$bin/device_destinations_test" \
+    --gtest_output="xml:$OUT/device_destinations_test.xml" \
+    > "$OUT/device_destinations_test.log" 2>&1 || status=1
+  tail -3 "$OUT/device_destinations_test.log"
   REQUIRE_GPU=1 FLCE_TEST_BACKEND=cuda "$bin/server_integration_gpu_test" \
     --gtest_filter='-ServerTimingTest.*' --gtest_output="xml:$OUT/server_integration_gpu_test.xml" \
     > "$OUT/server_integration_gpu_test.log" 2>&1 || status=1
@@ -39,7 +43,7 @@ if [ -z "$ARGS" ] || want tests; then
   REQUIRE_GPU=1 "$bin/sticky_error_gpu_test" --gtest_output="xml:$OUT/sticky_error_gpu_test.xml" \
     > "$OUT/sticky_error_gpu_test.log" 2>&1 || status=1
   tail -3 "$OUT/sticky_error_gpu_test.log"
-  grep -E 'read in place' "$OUT/cuda_engine_test.log"
+  grep -E 'read in place' "$OUT/device_destinations_test.log"
 fi
 
 if [ -z "$ARGS" ] || want python; then

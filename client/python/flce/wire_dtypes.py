@@ -1,4 +1,6 @@
-"""The wire's dtypes beside torch's (torch imported only when asked for)."""
+"""The wire's dtypes beside NumPy's and torch's (torch imported only when asked for)."""
+
+import numpy as np
 
 from flce_pb.v1 import loss_service_pb2 as pb
 
@@ -21,3 +23,24 @@ def torch_dtype(wire_dtype):
 
 def is_cuda(tensor) -> bool:
     return tensor is not None and getattr(tensor, "is_cuda", False)
+
+
+# wire dtype → NumPy dtype (bf16 has none).
+NP_DTYPES = {
+    pb.DTYPE_FLOAT32: np.float32,
+    pb.DTYPE_FLOAT16: np.float16,
+    pb.DTYPE_INT32: np.int32,
+    pb.DTYPE_INT64: np.int64,
+}
+
+
+def elem_size(wire_dtype: int) -> int:
+    return 2 if wire_dtype in (pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16) else (
+        8 if wire_dtype == pb.DTYPE_INT64 else 4)
+
+
+def wire_dtype(dtype) -> int:
+    for wire, np_dtype in NP_DTYPES.items():
+        if np.dtype(np_dtype) == np.dtype(dtype):
+            return wire
+    raise TypeError(f"dtype {dtype} is not supported by flce (float32/float16/bfloat16/int32/int64)")
