@@ -55,7 +55,7 @@ system_library = repository_rule(
 )
 
 def flce_system_libs():
-    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas, @microhttpd and @openssl."""
+    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas, @microhttpd, @zlib and @openssl."""
     system_library(
         name = "protobuf",
         target = "protobuf",
@@ -116,6 +116,13 @@ def flce_system_libs():
         modules = ["libmicrohttpd"],
         headers = ["microhttpd.h"],
         packages = ["libmicrohttpd-dev"],
+    )
+    system_library(
+        name = "zlib",
+        target = "zlib",
+        modules = ["zlib"],
+        headers = ["zlib.h"],
+        packages = ["zlib1g-dev"],
     )
     system_library(
         name = "openssl",

@@ -1,7 +1,7 @@
 // LossServiceImpl's handlers of registered weights: PutWeight,
 // TakeWeightGrad, DeleteWeight, ListWeights.
 
-#include "server/loss_service.h"
+#include <zlib.h>
 
 #include <algorithm>
 #include <cstring>
@@ -16,6 +16,7 @@
 #include "proto/codec.h"
 #include "proto/crc32c.h"
 #include "server/handler_support.h"
+#include "server/loss_service.h"
 #include "server/stream_call.h"
 
 namespace flce {
@@ -41,10 +42,8 @@ void FillWeightInfo(const RegisteredWeight& w, v1::WeightInfo* info) {
 class PutWeightReactor final : public ReadStream {
  public:
   PutWeightReactor(grpc::CallbackServerContext* context, WeightRegistry* weights,
-                   grpc::ByteBuffer* response, ServiceMetrics* metrics,
-                   int64_t max_message_bytes)
-      : ReadStream(context, response, metrics, "PutWeight", max_message_bytes),
-        weights_(weights) {}
+                   grpc::ByteBuffer* response, ServiceMetrics* metrics, int64_t max_message_bytes)
+      : ReadStream(context, response, metrics, "PutWeight", max_message_bytes), weights_(weights) {}
 
  private:
   google::protobuf::Message* message() override { return &chunk_; }
@@ -61,16 +60,19 @@ class PutWeightReactor final : public ReadStream {
     }
     const std::string& data = chunk_.data();
     if (static_cast<int64_t>(payload_.size() + data.size()) > total_) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "data: more bytes than the header's ", total_, " (", payload_.size() + data.size(),
-          " so far)"));
+      return absl::InvalidArgumentError(absl::StrCat("data: more bytes than the header's ", total_,
+                                                     " (", payload_.size() + data.size(),
+                                                     " so far)"));
     }
     // Reserved (not touched) with the first bytes, so it never reallocates.
     if (!data.empty() && payload_.capacity() < static_cast<size_t>(total_)) {
       payload_.reserve(static_cast<size_t>(total_));
     }
     payload_.append(data);
-    crc_ = Crc32c(crc_, data.data(), data.size());
+    crc_ = ieee_crc_
+               ? static_cast<uint32_t>(crc32(crc_, reinterpret_cast<const Bytef*>(data.data()),
+                                             static_cast<uInt>(data.size())))
+               : Crc32c(crc_, data.data(), data.size());
     return absl::OkStatus();
   }
 
@@ -82,7 +84,8 @@ class PutWeightReactor final : public ReadStream {
           "header.name: '", LogSafe(name_, 128), "' must be 1-128 characters of [A-Za-z0-9_.-]"));
     }
     record().SetDetail(absl::StrCat("weight=", name_, " "));
-    expected_crc_ = h.crc32c();
+    ieee_crc_ = h.has_crc32();
+    expected_crc_ = ieee_crc_ ? h.crc32() : h.crc32c();
     FLCE_ASSIGN_OR_RETURN(dtype_, FromProto(h.dtype(), "header.dtype"));
     if (!IsFloating(dtype_)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -91,8 +94,8 @@ class PutWeightReactor final : public ReadStream {
     shape_.assign(h.shape().begin(), h.shape().end());
     if (shape_.size() != 2 || shape_[0] < 1 || shape_[1] < 1 ||
         shape_[0] > (int64_t{1} << 40) / shape_[1]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.shape: expected [V, H] with V, H >= 1, got ", ShapeString(shape_)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.shape: expected [V, H] with V, H >= 1, got ", ShapeString(shape_)));
     }
     has_bias_ = h.has_bias();
     const int64_t elem = DTypeSize(dtype_);
@@ -104,13 +107,13 @@ class PutWeightReactor final : public ReadStream {
   absl::Status End() override {
     if (!started_) return absl::InvalidArgumentError("header: the stream carried no chunk");
     if (static_cast<int64_t>(payload_.size()) != total_) {
-      return absl::InvalidArgumentError(absl::StrCat("data: received ", payload_.size(),
-                                                     " of the header's ", total_, " bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("data: received ", payload_.size(), " of the header's ", total_, " bytes"));
     }
     if (crc_ != expected_crc_) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "header.crc32c: the bytes received have CRC-32C %08x, the header says %08x", crc_,
-          expected_crc_));
+          "header.%s: the bytes received have %s %08x, the header says %08x",
+          ieee_crc_ ? "crc32" : "crc32c", ieee_crc_ ? "CRC-32" : "CRC-32C", crc_, expected_crc_));
     }
     // W's bytes first, then b's.
     const size_t w_bytes = static_cast<size_t>(shape_[0] * shape_[1] * DTypeSize(dtype_));
@@ -130,8 +133,8 @@ class PutWeightReactor final : public ReadStream {
         std::shared_ptr<RegisteredWeight> registered,
         weights_->Put(name_, principal(), std::move(weight), std::move(bias), std::move(hold_)));
     FillWeightInfo(*registered, response_.mutable_weight());
-    record().SetDetail(absl::StrCat("weight=", name_, " version=", registered->version(),
-                                    " bytes=", total_, " "));
+    record().SetDetail(
+        absl::StrCat("weight=", name_, " version=", registered->version(), " bytes=", total_, " "));
     return absl::OkStatus();
   }
 
@@ -147,6 +150,7 @@ class PutWeightReactor final : public ReadStream {
   std::string payload_;
   int64_t total_ = 0;
   uint32_t crc_ = 0, expected_crc_ = 0;
+  bool ieee_crc_ = false;  // header.crc32 (zlib's) instead of crc32c
 };
 
 // TakeWeightGrad: takes the accumulated gradient, narrows it to the asked
@@ -216,7 +220,7 @@ class TakeGradReactor final : public WriteStream {
 }  // namespace
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::PutWeight(Context* context,
-                                                                     Bytes* response) {
+                                                                      Bytes* response) {
   auto* reactor = new PutWeightReactor(context, &core_->weights(), response, metrics_,
                                        limits_.max_message_bytes);
   reactor->Begin(Admit(context), admission_);
@@ -225,8 +229,8 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::PutWeight(Context* c
 
 LossServiceImpl::Unary* LossServiceImpl::DeleteWeight(Context* context, const Bytes* in,
                                                       Bytes* out) {
-  auto* call = NewUnary<v1::DeleteWeightRequest, v1::DeleteWeightResponse>(context, in, out,
-                                                                          "DeleteWeight");
+  auto* call =
+      NewUnary<v1::DeleteWeightRequest, v1::DeleteWeightResponse>(context, in, out, "DeleteWeight");
   if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
     call->record().SetDetail(absl::StrCat("weight=", LogSafe(call->request().name()), " "));
     call->response()->set_deleted(core_->weights().Delete(call->request().name(), *principal));
@@ -249,7 +253,7 @@ LossServiceImpl::Unary* LossServiceImpl::ListWeights(Context* context, const Byt
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::TakeWeightGrad(Context* context,
-                                                                           const Bytes* in) {
+                                                                            const Bytes* in) {
   auto* reactor = new TakeGradReactor(context, metrics_, limits_.max_message_bytes,
                                       limits_.stream_chunk_bytes());
   absl::StatusOr<std::string> principal = Authenticate(context);

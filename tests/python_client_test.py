@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import flce
-from flce.client import crc32c, _crc32c_py
+from flce import client as flce_client
 from server_process import ServerProcess, run_tests
 from train_tiny_lm import TinyLM
 
@@ -478,10 +478,11 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(len(losses), 8)
         self.assertLess(losses[-1], losses[0])
 
-    def test_crc32c_matches_the_standard(self):
-        self.assertEqual(crc32c(b"123456789"), 0xE3069283)
-        self.assertEqual(_crc32c_py(b"123456789"), 0xE3069283)
-        self.assertEqual(crc32c(b"6789", crc32c(b"12345")), 0xE3069283)
+    def test_put_weight_is_checked_with_zlibs_crc32(self):
+        self.assertEqual(flce_client.weight_checksum(b"123456789"), {"crc32": 0xCBF43926})
+        info = self.client.put_weight("checked", torch.randn(7, 5))
+        self.assertEqual(info.bytes, 7 * 5 * 4)
+        self.client.delete_weight("checked")
 
 
 if __name__ == "__main__":

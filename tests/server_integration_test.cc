@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <atomic>
 #include <chrono>
@@ -676,6 +677,15 @@ TEST_F(ServerTest, WeightErrorsHaveTheirCodes) {
   v1::PutWeightChunk corrupt = rest;
   (*corrupt.mutable_data())[3] ^= 1;
   EXPECT_THAT(put({first, corrupt}), StatusIs(Code::kInvalidArgument, HasSubstr("header.crc32c")));
+  // zlib's CRC-32 instead (header.crc32): checked in its place.
+  v1::PutWeightChunk ieee = first;
+  ieee.mutable_header()->set_crc32c(0);
+  ieee.mutable_header()->set_crc32(static_cast<uint32_t>(
+      crc32(0, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size()))));
+  EXPECT_TRUE(put({ieee, rest}).ok());
+  EXPECT_THAT(put({ieee, corrupt}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("header.crc32: the bytes received have "
+                                                         "CRC-32")));
   EXPECT_THAT(put({first}),
               StatusIs(Code::kInvalidArgument, HasSubstr("received 40 of the header's 72 bytes")));
   EXPECT_THAT(put({first, rest, rest}),
@@ -688,10 +698,10 @@ TEST_F(ServerTest, WeightErrorsHaveTheirCodes) {
   v1::PutWeightChunk bad_dtype = first;
   bad_dtype.mutable_header()->set_dtype(v1::DTYPE_INT64);
   EXPECT_THAT(put({bad_dtype}), StatusIs(Code::kInvalidArgument, HasSubstr("header.dtype")));
-  // The registry holds only the good upload.
+  // The registry holds only the good uploads (crc32c's, then crc32's).
   auto listed = client_->ListWeights();
   ASSERT_EQ(listed->size(), 1u);
-  EXPECT_EQ((*listed)[0].version(), 1);
+  EXPECT_EQ((*listed)[0].version(), 2);
   ExpectStillServing();
 }
 

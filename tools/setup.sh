@@ -15,7 +15,7 @@ PACKAGES=(
 if [ "${1:-}" != "--build" ]; then
   PACKAGES+=(
     clang libclang-rt-dev shellcheck yamllint python3-yaml openssl
-    python3 python3-numpy python3-grpcio python3-protobuf python3-torch python3-crcmod
+    python3 python3-numpy python3-grpcio python3-protobuf python3-torch
     podman buildah debootstrap runc
   )
 fi

@@ -21,12 +21,7 @@ from flce.wire_dtypes import wire_dtype as _wire_dtype
 from flce_pb.v1 import loss_service_pb2 as pb
 from flce_pb.v1 import loss_service_pb2_grpc as pb_grpc
 
-try:  # The C implementation; the pure-Python one below is slow for big weights.
-    import crcmod.predefined as _crcmod
-
-    _crc32c = _crcmod.mkCrcFun("crc-32c")
-except ImportError:  # pragma: no cover - depends on the machine
-    _crc32c = None
+import zlib
 
 
 class FlceError(Exception):
@@ -89,32 +84,12 @@ def check_loss_options(*, reduction: str = "mean", backward_mode: str = "auto",
         raise ValueError(f"z_loss_scale={z_loss_scale!r}: must be >= 0")
 
 
-def _crc32c_py(data: bytes, crc: int = 0) -> int:
-    table = _crc32c_py.table
-    crc ^= 0xFFFFFFFF
-    for byte in data:
-        crc = (crc >> 8) ^ table[(crc ^ byte) & 0xFF]
-    return crc ^ 0xFFFFFFFF
-
-
-def _make_table():
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
-        table.append(c)
-    return table
-
-
-_crc32c_py.table = _make_table()
-
-
-def crc32c(data: bytes, crc: int = 0) -> int:
-    """CRC-32C (Castagnoli) of ``data``, extending ``crc``."""
-    if _crc32c is not None:
-        return _crc32c(data, crc)
-    return _crc32c_py(data, crc)
+def weight_checksum(payload: bytes) -> dict:
+    """The WeightHeader field that checks ``payload``: zlib's CRC-32, which
+    every Python computes in C (4.4 GB/s on the development VM, against 1.9
+    for Debian's python3-crc32c there and minutes for a pure-Python CRC-32C
+    of a gigabyte)."""
+    return {"crc32": zlib.crc32(payload)}
 
 
 def to_wire(tensor, out: Optional["pb.Tensor"] = None) -> "pb.Tensor":
@@ -496,12 +471,13 @@ class Client:
 
     def put_weight(self, name: str, weight, bias=None) -> "pb.WeightInfo":
         """Registers weight [V, H] (and bias [V]) under ``name``, streamed in
-        chunks with a CRC-32C; returns its WeightInfo (with the version)."""
+        chunks with a checksum (weight_checksum); returns its WeightInfo
+        (with the version)."""
         w = to_wire(weight)
         b = to_wire(bias) if bias is not None else None
         payload = w.data + (b.data if b is not None else b"")
         header = pb.WeightHeader(name=name, dtype=w.dtype, shape=list(w.shape),
-                                 has_bias=b is not None, crc32c=crc32c(payload))
+                                 has_bias=b is not None, **weight_checksum(payload))
         # Room beside each chunk's data for its framing (and the header).
         step = max(4096, min(self.stream_chunk_bytes, self.max_message_bytes - (16 << 10)))
 
