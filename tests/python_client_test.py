@@ -141,9 +141,11 @@ class PythonClientTest(unittest.TestCase):
             # with a Backward, and the second Forward brings them for 3.
             for cuda_ipc, step in ((False, 0), (True, 0), (True, 1)):
                 if step == 0:
+                    # The wire with W and dW as bytes (no registered weight).
                     loss_fn = flce.RemoteLinearCrossEntropy(self.client, z_loss_scale=1e-3,
                                                             cuda_ipc=cuda_ipc,
-                                                            backward_mode=mode)
+                                                            backward_mode=mode,
+                                                            register_weight=False)
                 hv, wv, bv = (x.clone().requires_grad_() for x in (h, w, b))
                 loss = loss_fn(hv, wv, t, bv)
                 (3 * loss).backward()
