@@ -10,8 +10,9 @@ its own gradients). Median of ``--iters`` steps after ``--warmup``. Starts
 its own flce_server (``--backend`` cuda or cpu, shared memory on).
 
 Transports: ``cuda_ipc`` (GPU tensors read and written in place), ``inline``
-(bytes in the messages), ``shm`` (CPU tensors through a POSIX shared-memory
-region). GPU tensors need ``--device=cuda``; ``shm`` takes CPU tensors.
+(bytes in the messages, W with every call), ``registered`` (the network
+path's default: W registered, only X, t and dX per call, dW pulled each
+step), ``shm`` (CPU tensors through a POSIX shared-memory region). GPU tensors need ``--device=cuda``; ``shm`` takes CPU tensors.
 
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
@@ -99,12 +100,14 @@ def flce_step(module):
         forward_rpc = client.last_call_ms
         start = time.perf_counter()
         loss.backward()
+        backward_rpc = client.last_call_ms
+        module.pull_weight_grads()  # a registered weight's dW, as an optimizer step would
         backward_ms = (time.perf_counter() - start) * 1e3
         fwd, bwd = module.last_stats  # bwd None: the gradients came with Forward
         return {"engine": fwd.engine_ms + (bwd.engine_ms if bwd else 0.0),
                 "forward": forward_ms, "forward_rpc": forward_rpc,
                 "forward_queue": fwd.queue_ms, "forward_engine": fwd.engine_ms,
-                "backward": backward_ms, "backward_rpc": client.last_call_ms if bwd else 0.0,
+                "backward": backward_ms, "backward_rpc": backward_rpc if bwd else 0.0,
                 "backward_queue": bwd.queue_ms if bwd else 0.0,
                 "backward_engine": bwd.engine_ms if bwd else 0.0}
     return step
@@ -191,7 +194,8 @@ def main(argv):
             for transport in transports:
                 module = flce.RemoteLinearCrossEntropy(
                     client, cuda_ipc=transport == "cuda_ipc",
-                    shared_memory=transport == "shm")
+                    shared_memory=transport == "shm",
+                    register_weight=transport == "registered")
                 profile = None
                 if args.profile:
                     import cProfile

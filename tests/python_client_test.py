@@ -63,6 +63,9 @@ class PythonClientTest(unittest.TestCase):
         self.addCleanup(loss_fn.close)
         opt_ref = torch.optim.SGD(reference.parameters(), lr=0.5)
         opt_remote = torch.optim.SGD(remote.parameters(), lr=0.5)
+        # Over the network the head's gradients wait on the server until the
+        # step (a no-op with shared memory and CUDA IPC).
+        loss_fn.attach(opt_remote)
         gen = torch.Generator().manual_seed(1)
         for step in range(4):
             opt_ref.zero_grad()
@@ -85,6 +88,8 @@ class PythonClientTest(unittest.TestCase):
             opt_remote.step()
             if shared_memory:  # the tensors really went through a region
                 self.assertIsNotNone(loss_fn._region)
+            if not (shared_memory or cuda_ipc):  # W sent once per optimizer step
+                self.assertEqual(loss_fn._registration.puts, step + 1)
             for (name, p_ref), (_, p) in zip(reference.named_parameters(),
                                              remote.named_parameters()):
                 self.assertLess(rel_err(p.detach(), p_ref.detach()), 1e-5,
@@ -136,9 +141,11 @@ class PythonClientTest(unittest.TestCase):
             # with a Backward, and the second Forward brings them for 3.
             for cuda_ipc, step in ((False, 0), (True, 0), (True, 1)):
                 if step == 0:
+                    # The wire with W and dW as bytes (no registered weight).
                     loss_fn = flce.RemoteLinearCrossEntropy(self.client, z_loss_scale=1e-3,
                                                             cuda_ipc=cuda_ipc,
-                                                            backward_mode=mode)
+                                                            backward_mode=mode,
+                                                            register_weight=False)
                 hv, wv, bv = (x.clone().requires_grad_() for x in (h, w, b))
                 loss = loss_fn(hv, wv, t, bv)
                 (3 * loss).backward()
@@ -305,10 +312,14 @@ class PythonClientTest(unittest.TestCase):
         h = torch.randn(5, 8, dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(13, 8) / 3).to(torch.bfloat16).requires_grad_()
         t = torch.randint(0, 13, (5,))
-        loss = flce.RemoteLinearCrossEntropy(self.client, reduction="none")(h, w, t)
+        loss_fn = flce.RemoteLinearCrossEntropy(self.client, reduction="none")
+        self.addCleanup(loss_fn.close)
+        loss = loss_fn(h, w, t)
         self.assertEqual(loss.shape, (5,))
         upstream = torch.arange(1.0, 6.0)
         (loss * upstream).sum().backward()
+        self.assertIsNone(w.grad)  # summed on the server until pulled
+        loss_fn.pull_weight_grads()
         self.assertEqual(h.grad.dtype, torch.bfloat16)
         h64 = h.detach().double().requires_grad_()
         w64 = w.detach().double().requires_grad_()
@@ -373,6 +384,19 @@ class PythonClientTest(unittest.TestCase):
         self.client.release_session(second)
         self._live_sessions_become(before)
 
+    def test_a_weight_changed_without_a_pull_warns(self):
+        w = torch.randn(11, 4, requires_grad=True)
+        loss_fn = flce.RemoteLinearCrossEntropy(self.client)
+        self.addCleanup(loss_fn.close)
+        t = torch.randint(0, 11, (6,))
+        loss_fn(torch.randn(6, 4), w, t).backward()
+        self.assertEqual(loss_fn._registration.pending, 1)
+        with torch.no_grad():
+            w.add_(1.0)  # an optimizer step that nobody pulled for
+        with self.assertWarnsRegex(RuntimeWarning, "pull_weight_grads"):
+            loss_fn(torch.randn(6, 4), w, t)
+        self.assertEqual(loss_fn._registration.puts, 2)
+
     def test_no_session_is_kept_without_a_backward(self):
         torch.manual_seed(3)
         loss_fn = flce.RemoteLinearCrossEntropy(self.client)
@@ -405,10 +429,12 @@ class PythonClientTest(unittest.TestCase):
         ref = torch.nn.Linear(8, 29)
         ref.load_state_dict(head.state_dict())
         head.zero_grad()
-        loss = flce.RemoteLinearCrossEntropy(self.client, retain_graph=True)(
-            hidden, head.weight, targets, head.bias)
+        loss_fn = flce.RemoteLinearCrossEntropy(self.client, retain_graph=True)
+        self.addCleanup(loss_fn.close)
+        loss = loss_fn(hidden, head.weight, targets, head.bias)
         loss.backward(retain_graph=True)
         loss.backward()
+        loss_fn.pull_weight_grads()
         ref_loss = F.cross_entropy(ref(hidden), targets)
         ref_loss.backward(retain_graph=True)
         ref_loss.backward()

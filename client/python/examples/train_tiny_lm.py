@@ -44,6 +44,10 @@ def main(argv=None):
     model = TinyLM(args.vocab, args.hidden).to(device=args.device, dtype=dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss_fn = flce.RemoteLinearCrossEntropy(args.server, label_smoothing=0.05)
+    # The head's weight is registered with the server (sent again only after
+    # a step changed it) and its gradients summed there; they land in .grad
+    # before each optimizer step.
+    loss_fn.attach(optimizer)
     # Synthetic "language": each token is followed by (7 × token + 3) mod V.
     losses = []
     for step in range(args.steps):

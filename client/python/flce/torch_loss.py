@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from flce.client import Client, check_loss_options, to_torch
+from flce.weight_registration import WeightRegistration
 
 
 class _Session:
@@ -46,8 +47,19 @@ class _RemoteFunction(torch.autograd.Function):
             eager = [None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
                      for x in (hidden, weight, bias)]
         expected = module._expected_grad_output
+        registration = module._registration
+        ctx.registered = registration is not None
+        if registration is not None:
+            # The registered weight (sent only when it changed) stands in for
+            # weight and bias; the server sums their gradients.
+            weight_name, weight_version = registration.sync(weight, bias)
+            wire_weight, wire_bias = None, None
+        else:
+            weight_name, weight_version = "", 0
+            wire_weight, wire_bias = weight, bias
         result = module.client.forward(
-            hidden, target, weight, bias,
+            hidden, target, wire_weight, wire_bias, weight_name=weight_name,
+            weight_version=weight_version,
             ignore_index=module.ignore_index, reduction=module.reduction,
             label_smoothing=module.label_smoothing, logit_softcap=module.logit_softcap,
             z_loss_scale=module.z_loss_scale, class_weight=module.class_weight,
@@ -121,7 +133,10 @@ class _RemoteFunction(torch.autograd.Function):
         region = module._grad_region(ctx.meta) if module.shared_memory else None
         grads = module.client.backward(session.id, g if g.dim() else g.reshape(()),
                                        keep_session=retain, shm=region,
-                                       into=into, accumulate_into=in_place, copy_out=False)
+                                       into=into, accumulate_into=in_place, copy_out=False,
+                                       accumulate_weight_grad=ctx.registered)
+        if ctx.registered:
+            module._registration.added(*ctx.params)
         module.last_stats[1] = grads.stats
         # Without retain_graph the session is gone; with it, it lives until the
         # graph does.
@@ -133,8 +148,8 @@ class _RemoteFunction(torch.autograd.Function):
         for i, meta in enumerate(ctx.meta):
             if meta is None:
                 result.append(None)
-            elif in_place and i > 0:
-                result.append(None)  # added into .grad by the server
+            elif (in_place or ctx.registered) and i > 0:
+                result.append(None)  # added into .grad by the server, or summed there
             elif into is not None and into[i] is not None:
                 result.append(into[i])
             elif region is not None and wire[i].HasField("shm"):
@@ -174,6 +189,16 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     accumulation allocates no dW-sized temporary; autograd then sees no
     gradient for them (hooks on those parameters do not run).
 
+    Over the network (neither shared_memory nor cuda_ipc) the weight and bias
+    are registered with the server (PutWeight) on first use and again only
+    when they changed (their version counter moved, e.g. in optimizer.step()),
+    and Backward adds their gradients into the server's sum instead of
+    sending them: each micro-batch moves X, the targets and dX only. Their
+    ``.grad`` is filled by ``pull_weight_grads()`` — call it before gradient
+    clipping or the optimizer step, or ``attach(optimizer)`` once to have it
+    run before every step. ``register_weight=False`` sends W every call
+    and returns dW to autograd instead.
+
     A server session is kept only when autograd will call backward (grad
     mode on and an input that requires grad); it is consumed by backward, or
     released when the loss is dropped without one. ``retain_graph=True``
@@ -186,10 +211,16 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
                  label_smoothing: float = 0.0, logit_softcap: Optional[float] = None,
                  z_loss_scale: float = 0.0, class_weight=None, backward_mode: str = "auto",
                  shared_memory: bool = False, cuda_ipc: bool = False,
-                 retain_graph: bool = False, weight_grad_in_place: bool = False):
+                 retain_graph: bool = False, weight_grad_in_place: bool = False,
+                 register_weight: Optional[bool] = None):
         super().__init__()
         if shared_memory and cuda_ipc:
             raise ValueError("choose shared_memory or cuda_ipc, not both")
+        if register_weight is None:
+            register_weight = not (shared_memory or cuda_ipc)
+        if register_weight and (shared_memory or cuda_ipc):
+            raise ValueError("register_weight is for the network path: not with shared_memory "
+                             "or cuda_ipc")
         check_loss_options(reduction=reduction, backward_mode=backward_mode,
                            label_smoothing=label_smoothing, logit_softcap=logit_softcap,
                            z_loss_scale=z_loss_scale)
@@ -205,6 +236,9 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self.cuda_ipc = cuda_ipc
         self.retain_graph = retain_graph
         self.weight_grad_in_place = weight_grad_in_place
+        # Over the network the weight is registered and its gradients summed
+        # on the server (pull_weight_grads / attach).
+        self._registration = WeightRegistration(self.client) if register_weight else None
         self._region = None
         # Regions the gradients come back in, each reused once no gradient
         # viewing it is alive (autograd may keep one as .grad for a while).
@@ -256,7 +290,23 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self._grad_regions.append(region)
         return region
 
+    def pull_weight_grads(self):
+        """Adds the dW (and db) the server summed since the last pull into
+        ``weight.grad`` (``bias.grad``): call it before anything reads them
+        (gradient clipping, the optimizer step). A no-op without a registered
+        weight or with nothing waiting."""
+        if self._registration is not None:
+            self._registration.pull_grads()
+
+    def attach(self, optimizer):
+        """Pulls the weight's gradients before every ``optimizer.step()``."""
+        if self._registration is not None:
+            return self._registration.attach(optimizer)
+        return None
+
     def close(self):
+        if self._registration is not None:
+            self._registration.close()
         for region in [self._region] + self._grad_regions:
             if region is not None:
                 region.close()

@@ -1,0 +1,111 @@
+"""A PyTorch parameter registered with an flce server, sent only when it changed.
+
+The LM head's weight is the biggest tensor of a loss call (V×H), and between
+optimizer steps it does not change. A :class:`WeightRegistration` puts it on
+the server once (PutWeight, with its bias) and again only when it changed —
+PyTorch's version counter moves with every in-place update, such as the
+optimizer's — so each micro-batch moves only X, the targets and dX. The
+server sums dW (and db) of the Backward calls made with
+``accumulate_weight_grad``; :meth:`pull_grads` takes the sum (TakeWeightGrad)
+and adds it into the parameters' ``.grad`` — call it before anything reads
+``.grad`` (gradient clipping, the optimizer step), or let :meth:`attach` do
+it before each ``optimizer.step()``.
+"""
+
+import uuid
+import warnings
+
+from flce.client import to_torch
+
+
+class WeightRegistration:
+    """One weight (and bias) registered with ``client`` under a name of its
+    own (a fresh random one unless ``name`` is given)."""
+
+    def __init__(self, client, name: str = ""):
+        self._client = client
+        self.name = name or f"flce-{uuid.uuid4().hex[:16]}"
+        self._key = None        # what the registered version was made from
+        self.version = 0        # the server's version, 0 before the first put
+        self.puts = 0           # PutWeight calls so far
+        self._pending = 0       # Backward calls whose dW waits on the server
+        self._params = None     # (weight, bias) of the pending sum
+
+    @staticmethod
+    def _key_of(weight, bias):
+        def key(t):
+            return None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype,
+                                           t.device)
+        return key(weight), key(bias)
+
+    def sync(self, weight, bias=None):
+        """Registers ``weight`` (and ``bias``) unless the registered version is
+        theirs as they are now; returns (name, version) for Forward."""
+        key = self._key_of(weight, bias)
+        if key != self._key:
+            if self._pending:
+                warnings.warn(
+                    f"flce: the weight changed (e.g. optimizer.step()) while the dW of "
+                    f"{self._pending} backward call(s) waited on the server unpulled; they are "
+                    "dropped. Call pull_weight_grads() before the optimizer step, or "
+                    "attach(optimizer).", RuntimeWarning, stacklevel=3)
+                self._pending = 0
+            info = self._client.put_weight(self.name, weight.detach(),
+                                           None if bias is None else bias.detach())
+            self.version = info.version
+            self._key = key
+            self.puts += 1
+        return self.name, self.version
+
+    def added(self, weight, bias=None):
+        """A Backward added dW (and db) of this version into the server's sum."""
+        self._pending += 1
+        self._params = (weight, bias)
+
+    @property
+    def pending(self) -> int:
+        """Backward calls whose dW waits on the server."""
+        return self._pending
+
+    def pull_grads(self):
+        """Takes the server's sum of dW (and db) — rounded once to the weight's
+        dtype — and adds it into ``weight.grad`` (``bias.grad``), or sets them
+        where they are None. A no-op when nothing waits."""
+        if not self._pending:
+            return
+        weight, bias = self._params
+        dw, db, _ = self._client.take_weight_grad(self.name, self.version, float32=False)
+        self._pending = 0
+        for param, wire in ((weight, dw), (bias, db)):
+            if param is None or wire is None or not param.requires_grad:
+                continue
+            grad = to_torch(wire).to(device=param.device, dtype=param.dtype)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+
+    def attach(self, optimizer):
+        """Pulls the gradients before every ``optimizer.step()`` (a step
+        pre-hook where PyTorch has them, else a wrapper of the instance's
+        step). Gradient clipping before the step still needs an explicit
+        :meth:`pull_grads` first."""
+        if hasattr(optimizer, "register_step_pre_hook"):
+            return optimizer.register_step_pre_hook(lambda *_: self.pull_grads())
+        step = optimizer.step
+
+        def stepping(*args, **kwargs):
+            self.pull_grads()
+            return step(*args, **kwargs)
+
+        optimizer.step = stepping
+        return None
+
+    def close(self):
+        """Deletes the registration from the server."""
+        if self._key is not None:
+            try:
+                self._client.delete_weight(self.name)
+            except Exception:  # pragma: no cover - the server went away
+                pass
+            self._key = None
