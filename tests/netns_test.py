@@ -186,13 +186,18 @@ class NetnsTest(unittest.TestCase):
             ca = open({os.path.join(CERTS, 'service_ca.crt')!r}, 'rb').read()
             client = flce.Client({self.server.address!r}, root_certificates=ca,
                                  server_name="flce.ml.svc", token={TOKEN!r}, timeout=15)
+            import os
+            client.info()  # connected (TLS done) before the upload starts
             w = np.ones((24576, 1024), np.float32)  # 96 MiB
             print("uploading", flush=True)
             try:
                 client.put_weight("dropped", w)
-                print("no error")
+                print("no error", flush=True)
             except flce.FlceError as e:
                 print("error", e.code.name, flush=True)
+            # Not the interpreter's exit: gRPC's threads may wait there on the
+            # dead connection.
+            os._exit(0)
         """))
         self.assertEqual(process.stdout.readline().strip(), "uploading")
         time.sleep(2.0)

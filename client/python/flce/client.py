@@ -486,9 +486,17 @@ class Client:
             for offset in range(step, len(payload), step):
                 yield pb.PutWeightChunk(data=payload[offset:offset + step])
 
+        # A future, waited for with the deadline on this side too: the
+        # blocking form can stay stuck past its deadline in a write that a
+        # dead link never completes (seen with grpcio 1.51).
+        call = self._stub.PutWeight.future(chunks(), timeout=self.timeout,
+                                           metadata=self._metadata)
         try:
-            return self._stub.PutWeight(chunks(), timeout=self.timeout,
-                                        metadata=self._metadata).weight
+            return call.result(timeout=self.timeout + 1.0).weight
+        except grpc.FutureTimeoutError:
+            call.cancel()
+            raise FlceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"PutWeight did not finish within {self.timeout} s") from None
         except grpc.RpcError as e:
             raise FlceError(e.code(), e.details()) from None
 
