@@ -70,18 +70,6 @@ class SharedMemoryRegion:
         out.shm.offset = offset  # (setting the oneof drops any bytes)
         return (offset + nbytes + 63) // 64 * 64
 
-    def read_torch(self, tensor: "pb.Tensor"):
-        """A torch copy (in its own dtype) of a wire tensor that names a
-        slice of this region: read it before the region's next call."""
-        import torch
-
-        shape = tuple(tensor.shape)
-        count = int(np.prod(shape)) if shape else 1
-        nbytes = count * _elem_size(tensor.dtype)
-        raw = torch.frombuffer(self.buffer, dtype=torch.uint8, count=nbytes,
-                               offset=tensor.shm.offset) if nbytes else torch.empty(0, dtype=torch.uint8)
-        return raw.clone().view(torch_dtype(tensor.dtype)).reshape(shape)
-
     def view_torch(self, tensor: "pb.Tensor"):
         """A torch tensor that *is* the slice of this region a wire tensor
         names (no copy): it stays valid after the region is closed, and
