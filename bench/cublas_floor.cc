@@ -21,15 +21,18 @@ using internal_cuda::DeviceBuffer;
 using internal_cuda::GemmRunner;
 using internal_cuda::GemmShape;
 
-// The floor's own CUDA and cuBLAS statuses (it runs beside the engine, not in it).
-internal_cuda::DeviceHealth& FloorHealth() {
+internal_cuda::DeviceHealth& BenchHealth() {
   static auto* health = new internal_cuda::DeviceHealth();
   return *health;
 }
 
+namespace {
+
 absl::Status CudaStatus(cudaError_t error, const char* what) {
-  return FloorHealth().Check(error, what);
+  return BenchHealth().Check(error, what);
 }
+
+}  // namespace
 
 absl::Status FillPattern(const DeviceBuffer& b, DType dtype, cudaStream_t s) {
   std::vector<float> pattern(1 << 20);
@@ -37,7 +40,7 @@ absl::Status FillPattern(const DeviceBuffer& b, DType dtype, cudaStream_t s) {
     pattern[i] = static_cast<float>((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
   }
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer p,
-                        DeviceBuffer::Allocate(pattern.size() * 4, s, FloorHealth()));
+                        DeviceBuffer::Allocate(pattern.size() * 4, s, BenchHealth()));
   FLCE_RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(p.data(), pattern.data(), pattern.size() * 4, cudaMemcpyHostToDevice, s),
       "upload"));
@@ -54,20 +57,20 @@ absl::Status FillPattern(const DeviceBuffer& b, DType dtype, cudaStream_t s) {
 
 absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DType dtype,
                                            int logits_gemms, bool tuned, int warmup, int iters) {
-  FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(FloorHealth()));
+  FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(BenchHealth()));
   cudaStream_t s = stream.get();
-  FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s, FloorHealth()));
+  FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s, BenchHealth()));
   const int64_t elem = DTypeSize(dtype);
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer x, DeviceBuffer::Allocate(n * h * elem, s, FloorHealth()));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(v * h * elem, s, FloorHealth()));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer z, DeviceBuffer::Allocate(n * v * elem, s, FloorHealth()));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * elem, s, FloorHealth()));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * elem, s, FloorHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer x, DeviceBuffer::Allocate(n * h * elem, s, BenchHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(v * h * elem, s, BenchHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer z, DeviceBuffer::Allocate(n * v * elem, s, BenchHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * elem, s, BenchHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * elem, s, BenchHealth()));
   for (const DeviceBuffer* b : {&x, &w, &z}) FLCE_RETURN_IF_ERROR(FillPattern(*b, dtype, s));
   internal_cuda::GemmTuning tuning;
   tuning.enabled = tuned;
   FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms,
-                        GemmRunner::Create(tuning, FloorHealth()));
+                        GemmRunner::Create(tuning, BenchHealth()));
   auto gemm = [&](cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t gn, int64_t k,
                   const DeviceBuffer& a, int64_t lda, const DeviceBuffer& b, int64_t ldb,
                   DeviceBuffer& c, int64_t ldc) {
@@ -84,7 +87,7 @@ absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DTyp
     // dW [V, H] = dZᵀ · X.
     return gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, x, h, z, v, dw, h);
   };
-  internal_cuda::EventTimer timer(FloorHealth());
+  internal_cuda::EventTimer timer(BenchHealth());
   FLCE_ASSIGN_OR_RETURN(const double median, timer.MedianMs(s, warmup, iters, sequence));
   GemmFloor floor;
   floor.ms = median;

@@ -5,17 +5,22 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/cuda/cuda_resources.h"
+#include "kernels/cuda/device_health.h"
 #include "kernels/dtype.h"
 
 namespace flce {
+
+// The CUDA and cuBLAS statuses of the benchmarks' own work (the floor, the
+// algorithm probe), which runs beside the engine, not in it.
+internal_cuda::DeviceHealth& BenchHealth();
 
 // Fills `b` (elements of `dtype`) with a fixed pattern of values in
 // [-0.05, 0.05], never zero, and waits for it.
 absl::Status FillPattern(const internal_cuda::DeviceBuffer& b, DType dtype, cudaStream_t s);
 
 struct GemmFloor {
-  double ms = 0;        // median time of the GEMM sequence
-  double tflops = 0;    // its own FLOP rate
+  double ms = 0;      // median time of the GEMM sequence
+  double tflops = 0;  // its own FLOP rate
 };
 
 // The bare cuBLAS GEMMs of the loss at full size, with `dtype` operands and
@@ -26,8 +31,7 @@ struct GemmFloor {
 // runs the algorithm the engine's GemmRunner tuning picks (the fastest with
 // the default's bits; the first run tunes), else cublasGemmEx's default.
 absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DType dtype,
-                                           int logits_gemms, bool tuned, int warmup,
-                                           int iters);
+                                           int logits_gemms, bool tuned, int warmup, int iters);
 
 }  // namespace flce
 

@@ -49,14 +49,11 @@ using internal_cuda::GemmShape;
 using internal_cuda::GemmTuning;
 using internal_cuda::LtGemm;
 
-// This tool's CUDA and cuBLAS statuses.
-internal_cuda::DeviceHealth& Health() {
-  static auto* health = new internal_cuda::DeviceHealth();
-  return *health;
+absl::Status CudaStatus(cudaError_t error, const char* what) {
+  return BenchHealth().Check(error, what);
 }
-absl::Status CudaStatus(cudaError_t error, const char* what) { return Health().Check(error, what); }
 absl::Status CublasStatus(cublasStatus_t status, const char* what) {
-  return Health().Check(status, what);
+  return BenchHealth().Check(status, what);
 }
 
 // One of the engine's GEMMs, C = op(A)·op(B) + beta·C, bf16 operands.
@@ -107,7 +104,7 @@ absl::Status Probe(const Probed& p, cublasHandle_t blas, GemmRunner& defaults, c
   std::printf("  cublasGemmEx default        %8.3f ms %6.1f TF/s\n", default_ms,
               tflop / default_ms * 1e3);
 
-  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<LtGemm> gemm, LtGemm::Create(g, Health()));
+  FLCE_ASSIGN_OR_RETURN(std::unique_ptr<LtGemm> gemm, LtGemm::Create(g, BenchHealth()));
   const std::vector<cublasLtMatmulHeuristicResult_t> results =
       gemm->Candidates(lt, absl::GetFlag(FLAGS_algos), workspace_bytes);
   for (size_t i = 0; i < results.size(); ++i) {
@@ -127,19 +124,19 @@ absl::Status Probe(const Probed& p, cublasHandle_t blas, GemmRunner& defaults, c
 }
 
 absl::Status Run() {
-  FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(Health()));
+  FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(BenchHealth()));
   cudaStream_t s = stream.get();
-  FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s, Health()));
+  FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s, BenchHealth()));
   cublasLtHandle_t lt = nullptr;
   FLCE_RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&lt), "cublasLtCreate"));
   GemmTuning untuned;
   untuned.enabled = false;
   FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> defaults,
-                        GemmRunner::Create(untuned, Health()));
+                        GemmRunner::Create(untuned, BenchHealth()));
   const size_t workspace_bytes = size_t{64} << 20;
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer workspace,
-                        DeviceBuffer::Allocate(workspace_bytes, s, Health()));
-  EventTimer timer(Health());
+                        DeviceBuffer::Allocate(workspace_bytes, s, BenchHealth()));
+  EventTimer timer(BenchHealth());
   absl::Status status;
   const std::vector<std::string> shapes = absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',');
   for (const std::string& text : shapes) {
@@ -152,11 +149,11 @@ absl::Status Run() {
     const int64_t r = std::min(n, absl::GetFlag(FLAGS_chunk_rows));
     const bool full = absl::GetFlag(FLAGS_full);
     const int64_t z_rows = full ? n : r;
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer x, DeviceBuffer::Allocate(n * h * 2, s, Health()));
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(v * h * 2, s, Health()));
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer z, DeviceBuffer::Allocate(z_rows * v * 2, s, Health()));
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * 4, s, Health()));
-    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * 4, s, Health()));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer x, DeviceBuffer::Allocate(n * h * 2, s, BenchHealth()));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(v * h * 2, s, BenchHealth()));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer z, DeviceBuffer::Allocate(z_rows * v * 2, s, BenchHealth()));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dx, DeviceBuffer::Allocate(n * h * 4, s, BenchHealth()));
+    FLCE_ASSIGN_OR_RETURN(DeviceBuffer dw, DeviceBuffer::Allocate(v * h * 4, s, BenchHealth()));
     for (const DeviceBuffer* b : {&x, &w, &z}) {
       FLCE_RETURN_IF_ERROR(FillPattern(*b, DType::kBFloat16, s));
     }
