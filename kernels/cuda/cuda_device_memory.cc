@@ -98,6 +98,20 @@ absl::StatusOr<int64_t> AllocationBytes(void* base) {
   return static_cast<int64_t>(size);
 }
 
+// A CUDA IPC handle (`Handle`, a cudaIpc*Handle_t) from the wire, its size
+// checked (INVALID_ARGUMENT naming `field` and `type`).
+template <typename Handle>
+absl::StatusOr<Handle> ParseIpcHandle(const std::string& bytes, const char* field,
+                                      const char* type) {
+  if (bytes.size() != sizeof(Handle)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", sizeof(Handle), " bytes (",
+                                                   type, "), got ", bytes.size()));
+  }
+  Handle handle;
+  std::memcpy(&handle, bytes.data(), sizeof(handle));
+  return handle;
+}
+
 }  // namespace
 
 absl::Status CudaDeviceMemory::SetDevice() {
@@ -131,26 +145,27 @@ absl::Status CudaDeviceMemory::CopyToDevice(const void* host, void* device, int6
   return health_.Check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device");
 }
 
+absl::Status CudaDeviceMemory::OpenError(cudaError_t error, const char* call, const char* field,
+                                         const char* origin) {
+  if (IsStickyError(error)) return health_.Check(error, call);
+  cudaGetLastError();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": cannot open it (", cudaGetErrorName(error), "); it must come from ", origin));
+}
+
 absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::ImportCudaIpc(
     const std::string& handle) {
   FLCE_RETURN_IF_ERROR(health_.status());
-  if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda_ipc_handle: expected ", sizeof(cudaIpcMemHandle_t),
-                     " bytes (cudaIpcMemHandle_t), got ", handle.size()));
-  }
+  FLCE_ASSIGN_OR_RETURN(
+      const cudaIpcMemHandle_t ipc,
+      ParseIpcHandle<cudaIpcMemHandle_t>(handle, "cuda_ipc_handle", "cudaIpcMemHandle_t"));
   FLCE_RETURN_IF_ERROR(SetDevice());
-  cudaIpcMemHandle_t ipc;
-  std::memcpy(&ipc, handle.data(), sizeof(ipc));
   void* base = nullptr;
   const cudaError_t error = cudaIpcOpenMemHandle(&base, ipc, cudaIpcMemLazyEnablePeerAccess);
   if (error != cudaSuccess) {
-    if (IsStickyError(error)) return health_.Check(error, "cudaIpcOpenMemHandle");
-    cudaGetLastError();
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda_ipc_handle: cannot open it (", cudaGetErrorName(error),
-                     "); it must come from cudaIpcGetMemHandle in another process on this host, "
-                     "for an allocation that is still alive"));
+    return OpenError(error, "cudaIpcOpenMemHandle", "cuda_ipc_handle",
+                     "cudaIpcGetMemHandle in another process on this host, for an allocation "
+                     "that is still alive");
   }
   absl::StatusOr<int64_t> bytes = AllocationBytes(base);
   if (!bytes.ok()) {
@@ -163,23 +178,16 @@ absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::ImportCudaIpc(
 absl::StatusOr<std::unique_ptr<DeviceEvent>> CudaDeviceMemory::ImportCudaIpcEvent(
     const std::string& handle) {
   FLCE_RETURN_IF_ERROR(health_.status());
-  if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda_ipc_event_handle: expected ", sizeof(cudaIpcEventHandle_t),
-                     " bytes (cudaIpcEventHandle_t), got ", handle.size()));
-  }
+  FLCE_ASSIGN_OR_RETURN(const cudaIpcEventHandle_t ipc,
+                        ParseIpcHandle<cudaIpcEventHandle_t>(handle, "cuda_ipc_event_handle",
+                                                             "cudaIpcEventHandle_t"));
   FLCE_RETURN_IF_ERROR(SetDevice());
-  cudaIpcEventHandle_t ipc;
-  std::memcpy(&ipc, handle.data(), sizeof(ipc));
   cudaEvent_t event = nullptr;
   const cudaError_t error = cudaIpcOpenEventHandle(&event, ipc);
   if (error != cudaSuccess) {
-    if (IsStickyError(error)) return health_.Check(error, "cudaIpcOpenEventHandle");
-    cudaGetLastError();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda_ipc_event_handle: cannot open it (", cudaGetErrorName(error),
-        "); it must come from cudaIpcGetEventHandle in another process on this host, for an "
-        "event made with cudaEventInterprocess | cudaEventDisableTiming"));
+    return OpenError(error, "cudaIpcOpenEventHandle", "cuda_ipc_event_handle",
+                     "cudaIpcGetEventHandle in another process on this host, for an event made "
+                     "with cudaEventInterprocess | cudaEventDisableTiming");
   }
   return std::unique_ptr<DeviceEvent>(new IpcEvent(device_, event));
 }

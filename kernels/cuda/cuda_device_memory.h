@@ -6,6 +6,8 @@
 // IPC mappings of other processes' allocations, and copies between them
 // and host memory. Statuses go through the engine's DeviceHealth.
 
+#include <cuda_runtime_api.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -38,6 +40,10 @@ class CudaDeviceMemory final : public DeviceMemory {
 
  private:
   absl::Status SetDevice();
+  // A failed cudaIpcOpen*Handle `call`: UNAVAILABLE for a sticky error, else
+  // INVALID_ARGUMENT naming `field` and where a handle must come from.
+  absl::Status OpenError(cudaError_t error, const char* call, const char* field,
+                         const char* origin);
 
   const int device_;
   DeviceHealth& health_;
