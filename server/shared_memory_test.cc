@@ -32,9 +32,9 @@ TEST(SharedMemoryTest, RegionsAreBoundedInCountAndBytes) {
   auto a1 = registry.Register(object.name(), 1 << 18, "a");
   auto a2 = registry.Register(object.name(), 1 << 18, "a");
   ASSERT_TRUE(a1.ok() && a2.ok());
-  EXPECT_THAT(registry.Register(object.name(), 4096, "a"),
-              StatusIs(Code::kResourceExhausted,
-                       HasSubstr("--max_shared_memory_regions_per_principal")));
+  EXPECT_THAT(
+      registry.Register(object.name(), 4096, "a"),
+      StatusIs(Code::kResourceExhausted, HasSubstr("--max_shared_memory_regions_per_principal")));
   EXPECT_THAT(registry.Register(object.name(), 3 << 18, "b"),
               StatusIs(Code::kResourceExhausted, HasSubstr("--shared_memory_bytes)")));
   ASSERT_TRUE(registry.Register(object.name(), 4096, "b").ok());
@@ -50,6 +50,73 @@ TEST(SharedMemoryTest, RegionsAreBoundedInCountAndBytes) {
   EXPECT_THAT(registry.RegisterCudaIpc(std::string(kCudaIpcHandleBytes, '\0'), 0,
                                        engine.device_memory(), "d"),
               StatusIs(Code::kResourceExhausted, HasSubstr("--max_shared_memory_regions)")));
+}
+
+// Device memory whose only power is opening CUDA IPC events (counted).
+class EventOpener : public DeviceMemory {
+ public:
+  class Event : public DeviceEvent {
+   public:
+    explicit Event(int* open) : open_(open) { ++*open_; }
+    ~Event() override { --*open_; }
+    void* native() const override { return nullptr; }
+
+   private:
+    int* open_;
+  };
+  int open = 0;
+  absl::StatusOr<std::unique_ptr<DeviceEvent>> ImportCudaIpcEvent(const std::string&) override {
+    return std::unique_ptr<DeviceEvent>(new Event(&open));
+  }
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(const std::string&) override {
+    return absl::UnimplementedError("events only");
+  }
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> Allocate(int64_t) override {
+    return absl::UnimplementedError("events only");
+  }
+  absl::Status CopyToHost(const void*, void*, int64_t) override {
+    return absl::UnimplementedError("events only");
+  }
+  absl::Status CopyToDevice(const void*, void*, int64_t) override {
+    return absl::UnimplementedError("events only");
+  }
+};
+
+// Event regions count among the regions, in total and per principal; an
+// event is closed once it is unregistered and no call holds it; memory and
+// events are not each other.
+TEST(SharedMemoryTest, EventRegionsAreBoundedAndKeptWhileHeld) {
+  SharedMemoryLimits limits;
+  limits.max_regions = 3;
+  limits.max_regions_per_principal = 2;
+  SharedMemoryRegistry registry(limits);
+  EventOpener events;
+  const std::string handle(kCudaIpcHandleBytes, '\0');
+  auto e1 = registry.RegisterCudaIpcEvent(handle, 0, &events, "a");
+  auto e2 = registry.RegisterCudaIpcEvent(handle, 0, &events, "a");
+  ASSERT_TRUE(e1.ok() && e2.ok()) << e1.status() << e2.status();
+  EXPECT_THAT(
+      registry.RegisterCudaIpcEvent(handle, 0, &events, "a"),
+      StatusIs(Code::kResourceExhausted, HasSubstr("--max_shared_memory_regions_per_principal")));
+  ShmObject object(4096);
+  ASSERT_TRUE(registry.Register(object.name(), 4096, "b").ok());
+  EXPECT_THAT(registry.RegisterCudaIpcEvent(handle, 0, &events, "b"),
+              StatusIs(Code::kResourceExhausted, HasSubstr("--max_shared_memory_regions)")));
+  EXPECT_EQ(events.open, 2);
+  EXPECT_EQ(registry.size(), 3);
+
+  std::shared_ptr<SliceResolver> call = registry.ResolverFor("a");
+  auto event = call->ResolveEvent(e1->region_id, "ready_event");
+  ASSERT_TRUE(event.ok()) << event.status();
+  EXPECT_THAT(call->Resolve(Slice(e1->region_id, 0), 4, "hidden"),
+              StatusIs(Code::kInvalidArgument, HasSubstr("is an event")));
+  EXPECT_THAT(registry.ResolverFor("b")->ResolveEvent(e2->region_id, "ready_event"),
+              StatusIs(Code::kNotFound, HasSubstr("unknown region")));
+  ASSERT_TRUE(registry.Unregister(e1->region_id, "a"));
+  EXPECT_EQ(events.open, 2);  // the call still holds it
+  call.reset();
+  EXPECT_EQ(events.open, 1);
+  EXPECT_TRUE(registry.RegisterCudaIpcEvent(handle, 0, &events, "a").ok());
 }
 
 TEST(SharedMemoryTest, NamesAreCheckedBeforeAnythingIsOpened) {
@@ -89,7 +156,7 @@ TEST(SharedMemoryTest, AShrinkUnderACallIsCaughtNotACrash) {
   object.Resize(0);
   int64_t sum = 0;
   for (int64_t i = 0; i < bytes; i += 512) sum += data[i];  // would be SIGBUS
-  data[bytes - 1] = 1;                                       // so would this
+  data[bytes - 1] = 1;                                      // so would this
   EXPECT_EQ(sum, 0);
   EXPECT_THAT(resolver->CheckIntact(),
               StatusIs(Code::kFailedPrecondition, HasSubstr("shrunk by its owner")));
