@@ -84,13 +84,12 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
                                              const ForwardCall& forward, BackwardCall* eager,
                                              const v1::EagerBackward* eager_request,
                                              v1::ForwardResponse* response, absl::Time queued) {
-  Context* context = call->context();
   const absl::Time engine_start = absl::Now();
-  absl::StatusOr<ForwardOutcome> outcome = core_->Forward(forward, principal, CancelFor(context));
+  absl::StatusOr<ForwardOutcome> outcome = core_->Forward(forward, principal, CancelFor(call));
   metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
   metrics_->RecordEngine(call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),
                          outcome.ok() ? forward.problem.rows() : 0);
-  if (!outcome.ok()) return Explain(outcome.status(), context);
+  if (!outcome.ok()) return Explain(outcome.status(), *call);
   // The session lives only if the client learns its id.
   if (!outcome->session_id.empty()) {
     call->WhenOver([this, id = outcome->session_id, principal](bool delivered) {
@@ -101,10 +100,10 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
     // The gradients now, into the caller's memory; the session stays for
     // a Backward that needs another grad_output.
     eager->session_id = outcome->session_id;
-    absl::StatusOr<BackwardOutcome> grads = core_->Backward(*eager, principal, CancelFor(context));
+    absl::StatusOr<BackwardOutcome> grads = core_->Backward(*eager, principal, CancelFor(call));
     if (!grads.ok()) {
       core_->Release(outcome->session_id, principal);
-      return Explain(grads.status(), context);
+      return Explain(grads.status(), *call);
     }
     core_->Answered(*grads);
     core_->Settle(*grads, /*delivered=*/true);
@@ -121,7 +120,7 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
                      back->mutable_grad_bias());
     }
   }
-  FLCE_RETURN_IF_ERROR(CheckAlive(context, "while computing"));
+  FLCE_RETURN_IF_ERROR(CheckAlive(*call, "while computing"));
   ForwardResult& r = outcome->result;
   MoveToProto(std::move(r.loss), response->mutable_loss());
   MoveToProto(std::move(r.z_loss), response->mutable_z_loss());
@@ -217,15 +216,14 @@ void LossServiceImpl::StartBackward(Call* call, const std::string& principal,
   Run(
       call,
       [=](absl::Time queued) -> absl::Status {
-        Context* context = call->context();
         const absl::Time engine_start = absl::Now();
         absl::StatusOr<BackwardOutcome> grads =
-            core_->Backward(*backward, principal, CancelFor(context));
+            core_->Backward(*backward, principal, CancelFor(call));
         metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
         metrics_->RecordEngine(
             call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),
             grads.ok() && !grads->grad_hidden.shape.empty() ? grads->grad_hidden.shape[0] : 0);
-        if (!grads.ok()) return Explain(grads.status(), context);
+        if (!grads.ok()) return Explain(grads.status(), *call);
         *outcome = *std::move(grads);
         stats->queue_ms = absl::ToDoubleMilliseconds(engine_start - queued);
         stats->engine_ms = MillisSince(engine_start);
@@ -236,16 +234,36 @@ void LossServiceImpl::StartBackward(Call* call, const std::string& principal,
 
 LossServiceImpl::Unary* LossServiceImpl::Backward(Context* context, const Bytes* in, Bytes* out) {
   auto* call = NewUnary<v1::BackwardRequest, v1::BackwardResponse>(context, in, out, "Backward");
-  std::optional<std::string> principal = Accept(call, /*new_work=*/false);
-  if (!principal) return call;
+  if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
+    ServeBackward(call, *principal, &call->request(), call->response());
+  }
+  return call;
+}
+
+void LossServiceImpl::ChannelForward(Call* call, const std::string& principal,
+                                     const v1::ForwardRequest* request,
+                                     v1::ForwardResponse* response) {
+  if (draining_) return call->Reply(DrainingError());
+  StartForward(call, principal, request, response);
+}
+
+void LossServiceImpl::ChannelBackward(Call* call, const std::string& principal,
+                                      const v1::BackwardRequest* request,
+                                      v1::BackwardResponse* response) {
+  ServeBackward(call, principal, request, response);
+}
+
+void LossServiceImpl::ServeBackward(Call* call, const std::string& principal,
+                                    const v1::BackwardRequest* request_ptr,
+                                    v1::BackwardResponse* response_ptr) {
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
-  StartBackward(call, *principal, &call->request(), limits_.max_message_bytes, outcome, stats,
-                [this, call, outcome, stats](const absl::Status& status) {
+  StartBackward(call, principal, request_ptr, limits_.max_message_bytes, outcome, stats,
+                [this, call, request_ptr, response_ptr, outcome, stats](const absl::Status& status) {
                   if (status.ok()) {
                     core_->Answered(*outcome);
-                    const v1::BackwardRequest& request = call->request();
-                    v1::BackwardResponse* response = call->response();
+                    const v1::BackwardRequest& request = *request_ptr;
+                    v1::BackwardResponse* response = response_ptr;
                     BackwardOutcome& o = *outcome;
                     EncodeGradient(std::move(o.grad_hidden), o.grad_hidden_in_shm,
                                    request.grad_hidden_out(), response->mutable_grad_hidden());
@@ -262,7 +280,6 @@ LossServiceImpl::Unary* LossServiceImpl::Backward(Context* context, const Bytes*
                   }
                   call->Reply(status);
                 });
-  return call;
 }
 
 // --- Streams ---------------------------------------------------------------

@@ -1,27 +1,22 @@
 #include "server/handler_support.h"
 
-#include <chrono>
-
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/rpc_call.h"
 
 namespace flce {
 
-bool DeadlinePassed(const grpc::CallbackServerContext* context) {
-  return std::chrono::system_clock::now() > context->deadline();
-}
+bool DeadlinePassed(const Call& call) { return absl::Now() > call.deadline(); }
 
-CancelFn CancelFor(const grpc::CallbackServerContext* context) {
-  return [context] { return context->IsCancelled() || DeadlinePassed(context); };
+CancelFn CancelFor(const Call* call) {
+  return [call] { return call->IsCancelled() || DeadlinePassed(*call); };
 }
 
 // CANCELLED / DEADLINE_EXCEEDED if the caller is gone, else OK.
-absl::Status CheckAlive(const grpc::CallbackServerContext* context, const char* where) {
-  if (DeadlinePassed(context)) {
+absl::Status CheckAlive(const Call& call, const char* where) {
+  if (DeadlinePassed(call)) {
     return absl::DeadlineExceededError(absl::StrCat("deadline exceeded ", where));
   }
-  if (context->IsCancelled()) {
+  if (call.IsCancelled()) {
     return absl::CancelledError(absl::StrCat("cancelled by the client ", where));
   }
   return absl::OkStatus();

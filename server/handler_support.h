@@ -8,20 +8,20 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "grpcpp/grpcpp.h"
 #include "kernels/loss_engine.h"
+#include "server/rpc_call.h"
 
 namespace flce {
 
-bool DeadlinePassed(const grpc::CallbackServerContext* context);
+bool DeadlinePassed(const Call& call);
 
 // True once the caller cancelled or its deadline passed (what the engine
-// checks between chunks).
-CancelFn CancelFor(const grpc::CallbackServerContext* context);
+// checks between chunks). `call` must outlive the function.
+CancelFn CancelFor(const Call* call);
 
 // CANCELLED / DEADLINE_EXCEEDED if the caller is gone, else OK; `where`
 // ends the message ("while queued").
-absl::Status CheckAlive(const grpc::CallbackServerContext* context, const char* where);
+absl::Status CheckAlive(const Call& call, const char* where);
 
 double MillisSince(absl::Time start);
 

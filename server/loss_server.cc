@@ -63,6 +63,13 @@ absl::Status CheckOptions(const ServerOptions& o) {
         "--max_shared_memory_regions must be in [1, ", SigbusGuard::kCapacity,
         "], --shared_memory_bytes and the _per_principal forms >= 0"));
   }
+  const CallChannelLimits& ch = o.call_channels;
+  if (ch.max_channels < 0 || ch.max_channels > 1024 || ch.max_channels_per_principal < 0 ||
+      ch.spin < absl::ZeroDuration() || ch.idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--max_call_channels must be in [0, 1024], --max_call_channels_per_principal and "
+        "--call_channel_spin >= 0, --call_channel_idle_timeout > 0");
+  }
   return absl::OkStatus();
 }
 
@@ -182,6 +189,12 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
       s->core_.get(), s->queue_.get(), limits, s->admission_.get(), s->shared_memory_.get(),
       s->auth_.get(), &s->metrics_, [raw] { return raw->CurrentGauges(); },
       [raw] { raw->MarkUnhealthy(); });
+  if (options.enable_shared_memory) {
+    s->channels_ = std::make_unique<CallChannels>(options.call_channels, options.max_message_bytes,
+                                                  s->service_.get(), s->admission_.get(),
+                                                  &s->metrics_);
+    s->service_->set_call_channels(s->channels_.get());
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -303,6 +316,7 @@ Gauges LossServer::CurrentGauges() const {
   g.weight_device_memory_bytes = weights_->device_bytes_in_use();
   g.shared_memory_regions = shared_memory_ ? shared_memory_->size() : 0;
   g.shared_memory_bytes = shared_memory_ ? shared_memory_->bytes() : 0;
+  g.call_channels = channels_ ? channels_->size() : 0;
   g.open_streams = admission_->open_streams();
   g.request_memory_bytes = admission_->bytes_in_use();
   g.stream_idle_timeouts = admission_->idle_timeouts();
@@ -347,11 +361,15 @@ void LossServer::Shutdown(absl::Duration grace) {
   if (server_ == nullptr) return;  // Start failed before serving
   SPDLOG_INFO("shutdown: draining (grace {})", absl::FormatDuration(grace));
   SetServing(false);
+  const absl::Time deadline = absl::Now() + grace;
+  // Channels take no new call; theirs in flight, like the RPCs', have until
+  // the deadline.
+  if (channels_ != nullptr) channels_->StopAll(deadline);
   // Refuses new RPCs, waits for those in flight until the deadline, then
   // cancels them; their tasks see the cancellation between chunks.
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    absl::ToChronoMilliseconds(grace));
+  server_->Shutdown(absl::ToChronoTime(deadline));
   if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
+  if (channels_ != nullptr) channels_->Shutdown(deadline);
   queue_->Shutdown();
   stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();

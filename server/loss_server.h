@@ -24,6 +24,7 @@
 #include "server/reflection_v1.h"
 #include "server/session_store.h"
 #include "server/request_admission.h"
+#include "server/call_channel.h"
 #include "server/shared_memory.h"
 #include "server/weight_registry.h"
 #include "server/work_queue.h"
@@ -60,6 +61,8 @@ struct ServerOptions {
   // Accept tensors in same-host clients' POSIX shared memory.
   bool enable_shared_memory = false;
   SharedMemoryLimits shared_memory;
+  // Call channels (OpenCallChannel), with shared memory only.
+  CallChannelLimits call_channels;
   // Requests in flight: their memory, open client streams, idle timeout.
   RequestLimits requests;
   int workers = 1;               // concurrent engine calls
@@ -128,6 +131,8 @@ class LossServer {
   std::unique_ptr<LossCore> core_;
   std::unique_ptr<WorkQueue> queue_;
   std::unique_ptr<LossServiceImpl> service_;
+  // After the service and the queue: gone before them.
+  std::unique_ptr<CallChannels> channels_;
   std::unique_ptr<ReflectionV1Service> reflection_v1_;  // absent with tokens
   ServiceMetrics metrics_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;

@@ -47,13 +47,15 @@ absl::StatusOr<std::string> LossServiceImpl::Authenticate(const Context* context
   return auth_->Authenticate(*context);
 }
 
+absl::Status LossServiceImpl::DrainingError() {
+  return absl::UnavailableError(
+      "server is draining for shutdown: send new work to another replica (sessions already "
+      "here are still served)");
+}
+
 absl::StatusOr<std::string> LossServiceImpl::Admit(const Context* context) const {
   absl::StatusOr<std::string> principal = Authenticate(context);
-  if (principal.ok() && draining_) {
-    return absl::UnavailableError(
-        "server is draining for shutdown: send new work to another replica (sessions already "
-        "here are still served)");
-  }
+  if (principal.ok() && draining_) return DrainingError();
   return principal;
 }
 
@@ -61,9 +63,9 @@ std::shared_ptr<SliceResolver> LossServiceImpl::ResolverFor(const std::string& p
   return shared_memory_ ? shared_memory_->ResolverFor(principal) : nullptr;
 }
 
-absl::Status LossServiceImpl::Explain(absl::Status status, const Context* context) {
+absl::Status LossServiceImpl::Explain(absl::Status status, const Call& call) {
   // The engine stops with CANCELLED when the cancel hook fires; say which.
-  if (status.code() == absl::StatusCode::kCancelled && DeadlinePassed(context)) {
+  if (status.code() == absl::StatusCode::kCancelled && DeadlinePassed(call)) {
     return absl::DeadlineExceededError("deadline exceeded while computing");
   }
   if (status.code() == absl::StatusCode::kInternal) {
@@ -78,13 +80,16 @@ absl::Status LossServiceImpl::Explain(absl::Status status, const Context* contex
 void LossServiceImpl::Run(Call* call, std::function<absl::Status(absl::Time)> work,
                           std::function<void(const absl::Status&)> done) {
   const absl::Time queued = absl::Now();
-  Context* context = call->context();
   const char* rpc = call->record().rpc();
-  absl::Status submitted = queue_->Submit([=]() {
-    absl::Status status = CheckAlive(context, "while queued");
+  auto task = [=]() {
+    absl::Status status = CheckAlive(*call, "while queued");
     if (status.ok()) status = GuardMemory([&] { return work(queued); }, rpc);
     done(status);
-  });
+  };
+  // A call with a thread of its own runs there when a worker's place is
+  // free: one thread wake-up less.
+  absl::Status submitted =
+      call->HasOwnThread() ? queue_->RunHereOrSubmit(std::move(task)) : queue_->Submit(std::move(task));
   if (!submitted.ok()) done(submitted);
 }
 
@@ -95,12 +100,18 @@ LossServiceImpl::Unary* LossServiceImpl::ReleaseSession(Context* context, const 
   auto* call = NewUnary<v1::ReleaseSessionRequest, v1::ReleaseSessionResponse>(context, in, out,
                                                                                "ReleaseSession");
   if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
-    const std::string& id = call->request().session_id();
-    call->record().SetDetail(SessionDetail(id));
-    call->response()->set_released(core_->Release(id, *principal));
-    call->Reply(absl::OkStatus());
+    ChannelReleaseSession(call, *principal, &call->request(), call->response());
   }
   return call;
+}
+
+void LossServiceImpl::ChannelReleaseSession(Call* call, const std::string& principal,
+                                            const v1::ReleaseSessionRequest* request,
+                                            v1::ReleaseSessionResponse* response) {
+  const std::string& id = request->session_id();
+  call->record().SetDetail(SessionDetail(id));
+  response->set_released(core_->Release(id, principal));
+  call->Reply(absl::OkStatus());
 }
 
 LossServiceImpl::Unary* LossServiceImpl::GetServerInfo(Context* context, const Bytes* in,
@@ -181,6 +192,7 @@ LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes*
   response->set_registered_weights(g.registered_weights);
   response->set_weight_memory_bytes(g.weight_memory_bytes);
   response->set_shared_memory_regions(g.shared_memory_regions);
+  response->set_call_channels(g.call_channels);
   response->set_shared_memory_bytes(g.shared_memory_bytes);
   response->set_device_memory_bytes(g.device_memory_bytes);
   response->set_weight_device_memory_bytes(g.weight_device_memory_bytes);
@@ -237,6 +249,59 @@ LossServiceImpl::Unary* LossServiceImpl::UnregisterSharedMemory(Context* context
     call->response()->set_unregistered(
         shared_memory_ != nullptr &&
         shared_memory_->Unregister(call->request().region_id(), *principal));
+    call->Reply(absl::OkStatus());
+  }
+  return call;
+}
+
+// --- Call channels -----------------------------------------------------------
+
+LossServiceImpl::Unary* LossServiceImpl::OpenCallChannel(Context* context, const Bytes* in,
+                                                         Bytes* out) {
+  auto* call = NewUnary<v1::OpenCallChannelRequest, v1::OpenCallChannelResponse>(
+      context, in, out, "OpenCallChannel");
+  std::optional<std::string> principal = Accept(call, /*new_work=*/true);
+  if (!principal) return call;
+  if (channels_ == nullptr || shared_memory_ == nullptr) {
+    call->Reply(absl::FailedPreconditionError(
+        "call channels need shared memory, which is disabled on this server; start it with "
+        "--enable_shared_memory"));
+    return call;
+  }
+  const v1::OpenCallChannelRequest& request = call->request();
+  absl::StatusOr<std::shared_ptr<SharedRegion>> region =
+      shared_memory_->Find(request.region_id(), *principal);
+  if (!region.ok()) {
+    call->Reply(absl::NotFoundError(absl::StrCat("region_id: ", region.status().message())));
+    return call;
+  }
+  absl::StatusOr<std::string> id = channels_->Open(*std::move(region), request.request_bytes(),
+                                                   request.response_bytes(), *principal);
+  if (id.ok()) {
+    call->record().SetDetail(absl::StrCat("channel=", LogSafe(*id, 8), " "));
+    v1::OpenCallChannelResponse* response = call->response();
+    response->set_channel_id(*id);
+    response->set_spin_us(absl::ToInt64Microseconds(channels_->limits().spin));
+    response->set_idle_timeout_us(absl::ToInt64Microseconds(channels_->limits().idle_timeout));
+    // A channel whose id never reached its client would hold its thread
+    // until the idle timeout.
+    call->WhenOver([this, id = *id, principal = *principal](bool delivered) {
+      if (!delivered) channels_->Close(id, principal);
+    });
+  }
+  call->Reply(id.status());
+  return call;
+}
+
+LossServiceImpl::Unary* LossServiceImpl::CloseCallChannel(Context* context, const Bytes* in,
+                                                          Bytes* out) {
+  auto* call = NewUnary<v1::CloseCallChannelRequest, v1::CloseCallChannelResponse>(
+      context, in, out, "CloseCallChannel");
+  if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
+    call->record().SetDetail(
+        absl::StrCat("channel=", LogSafe(call->request().channel_id(), 8), " "));
+    call->response()->set_closed(channels_ != nullptr &&
+                                 channels_->Close(call->request().channel_id(), *principal));
     call->Reply(absl::OkStatus());
   }
   return call;

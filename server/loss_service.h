@@ -22,6 +22,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/flce/v1/loss_service.grpc.pb.h"
 #include "server/auth.h"
+#include "server/call_channel.h"
 #include "server/loss_core.h"
 #include "server/metrics.h"
 #include "server/request_admission.h"
@@ -58,9 +59,14 @@ using RawLossService =
                                                 WithRawCallbackMethod_UnregisterSharedMemory<
                                                     v1::LossService::
                                                         WithRawCallbackMethod_TakeWeightGrad<
-                                                            v1::LossService::Service>>>>>>>>>>>>>;
+                                                            v1::LossService::
+                                                                WithRawCallbackMethod_OpenCallChannel<
+                                                                    v1::LossService::
+                                                                        WithRawCallbackMethod_CloseCallChannel<
+                                                                            v1::LossService::
+                                                                                Service>>>>>>>>>>>>>>>;
 
-class LossServiceImpl final : public RawLossService {
+class LossServiceImpl final : public RawLossService, public CallChannelService {
  public:
   // All pointers must outlive the service; `shared_memory` is null when
   // shared memory is disabled, `auth` null for anonymous callers only.
@@ -79,6 +85,10 @@ class LossServiceImpl final : public RawLossService {
   // regions are still served.
   void StartDraining() { draining_ = true; }
 
+  // The channels OpenCallChannel opens (null: OpenCallChannel is
+  // FAILED_PRECONDITION); set before serving, must outlive the service.
+  void set_call_channels(CallChannels* channels) { channels_ = channels; }
+
   using Unary = grpc::ServerUnaryReactor;
   using Bytes = grpc::ByteBuffer;
   using Context = grpc::CallbackServerContext;
@@ -96,6 +106,18 @@ class LossServiceImpl final : public RawLossService {
   Unary* DeleteWeight(Context* context, const Bytes* request, Bytes* response) override;
   Unary* ListWeights(Context* context, const Bytes* request, Bytes* response) override;
   grpc::ServerWriteReactor<Bytes>* TakeWeightGrad(Context* context, const Bytes* request) override;
+  Unary* OpenCallChannel(Context* context, const Bytes* request, Bytes* response) override;
+  Unary* CloseCallChannel(Context* context, const Bytes* request, Bytes* response) override;
+
+  // CallChannelService: a channel's calls, served as the RPCs are.
+  void ChannelForward(Call* call, const std::string& principal, const v1::ForwardRequest* request,
+                      v1::ForwardResponse* response) override;
+  void ChannelBackward(Call* call, const std::string& principal,
+                       const v1::BackwardRequest* request,
+                       v1::BackwardResponse* response) override;
+  void ChannelReleaseSession(Call* call, const std::string& principal,
+                             const v1::ReleaseSessionRequest* request,
+                             v1::ReleaseSessionResponse* response) override;
 
  private:
   // Decodes a Forward request, queues its computation and replies on `call`
@@ -118,6 +140,10 @@ class LossServiceImpl final : public RawLossService {
                      int64_t max_response_bytes, std::shared_ptr<BackwardOutcome> outcome,
                      std::shared_ptr<CallStats> stats,
                      std::function<void(const absl::Status&)> done);
+  // A unary Backward: StartBackward, then its gradients into `response`
+  // (`request` and `response` live until the call is over).
+  void ServeBackward(Call* call, const std::string& principal, const v1::BackwardRequest* request,
+                     v1::BackwardResponse* response);
 
   // Queues `work` (returning the call's status), then calls done(status) on
   // the worker; at once if the queue refuses. Allocation failures in `work`
@@ -127,13 +153,14 @@ class LossServiceImpl final : public RawLossService {
 
   // Context for an engine error: deadline vs cancellation, INTERNAL logged
   // once, and the health hook when the engine stopped.
-  absl::Status Explain(absl::Status status, const Context* context);
+  absl::Status Explain(absl::Status status, const Call& call);
 
   // The caller's principal (server/auth.h), or UNAUTHENTICATED. Every
   // handler asks first.
   absl::StatusOr<std::string> Authenticate(const Context* context) const;
   // Authenticate, and UNAVAILABLE while draining: for RPCs that start new work.
   absl::StatusOr<std::string> Admit(const Context* context) const;
+  static absl::Status DrainingError();
 
   // A resolver of the principal's shared-memory slices, or null (disabled).
   std::shared_ptr<SliceResolver> ResolverFor(const std::string& principal) const;
@@ -158,6 +185,7 @@ class LossServiceImpl final : public RawLossService {
   const std::function<void()> on_engine_unhealthy_;
   std::once_flag unhealthy_once_;
   std::atomic<bool> draining_{false};
+  CallChannels* channels_ = nullptr;
 };
 
 // The unary calls' start, used by every handler file.

@@ -50,6 +50,18 @@ ABSL_FLAG(flce::ByteCount, shared_memory_bytes,
           "bytes all registered shared-memory regions may map");
 ABSL_FLAG(flce::ByteCount, shared_memory_bytes_per_principal, flce::ByteCount{0},
           "bytes one principal's shared-memory regions may map (0: only --shared_memory_bytes)");
+ABSL_FLAG(int64_t, max_call_channels, flce::CallChannelLimits().max_channels,
+          "call channels open at once (OpenCallChannel; a server thread each; at most 1024)");
+ABSL_FLAG(int64_t, max_call_channels_per_principal, 0,
+          "call channels of one principal (0: only --max_call_channels)");
+ABSL_FLAG(flce::DurationFlag, call_channel_spin,
+          flce::DurationFlag{flce::CallChannelLimits().spin},
+          "how long a call channel's thread polls for the next call after each answer before "
+          "it sleeps (a CPU core while it polls; 0s: sleep at once, each call then pays a "
+          "thread wake-up)");
+ABSL_FLAG(flce::DurationFlag, call_channel_idle_timeout,
+          flce::DurationFlag{flce::CallChannelLimits().idle_timeout},
+          "a call channel without a call for this long is closed");
 ABSL_FLAG(int64_t, max_streams, flce::RequestLimits().max_streams,
           "ForwardStream and PutWeight streams open at once");
 ABSL_FLAG(int64_t, max_streams_per_principal, 0,
@@ -191,6 +203,11 @@ int main(int argc, char** argv) {
   options.shared_memory.max_bytes = absl::GetFlag(FLAGS_shared_memory_bytes).bytes;
   options.shared_memory.max_bytes_per_principal =
       absl::GetFlag(FLAGS_shared_memory_bytes_per_principal).bytes;
+  options.call_channels.max_channels = absl::GetFlag(FLAGS_max_call_channels);
+  options.call_channels.max_channels_per_principal =
+      absl::GetFlag(FLAGS_max_call_channels_per_principal);
+  options.call_channels.spin = absl::GetFlag(FLAGS_call_channel_spin).value;
+  options.call_channels.idle_timeout = absl::GetFlag(FLAGS_call_channel_idle_timeout).value;
   options.requests.max_streams = absl::GetFlag(FLAGS_max_streams);
   options.requests.max_streams_per_principal = absl::GetFlag(FLAGS_max_streams_per_principal);
   options.requests.memory_bytes = absl::GetFlag(FLAGS_request_memory_bytes).bytes;

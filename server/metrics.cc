@@ -177,6 +177,8 @@ std::string PrometheusText(const MetricsSnapshot& s) {
               g.weight_device_memory_bytes);
   AppendGauge(&out, "flce_shared_memory_regions", "Registered shared-memory regions.",
               g.shared_memory_regions);
+  AppendGauge(&out, "flce_call_channels", "Open call channels (a server thread each).",
+              g.call_channels);
   AppendGauge(&out, "flce_device_memory_bytes",
               "Device memory the engine holds (its pool, registered weights and their "
               "gradient sums; 0 on the CPU).", g.device_memory_bytes);

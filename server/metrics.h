@@ -47,6 +47,7 @@ struct Gauges {
   // Client streams (ForwardStream, PutWeight) and shared-memory mappings.
   int64_t open_streams = 0, request_memory_bytes = 0, stream_idle_timeouts = 0;
   int64_t shared_memory_bytes = 0;
+  int64_t call_channels = 0;  // open (server/call_channel.h)
 };
 
 struct MetricsSnapshot {

@@ -1,6 +1,7 @@
 #include "server/rpc_call.h"
 
 #include <chrono>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -28,13 +29,28 @@ std::string LogSafe(absl::string_view text, size_t max) {
   return out;
 }
 
+namespace {
+
+absl::Status Unparsable(size_t bytes, const google::protobuf::Message& message) {
+  return absl::InvalidArgumentError(absl::StrCat("request: ", bytes, " bytes that do not parse as ",
+                                                 message.GetDescriptor()->full_name()));
+}
+
+}  // namespace
+
 absl::Status ParseMessage(const grpc::ByteBuffer& bytes, google::protobuf::Message* message) {
   grpc::ByteBuffer copy(bytes);  // shares the slices; the reader consumes its buffer
   grpc::ProtoBufferReader reader(&copy);
   if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "request: ", bytes.Length(), " bytes that do not parse as ",
-        message->GetDescriptor()->full_name()));
+    return Unparsable(bytes.Length(), *message);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseMessage(absl::string_view bytes, google::protobuf::Message* message) {
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max()) ||
+      !message->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    return Unparsable(bytes.size(), *message);
   }
   return absl::OkStatus();
 }
@@ -51,6 +67,12 @@ absl::Status SerializeMessage(const google::protobuf::Message& message, int64_t 
   grpc::Status status =
       grpc::SerializationTraits<google::protobuf::Message>::Serialize(message, out, &own_buffer);
   return FromGrpcStatus(status);
+}
+
+absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
+  const std::chrono::system_clock::time_point deadline = context->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
 }
 
 absl::StatusCode CallRecord::Over(const grpc::CallbackServerContext* context) {
@@ -75,7 +97,8 @@ absl::StatusCode CallRecord::Over(const grpc::CallbackServerContext* context) {
                          absl::StrReplaceAll(LogSafe(answered_.message(), 240), {{"\"", "\\x22"}}),
                          "\"");
   }
-  SPDLOG_INFO("rpc={} {}{}code={} ms={:.1f}{}", rpc_, detail_, note,
+  SPDLOG_INFO("rpc={} {}{}{}code={} ms={:.1f}{}", rpc_,
+              via_ != nullptr ? absl::StrCat("via=", via_, " ") : std::string(), detail_, note,
               absl::StatusCodeToString(code), ms, error);
   if (metrics_ != nullptr) {
     metrics_->RecordRpc(rpc_, code, ms / 1e3);

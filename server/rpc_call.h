@@ -56,6 +56,7 @@ auto GuardMemory(F&& f, absl::string_view what) -> decltype(f()) {
 // Parses a protobuf message from a request's bytes. INVALID_ARGUMENT naming
 // the message type when they do not parse.
 absl::Status ParseMessage(const grpc::ByteBuffer& bytes, google::protobuf::Message* message);
+absl::Status ParseMessage(absl::string_view bytes, google::protobuf::Message* message);
 
 // Serializes a message for the wire.
 // RESOURCE_EXHAUSTED (naming `what` and the sizes) when it is larger than
@@ -76,6 +77,9 @@ class CallRecord {
   void SetDetail(std::string detail) { detail_ = std::move(detail); }
   void PrependDetail(absl::string_view text) { detail_ = absl::StrCat(text, detail_); }
   const std::string& detail() const { return detail_; }
+  // How the call came other than by gRPC ("channel": a call channel), for
+  // the access line.
+  void SetVia(const char* via) { via_ = via; }
   void AddBytes(int64_t received, int64_t sent) {
     received_ += received;
     sent_ += sent;
@@ -99,17 +103,28 @@ class CallRecord {
   const char* const rpc_;
   const absl::Time start_;
   std::string detail_;
+  const char* via_ = nullptr;
   int64_t received_ = 0, sent_ = 0;
   absl::Status answered_ = absl::UnknownError("never answered");
   std::vector<std::function<void(bool)>> hooks_;
 };
 
-// What the code shared by a unary call and a stream needs of its call.
+// When a gRPC call's deadline is (absl::InfiniteFuture() without one).
+absl::Time DeadlineOf(const grpc::CallbackServerContext* context);
+
+// What the code shared by a unary call, a stream and a call-channel call
+// (server/call_channel.h) needs of its call.
 class Call {
  public:
   virtual ~Call() = default;
   virtual CallRecord& record() = 0;
-  virtual grpc::CallbackServerContext* context() = 0;
+  // True once the client cancelled the call (or is gone).
+  virtual bool IsCancelled() const = 0;
+  // The client's deadline (absl::InfiniteFuture() without one).
+  virtual absl::Time deadline() const = 0;
+  // True for a call served on a thread of its own (a call channel's), where
+  // its engine work may run instead of being handed to a worker.
+  virtual bool HasOwnThread() const { return false; }
   // Finishes the call with `status` (the response, on OK, is sent).
   virtual void Reply(const absl::Status& status) = 0;
   // `f(delivered)` runs once the call is over, before it is logged;
@@ -157,7 +172,9 @@ class UnaryCall final : public grpc::ServerUnaryReactor, public Call {
   Response* response() { return &response_; }
 
   CallRecord& record() override { return record_; }
-  grpc::CallbackServerContext* context() override { return context_; }
+  grpc::CallbackServerContext* context() { return context_; }
+  bool IsCancelled() const override { return context_->IsCancelled(); }
+  absl::Time deadline() const override { return DeadlineOf(context_); }
   void WhenOver(std::function<void(bool)> f) override { record_.WhenOver(std::move(f)); }
 
   void Reply(const absl::Status& status) override {

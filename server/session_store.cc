@@ -1,15 +1,11 @@
 #include "server/session_store.h"
 
-#include <sys/random.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstdio>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "server/random_id.h"
 
 namespace flce {
 namespace {
@@ -48,24 +44,6 @@ Reservation::~Reservation() {
 
 SessionStore::SessionStore(SessionLimits limits, Clock clock)
     : limits_(limits), clock_(std::move(clock)) {}
-
-std::string SessionStore::NewId() {
-  unsigned char bytes[16];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      // getrandom cannot fail on a supported kernel once the pool is ready.
-      std::perror("getrandom");
-      std::abort();
-    }
-    got += static_cast<size_t>(n);
-  }
-  std::string id;
-  for (unsigned char b : bytes) absl::StrAppendFormat(&id, "%02x", b);
-  return id;
-}
 
 bool SessionStore::Fits(int64_t bytes) const {
   absl::MutexLock lock(&mu_);
@@ -133,7 +111,7 @@ std::string SessionStore::Commit(Reservation reservation,
   session.principal = reservation.principal_;
   session.bytes = reservation.bytes();
   session.last_used = clock_();
-  std::string id = NewId();
+  std::string id = RandomId();
   absl::MutexLock lock(&mu_);
   // The reservation's budget moves to the live session.
   --reserved_count_;

@@ -187,7 +187,6 @@ class SessionStore {
   // Removes a live session, leaving a tombstone. REQUIRES: mu_ held.
   void EndLocked(const std::string& id, Ended how)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static std::string NewId();
 
   const SessionLimits limits_;
   const Clock clock_;

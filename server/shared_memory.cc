@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,7 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "server/random_id.h"
 #include "server/sigbus_guard.h"
 
 namespace flce {
@@ -26,6 +25,10 @@ bool ValidShmName(const std::string& name) {
     if (!ok) return false;
   }
   return name != "/." && name != "/..";
+}
+
+std::string UnknownRegion(const std::string& region_id) {
+  return absl::StrCat("unknown region '", region_id.substr(0, 64), "'");
 }
 
 }  // namespace
@@ -81,15 +84,9 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
 
   absl::StatusOr<SliceMemory> Resolve(const SliceRef& slice, int64_t bytes,
                                       const std::string& field) const override {
-    std::shared_ptr<SharedRegion> region;
-    {
-      absl::MutexLock lock(&registry_->mu_);
-      auto it = registry_->regions_.find(slice.region_id);
-      if (it == registry_->regions_.end() || it->second.principal != principal_) {
-        return absl::NotFoundError(
-            absl::StrCat(field, ".shm: unknown region '", slice.region_id.substr(0, 64), "'"));
-      }
-      region = it->second.region;
+    std::shared_ptr<SharedRegion> region = registry_->Lookup(slice.region_id, principal_);
+    if (region == nullptr) {
+      return absl::NotFoundError(absl::StrCat(field, ".shm: ", UnknownRegion(slice.region_id)));
     }
     if (region->event() != nullptr) {
       return absl::InvalidArgumentError(
@@ -110,15 +107,9 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
 
   absl::StatusOr<const DeviceEvent*> ResolveEvent(const std::string& region_id,
                                                   const std::string& field) const override {
-    std::shared_ptr<SharedRegion> region;
-    {
-      absl::MutexLock lock(&registry_->mu_);
-      auto it = registry_->regions_.find(region_id);
-      if (it == registry_->regions_.end() || it->second.principal != principal_) {
-        return absl::NotFoundError(
-            absl::StrCat(field, ": unknown region '", region_id.substr(0, 64), "'"));
-      }
-      region = it->second.region;
+    std::shared_ptr<SharedRegion> region = registry_->Lookup(region_id, principal_);
+    if (region == nullptr) {
+      return absl::NotFoundError(absl::StrCat(field, ": ", UnknownRegion(region_id)));
     }
     if (region->event() == nullptr) {
       return absl::InvalidArgumentError(
@@ -334,12 +325,8 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpcEvent(
 
 absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Add(std::shared_ptr<SharedRegion> region,
                                                            const std::string& principal) {
-  unsigned char id_bytes[16];
-  if (getrandom(id_bytes, sizeof(id_bytes), 0) != sizeof(id_bytes)) {
-    return absl::InternalError("getrandom failed");  // the region unmaps itself
-  }
   RegisteredRegion out;
-  for (unsigned char b : id_bytes) absl::StrAppendFormat(&out.region_id, "%02x", b);
+  out.region_id = RandomId();
   out.bytes = region->bytes();
   absl::MutexLock lock(&mu_);
   regions_[out.region_id] = Entry{std::move(region), principal};
@@ -365,6 +352,21 @@ int64_t SharedMemoryRegistry::size() const {
 int64_t SharedMemoryRegistry::bytes() const {
   absl::MutexLock lock(&mu_);
   return bytes_;
+}
+
+std::shared_ptr<SharedRegion> SharedMemoryRegistry::Lookup(const std::string& region_id,
+                                                           const std::string& principal) const {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(region_id);
+  if (it == regions_.end() || it->second.principal != principal) return nullptr;
+  return it->second.region;
+}
+
+absl::StatusOr<std::shared_ptr<SharedRegion>> SharedMemoryRegistry::Find(
+    const std::string& region_id, const std::string& principal) const {
+  std::shared_ptr<SharedRegion> region = Lookup(region_id, principal);
+  if (region == nullptr) return absl::NotFoundError(UnknownRegion(region_id));
+  return region;
 }
 
 std::shared_ptr<SliceResolver> SharedMemoryRegistry::ResolverFor(

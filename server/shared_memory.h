@@ -119,7 +119,15 @@ class SharedMemoryRegistry {
   // mapped for as long as it lives (so a call in flight never loses one).
   std::shared_ptr<SliceResolver> ResolverFor(const std::string& principal) const;
 
+  // `principal`'s region `region_id` (mapped for as long as the pointer
+  // lives), or NOT_FOUND ("unknown region ...").
+  absl::StatusOr<std::shared_ptr<SharedRegion>> Find(const std::string& region_id,
+                                                     const std::string& principal) const;
+
  private:
+  // Null when unknown or another principal's.
+  std::shared_ptr<SharedRegion> Lookup(const std::string& region_id,
+                                       const std::string& principal) const;
   class Holds;
   struct Entry {
     std::shared_ptr<SharedRegion> region;

@@ -63,7 +63,9 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
   }
 
   CallRecord& record() override { return record_; }
-  grpc::CallbackServerContext* context() override { return context_; }
+  grpc::CallbackServerContext* context() { return context_; }
+  bool IsCancelled() const override { return context_->IsCancelled(); }
+  absl::Time deadline() const override { return DeadlineOf(context_); }
   void WhenOver(std::function<void(bool)> f) override { record_.WhenOver(std::move(f)); }
 
   void OnReadDone(bool ok) override {
@@ -167,7 +169,9 @@ class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Ca
       : context_(context), max_message_bytes_(max_message_bytes), record_(metrics, rpc) {}
 
   CallRecord& record() override { return record_; }
-  grpc::CallbackServerContext* context() override { return context_; }
+  grpc::CallbackServerContext* context() { return context_; }
+  bool IsCancelled() const override { return context_->IsCancelled(); }
+  absl::Time deadline() const override { return DeadlineOf(context_); }
   void WhenOver(std::function<void(bool)> f) override { record_.WhenOver(std::move(f)); }
 
   // Holds the request message's bytes in request memory and parses it.

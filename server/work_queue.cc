@@ -7,7 +7,8 @@
 
 namespace flce {
 
-WorkQueue::WorkQueue(int workers, int max_queued) : max_queued_(max_queued) {
+WorkQueue::WorkQueue(int workers, int max_queued)
+    : max_queued_(max_queued), workers_count_(workers) {
   for (int i = 0; i < workers; ++i) {
     workers_.emplace_back([this] { WorkerLoop(); });
   }
@@ -19,7 +20,7 @@ absl::Status WorkQueue::Submit(std::function<void()> task) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("server is shutting down");
   // Idle workers take tasks at once; beyond them at most max_queued_ wait.
-  const int64_t idle = static_cast<int64_t>(workers_.size()) - running_;
+  const int64_t idle = workers_count_ - running_;
   if (static_cast<int64_t>(tasks_.size()) >= max_queued_ + std::max<int64_t>(idle, 0)) {
     return absl::ResourceExhaustedError(
         absl::StrCat("work queue: ", tasks_.size(), " requests waiting of at most ",
@@ -29,14 +30,32 @@ absl::Status WorkQueue::Submit(std::function<void()> task) {
   return absl::OkStatus();
 }
 
+absl::Status WorkQueue::RunHereOrSubmit(std::function<void()> task) {
+  bool here = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("server is shutting down");
+    here = running_ < workers_count_ && tasks_.empty();
+    if (here) ++running_;
+  }
+  if (!here) return Submit(std::move(task));
+  task();
+  absl::MutexLock lock(&mu_);
+  --running_;
+  return absl::OkStatus();
+}
+
 void WorkQueue::WorkerLoop() {
   for (;;) {
     std::function<void()> task;
     {
       absl::MutexLock lock(&mu_);
+      // A task runs when a worker's place is free (a task run by its
+      // caller's thread takes one too).
       mu_.Await(absl::Condition(
           +[](WorkQueue* q) ABSL_EXCLUSIVE_LOCKS_REQUIRED(q->mu_) {
-            return q->stopping_ || !q->tasks_.empty();
+            return (q->stopping_ && q->tasks_.empty()) ||
+                   (!q->tasks_.empty() && q->running_ < q->workers_count_);
           },
           this));
       if (tasks_.empty()) return;  // stopping and drained

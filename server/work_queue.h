@@ -3,7 +3,9 @@
 
 // A bounded FIFO of tasks run by a fixed set of worker threads. The engine
 // work of every RPC goes through it, so the number of concurrent engine
-// calls and the backlog are both limited.
+// calls and the backlog are both limited. A caller with a thread of its own
+// to spare (a call channel's) may run its task there instead, taking a
+// worker's place: at most `workers` tasks run at once either way.
 
 #include <cstdint>
 #include <deque>
@@ -29,6 +31,11 @@ class WorkQueue {
   // UNAVAILABLE after Shutdown began. A task that is queued always runs.
   absl::Status Submit(std::function<void()> task);
 
+  // Runs `task` on the calling thread, now, when fewer than `workers` tasks
+  // run and none waits (it then counts as running); otherwise queues it as
+  // Submit does. Errors as Submit's.
+  absl::Status RunHereOrSubmit(std::function<void()> task);
+
   // Stops accepting tasks, runs those already queued, joins the workers.
   // Idempotent.
   void Shutdown();
@@ -41,6 +48,7 @@ class WorkQueue {
   void WorkerLoop();
 
   const int max_queued_;
+  const int64_t workers_count_;
   mutable absl::Mutex mu_;
   std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -28,15 +28,16 @@ class ServerProcess:
     Plaintext (--insecure) unless ``tls`` (the flags then name the
     certificates)."""
 
-    def __init__(self, binary, *flags, tls=False, host="127.0.0.1", prefix=()):
+    def __init__(self, binary, *flags, tls=False, host="127.0.0.1", prefix=(), address=None):
         """``host``: the address to listen on (port chosen by the kernel);
+        ``address``: instead, a whole listen address (e.g. "unix:/path");
         ``prefix``: a command the server runs under (e.g. ``ip netns exec
         NAME``)."""
         self.log_path = os.path.join(tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR")),
                                      "server.log")
         self.log = open(self.log_path, "w+")
         self.process = subprocess.Popen(
-            [*prefix, binary, f"--listen_address={host}:0", *(() if tls else ("--insecure",)),
+            [*prefix, binary, f"--listen_address={address or host + ':0'}", *(() if tls else ("--insecure",)),
              *flags], stderr=self.log)
         port = None
         for _ in range(400):
@@ -51,7 +52,7 @@ class ServerProcess:
         if port is None:
             self.kill()
             raise RuntimeError("flce_server did not start:\n" + self.read_log())
-        self.address = f"{host}:{port}"
+        self.address = address or f"{host}:{port}"
 
     def read_log(self):
         self.log.seek(0)

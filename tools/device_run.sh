@@ -3,7 +3,7 @@
 # tools/device_bundle.sh packed .devbin/bundle.tar.xz here: the GPU test
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
-# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [worker] [gemms]
+# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [worker] [gemms] [latency]
 # bench reads BENCH_SHAPES, BENCH_DTYPES, BENCH_MODES, BENCH_WARMUP,
 # BENCH_CHUNK_BYTES and BENCH_FLAGS (more flce_bench flags); gemms reads
 # BENCH_SHAPES, GEMM_CHUNK_ROWS, GEMM_ALGOS and GEMM_FLAGS (more gemm_algos
@@ -102,5 +102,11 @@ if want worker && [ -n "$ARGS" ]; then
   PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/worker_bench.py "$bin/flce_server" \
     --transports="${WORKER_TRANSPORTS:-cuda_ipc}" --json="$OUT/worker_bench.json" \
     ${worker_flags[@]+"${worker_flags[@]}"} 2>&1 | tee "$OUT/worker_bench.txt" || status=1
+fi
+if want latency && [ -n "$ARGS" ]; then
+  echo "== same_host_latency ${LATENCY_FLAGS:-}"
+  read -r -a latency_flags <<< "${LATENCY_FLAGS:-}"
+  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/same_host_latency.py "$bin/flce_server" \
+    ${latency_flags[@]+"${latency_flags[@]}"} 2>&1 | tee "$OUT/same_host_latency.txt" || status=1
 fi
 exit "$status"

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import grpc
 import numpy as np
 
+from flce import call_channel as _call_channel
 from flce.shared_memory import SharedMemoryRegion
 from flce.wire_dtypes import NP_DTYPES as _NP_DTYPES
 from flce.wire_dtypes import elem_size as _elem_size
@@ -171,14 +172,21 @@ class Client:
     when it is not the host dialled (a pod dialled by IP whose certificate
     names its Service). ``token`` is sent as "authorization: Bearer
     <token>" on every call. ``cuda_ipc_keep_registrations=False`` registers
-    GPU memory per call (see :class:`flce.cuda_ipc.CudaIpcRegistry`)."""
+    GPU memory per call (see :class:`flce.cuda_ipc.CudaIpcRegistry`).
+    ``call_channel``: "auto" makes the calls that pass tensors through
+    shared memory or CUDA IPC through a call channel (see
+    :mod:`flce.call_channel`) where the server offers one, True makes every
+    Forward, Backward and ReleaseSession so, False none;
+    ``call_channel_spin`` is how long such a call polls for its answer
+    before it sleeps."""
 
     def __init__(self, target: str, timeout: float = 300.0,
                  max_message_bytes: int = 256 << 20, stream_chunk_bytes: int = 4 << 20, *,
                  tls: bool = False, root_certificates: Optional[bytes] = None,
                  certificate_chain: Optional[bytes] = None, private_key: Optional[bytes] = None,
                  server_name: Optional[str] = None, token: Optional[str] = None,
-                 cuda_ipc_keep_registrations: bool = True):
+                 cuda_ipc_keep_registrations: bool = True, call_channel="auto",
+                 call_channel_spin: float = 0.25):
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         target = with_default_port(target)
@@ -198,6 +206,12 @@ class Client:
         self._deferred_releases = []  # sessions the next forward() releases
         self._cuda_ipc = None  # the CudaIpcRegistry, made on first use
         self._cuda_ipc_keep = cuda_ipc_keep_registrations
+        if call_channel not in ("auto", True, False):
+            raise ValueError(f"call_channel={call_channel!r}: choose 'auto', True or False")
+        self._channel_mode = call_channel
+        self._channel_spin = call_channel_spin
+        self._open_channel = None  # the CallChannel, opened on first use
+        self._channel_refused_at = None  # when the server last refused one
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         self.stream_chunk_bytes = stream_chunk_bytes
@@ -212,6 +226,9 @@ class Client:
         return self._cuda_ipc
 
     def close(self):
+        if self._open_channel is not None:
+            self._open_channel.close()
+            self._open_channel = None
         self._flush_releases()
         if self._cuda_ipc is not None:
             try:
@@ -236,6 +253,47 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+    def call_channel(self):
+        """This client's open :class:`flce.call_channel.CallChannel`, opened
+        now if need be; None where the server or the platform offers none."""
+        channel = self._open_channel
+        if channel is not None and not channel.broken:
+            return channel
+        if channel is not None:  # closed by the server (idle, shutdown): a new one
+            channel.close()
+            self._open_channel = None
+        refused = self._channel_refused_at
+        if not _call_channel.supported() or (refused is not None and
+                                             time.monotonic() < refused + 60.0):
+            return None
+        try:
+            self._open_channel = _call_channel.CallChannel(self, spin_s=self._channel_spin)
+        except (FlceError, OSError):
+            # No shared memory or channels there (or their bound reached):
+            # gRPC, and ask again in a minute.
+            self._channel_refused_at = time.monotonic()
+            return None
+        return self._open_channel
+
+    def _unary(self, rpc: str, method: int, request, response_type, same_host: bool):
+        """One Forward, Backward or ReleaseSession: through the call channel
+        when this client uses one for such a call, else (or when the channel
+        could not take it) through gRPC."""
+        mode = self._channel_mode
+        # (A session release goes the way its Forward went.)
+        if mode is True or (mode == "auto" and (same_host or (
+                method == _call_channel.RELEASE_SESSION and self._open_channel is not None))):
+            channel = self.call_channel()
+            if channel is not None:
+                start = time.perf_counter()
+                try:
+                    return channel.call(method, request, response_type, self.timeout)
+                except (_call_channel.ChannelClosed, ValueError, BlockingIOError):
+                    pass  # not made: through gRPC
+                finally:
+                    self.last_call_ms = (time.perf_counter() - start) * 1e3
+        return self._call(getattr(self._stub, rpc), request)
 
     def _call(self, method, request):
         start = time.perf_counter()
@@ -336,7 +394,8 @@ class Client:
                 token, r.ready_event = ipc.record_ready(
                     hidden.device if _is_cuda(hidden) else weight.device)
             try:
-                resp = self._call(self._stub.Forward, r)
+                resp = self._unary("Forward", _call_channel.FORWARD, r, pb.ForwardResponse,
+                                   same_host=shm is not None or ipc is not None)
             except Exception:
                 self._deferred_releases.extend(released[:64])  # again next time
                 raise
@@ -415,7 +474,8 @@ class Client:
                         getattr(r, field).CopyFrom(ipc.slice(
                             tensor, accumulate=accumulate_into and field != "grad_hidden_out"))
                 token, r.ready_event = ipc.record_ready(targets[0].device)
-            resp = self._call(self._stub.Backward, r)
+            resp = self._unary("Backward", _call_channel.BACKWARD, r, pb.BackwardResponse,
+                               same_host=shm is not None or ipc is not None)
             if shm is not None and copy_out:
                 for t in (resp.grad_hidden, resp.grad_weight, resp.grad_bias):
                     if t.HasField("shm"):
@@ -432,8 +492,9 @@ class Client:
 
     def release_session(self, session_id: str) -> bool:
         self._sessions.pop(session_id, None)
-        return self._call(self._stub.ReleaseSession,
-                          pb.ReleaseSessionRequest(session_id=session_id)).released
+        return self._unary("ReleaseSession", _call_channel.RELEASE_SESSION,
+                           pb.ReleaseSessionRequest(session_id=session_id),
+                           pb.ReleaseSessionResponse, same_host=False).released
 
     def release_session_later(self, session_id: str):
         """Releases a session without waiting for the answer (safe from a

@@ -1,0 +1,120 @@
+#ifndef FLCE_SERVER_CALL_CHANNEL_H_
+#define FLCE_SERVER_CALL_CHANNEL_H_
+
+// Call channels (LossService.OpenCallChannel; the protocol is
+// proto/call_channel_layout.h): a same-host client's Forward, Backward and
+// ReleaseSession calls through a POSIX shared-memory region instead of
+// gRPC. Each open channel has a thread of its own that polls the region
+// for `spin` after each answer, then sleeps in futex(2) until the client
+// wakes it; its calls run on that thread when a worker's place is free
+// (WorkQueue::RunHereOrSubmit). A same-host gRPC call costs several thread
+// wake-ups, each 0.2 ms on an idle virtual CPU (bench/RESULTS.md); a
+// channel's call costs none while both sides poll.
+//
+// What a client controls is treated as hostile: the request is copied out
+// of the region before it is parsed, its length is checked against the
+// request area, every answer is bounded by the response area, and a region
+// its owner shrinks (SigbusGuard) closes the channel. Channels are bounded
+// (CallChannelLimits) and one idle for `idle_timeout` is closed.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/flce/v1/loss_service.pb.h"
+#include "server/metrics.h"
+#include "server/request_admission.h"
+#include "server/rpc_call.h"
+#include "server/shared_memory.h"
+
+namespace flce {
+
+struct CallChannelLimits {
+  // Open channels (--max_call_channels, at most 1024: a thread each) and
+  // one principal's (0: no per-principal bound).
+  int64_t max_channels = 64;
+  int64_t max_channels_per_principal = 0;
+  // How long a channel's thread polls after each answer before it sleeps
+  // (--call_channel_spin; zero: it sleeps at once).
+  absl::Duration spin = absl::Seconds(1);
+  // A channel without a call for this long is closed (--call_channel_idle_timeout).
+  absl::Duration idle_timeout = absl::Minutes(10);
+};
+
+// What serves a channel's calls: the loss service's handlers, as for the
+// RPCs of the same names (the principal is the channel's).
+class CallChannelService {
+ public:
+  virtual ~CallChannelService() = default;
+  virtual void ChannelForward(Call* call, const std::string& principal,
+                              const v1::ForwardRequest* request,
+                              v1::ForwardResponse* response) = 0;
+  virtual void ChannelBackward(Call* call, const std::string& principal,
+                               const v1::BackwardRequest* request,
+                               v1::BackwardResponse* response) = 0;
+  virtual void ChannelReleaseSession(Call* call, const std::string& principal,
+                                     const v1::ReleaseSessionRequest* request,
+                                     v1::ReleaseSessionResponse* response) = 0;
+};
+
+class CallChannel;
+
+class CallChannels {
+ public:
+  // `service`, `admission` (which holds each request's bytes like a unary
+  // message's) and `metrics` must outlive this. Areas may hold at most
+  // `max_message_bytes`.
+  CallChannels(CallChannelLimits limits, int64_t max_message_bytes, CallChannelService* service,
+               RequestAdmission* admission, ServiceMetrics* metrics);
+  ~CallChannels();  // Shutdown(now)
+  CallChannels(const CallChannels&) = delete;
+  CallChannels& operator=(const CallChannels&) = delete;
+
+  // Opens a channel in `region` (a POSIX region of `principal`'s, its
+  // magic written) for `principal`: its id. INVALID_ARGUMENT (naming the
+  // field) for areas out of bounds or a region that is not a POSIX one or
+  // has no magic; RESOURCE_EXHAUSTED past a bound; UNAVAILABLE after
+  // Shutdown began.
+  absl::StatusOr<std::string> Open(std::shared_ptr<SharedRegion> region, int64_t request_bytes,
+                                   int64_t response_bytes, const std::string& principal);
+
+  // Closes `principal`'s channel `id` once the call it serves (if any) has
+  // been answered; false when there is none.
+  bool Close(const std::string& id, const std::string& principal);
+
+  // Closes every channel and refuses new ones; calls in flight have until
+  // `deadline` to finish, then they are cancelled. Returns at once.
+  void StopAll(absl::Time deadline);
+  // StopAll, then waits until every channel's thread is gone (the work
+  // queue must still run for their calls in flight).
+  void Shutdown(absl::Time deadline);
+
+  const CallChannelLimits& limits() const { return limits_; }
+  int64_t size() const;  // channels open (and closing)
+
+ private:
+  // Joins channels whose thread has ended (closed, idle, broken).
+  void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const CallChannelLimits limits_;
+  const int64_t max_message_bytes_;
+  CallChannelService* const service_;
+  RequestAdmission* const admission_;
+  ServiceMetrics* const metrics_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<CallChannel>> channels_ ABSL_GUARDED_BY(mu_);
+  // Closed by Close, their thread possibly still answering.
+  std::vector<std::shared_ptr<CallChannel>> closing_ ABSL_GUARDED_BY(mu_);
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_SERVER_CALL_CHANNEL_H_
