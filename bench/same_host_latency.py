@@ -14,7 +14,12 @@ it, the median and 90th percentile of a round trip in microseconds:
   flce_server over loopback TCP / a Unix domain socket;
 - ``cuda sync``: (GPU only) a kernel of the idle time's length, then
   ``cudaStreamSynchronize``: host wall time minus the kernel's own time, with
-  the default scheduling and with a blocking-sync event.
+  the default scheduling and with a blocking-sync event;
+- ``cuda after peer``: (GPU only) another process runs a kernel of the idle
+  time's length (``gpu``) or sleeps as long on its CPU (``cpu``), then this
+  one launches a tiny kernel and synchronises: the time from the other's
+  signal to the synchronisation's return (the difference between the two is
+  what switching the GPU between two processes' contexts costs).
 
 Usage: same_host_latency.py FLCE_SERVER [--iters 200] [--idle 0,1,10,40]
 Needs the flce package and server_process.py on PYTHONPATH; torch for the
@@ -23,6 +28,7 @@ CUDA rows.
 
 import argparse
 import ctypes
+import itertools
 import mmap
 import os
 import statistics
@@ -142,6 +148,84 @@ def cuda_sync(idle_ms, iters, blocking):
     return times
 
 
+_PEER = """
+import mmap, struct, sys, time, torch
+from multiprocessing import shared_memory
+shm = shared_memory.SharedMemory(name=sys.argv[1])
+# Attached, not owned: its creator unlinks it (not this process's tracker).
+from multiprocessing import resource_tracker
+resource_tracker.unregister(shm._name, "shared_memory")
+buf = shm.buf
+cycles_per_ms = float(sys.argv[2])
+torch.cuda.init(); torch.cuda._sleep(1000); torch.cuda.synchronize()
+struct.pack_into("<I", buf, 8, 1)  # ready
+seen = 0
+while True:
+    while struct.unpack_from("<I", buf, 0)[0] == seen:
+        pass
+    seen, mode, ms = struct.unpack_from("<IIf", buf, 0)
+    if mode == 2:
+        break
+    if mode == 1:
+        torch.cuda._sleep(int(cycles_per_ms * ms)); torch.cuda.synchronize()
+    else:
+        time.sleep(ms / 1e3)
+    struct.pack_into("<I", buf, 4 * 8, seen)  # done
+del buf
+shm.close()
+"""
+
+
+_PEER_CALLS = itertools.count(1)
+
+
+def cuda_after_peer(idle_ms, iters, peer_on_gpu, peer):
+    """Time from the peer's done signal to this process's tiny kernel's end."""
+    import torch
+
+    shm, process, cycles_per_ms = peer
+    buf = shm.buf
+    times = []
+    for _ in range(iters):
+        seq = next(_PEER_CALLS)
+        torch.cuda.synchronize()
+        struct.pack_into("<IIf", buf, 0, seq, 1 if peer_on_gpu else 0, idle_ms)
+        while struct.unpack_from("<I", buf, 32)[0] != seq:
+            pass
+        start = time.perf_counter()
+        torch.cuda._sleep(1)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6)
+    return times
+
+
+def start_peer():
+    import subprocess
+
+    import torch
+    from multiprocessing import shared_memory
+
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_ev.record()
+    torch.cuda._sleep(10_000_000)
+    end_ev.record()
+    end_ev.synchronize()
+    cycles_per_ms = 10_000_000 / start_ev.elapsed_time(end_ev)
+    shm = shared_memory.SharedMemory(create=True, size=4096)
+    process = subprocess.Popen([sys.executable, "-c", _PEER, shm.name, str(cycles_per_ms)])
+    while struct.unpack_from("<I", shm.buf, 8)[0] != 1:
+        time.sleep(0.01)
+    return shm, process, cycles_per_ms
+
+
+def stop_peer(peer):
+    shm, process, _ = peer
+    struct.pack_into("<IIf", shm.buf, 0, 0xFFFFFFFF, 2, 0.0)
+    process.wait()
+    shm.close()
+    shm.unlink()
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("server_binary")
@@ -176,6 +260,14 @@ def main(argv):
                     iters = args.iters if idle < 10 else max(20, args.iters // 4)
                     row("cuda sync default", idle, cuda_sync(idle, iters, blocking=False))
                     row("cuda sync blocking", idle, cuda_sync(idle, iters, blocking=True))
+                peer = start_peer()
+                try:
+                    for idle in idles:
+                        iters = args.iters if idle < 10 else max(20, args.iters // 4)
+                        row("cuda after peer cpu", idle, cuda_after_peer(idle, iters, False, peer))
+                        row("cuda after peer gpu", idle, cuda_after_peer(idle, iters, True, peer))
+                finally:
+                    stop_peer(peer)
         except ImportError:
             pass
     finally:

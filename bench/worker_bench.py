@@ -9,14 +9,18 @@ plus the worker's extra memory (peak during the step beyond its inputs and
 its own gradients). Median of ``--iters`` steps after ``--warmup``. Starts
 its own flce_server (``--backend`` cuda or cpu, shared memory on).
 
-Transports: ``cuda_ipc`` (GPU tensors read and written in place), ``inline``
-(bytes in the messages, W with every call), ``registered`` (the network
-path's default: W registered, only X, t and dX per call, dW pulled each
-step), ``shm`` (CPU tensors through a POSIX shared-memory region). GPU tensors need ``--device=cuda``; ``shm`` takes CPU tensors.
+Transports: ``cuda_ipc`` (GPU tensors read and written in place, the calls
+through a call channel), ``cuda_ipc_grpc`` (the same with the calls through
+gRPC), ``inline`` (bytes in the messages, W with every call),
+``registered`` (the network path's default: W registered, only X, t and dX
+per call, dW pulled each step), ``shm`` (CPU tensors through a POSIX
+shared-memory region, the calls through a call channel), ``shm_grpc`` (the
+same through gRPC). GPU tensors need ``--device=cuda``; ``shm`` takes CPU
+tensors.
 
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
-  [--iters 10] [--warmup 3] [--json PATH] [--breakdown]
+  [--iters 10] [--warmup 3] [--json PATH] [--breakdown] [--phases]
 Needs PyTorch, the flce package and server_process.py on PYTHONPATH.
 """
 
@@ -113,14 +117,61 @@ def flce_step(module):
     return step
 
 
-def profiled(profile, step):
-    def run(h, w, t):
-        profile.enable()
-        try:
-            return step(h, w, t)
-        finally:
-            profile.disable()
-    return run
+class Phases:
+    """Wall time per step spent in named functions of the worker's path
+    (wrapped in place for the benchmark's process; nested calls count in
+    each of their callers)."""
+
+    TARGETS = (  # (module, attribute)
+        ("torch", "empty"), ("torch", "full"), ("torch", "Tensor.cpu"), ("torch", "Tensor.to"),
+        ("flce.client", "to_wire"), ("flce.client", "Client._call"),
+        ("flce.client", "Client.forward"), ("flce.call_channel", "CallChannel.call"),
+        ("flce.cuda_ipc", "CudaIpcRegistry.sweep"), ("flce.cuda_ipc", "CudaIpcRegistry.slice"),
+        ("flce.cuda_ipc", "CudaIpcRegistry.record_ready"),
+        ("flce.torch_loss", "_RemoteFunction.backward"),
+    )
+
+    def __init__(self):
+        import importlib
+
+        self.step = {}
+        self.steps = []
+        for module, attribute in self.TARGETS:
+            holder = importlib.import_module(module)
+            *path, name = attribute.split(".")
+            for part in path:
+                holder = getattr(holder, part)
+            static = isinstance(vars(holder).get(name), staticmethod)
+            setattr(holder, name, self._timed(getattr(holder, name), attribute, static))
+
+    def _timed(self, original, label, static):
+        phases = self
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                phases.step[label] = phases.step.get(label, 0.0) + (
+                    time.perf_counter() - start) * 1e3
+        return staticmethod(timed) if static else timed
+
+    def wrap(self, step):
+        def run(h, w, t):
+            self.step = {}
+            try:
+                return step(h, w, t)
+            finally:
+                self.steps.append(self.step)
+        return run
+
+    def print(self, shape, transport, skip):
+        steps = self.steps[skip:]
+        labels = sorted({k for s in steps for k in s})
+        parts = [f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.3f}" for k in labels]
+        print(f"  {shape} {transport} phases (ms per step, medians): " + ", ".join(parts),
+              flush=True)
+        self.steps = []
 
 
 def server_ms(server, rpc, count):
@@ -158,17 +209,20 @@ def main(argv):
     parser.add_argument("--json", default="")
     parser.add_argument("--breakdown", action="store_true",
                         help="also print where each transport's step time went")
-    parser.add_argument("--profile", action="store_true",
-                        help="also print the worker's Python profile of each transport's steps")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print the time each step spends in the worker path's "
+                             "functions (wrapped in place)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     transports = [t for t in args.transports.split(",") if t]
+    phases = Phases() if args.phases else None
     server = ServerProcess(args.server_binary, f"--backend={args.backend}",
                            "--enable_shared_memory", f"--max_message_bytes={1 << 30}")
     rows = []
     try:
         client = flce.Client(server.address, max_message_bytes=1 << 30)
+        grpc_client = flce.Client(server.address, max_message_bytes=1 << 30, call_channel=False)
         info = client.info()
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         bare = []
@@ -179,7 +233,7 @@ def main(argv):
         print(f"worker on {name} ({args.dtype}); server backend {info.backend}; "
               f"median of {args.iters} steps after {args.warmup}, forward + backward; "
               f"a bare GetServerInfo round trip: {statistics.median(bare):.3f} ms")
-        print(f"{'N×H×V':<18} {'transport':<9} {'worker ms':>10} {'engine ms':>10} "
+        print(f"{'N×H×V':<18} {'transport':<13} {'worker ms':>10} {'engine ms':>10} "
               f"{'overhead':>9} {'eager ms':>9} {'vs eager':>9} {'extra GiB':>10} "
               f"{'eager extra':>12}")
         for shape in args.shapes.split(","):
@@ -193,28 +247,20 @@ def main(argv):
             eager_ms = statistics.median(eager)
             for transport in transports:
                 module = flce.RemoteLinearCrossEntropy(
-                    client, cuda_ipc=transport == "cuda_ipc",
-                    shared_memory=transport == "shm",
+                    grpc_client if transport.endswith("_grpc") else client,
+                    cuda_ipc=transport.startswith("cuda_ipc"),
+                    shared_memory=transport.startswith("shm"),
                     register_weight=transport == "registered")
-                profile = None
-                if args.profile:
-                    import cProfile
-
-                    profile = cProfile.Profile()
                 step = flce_step(module)
-                if profile is not None:
-                    step = profiled(profile, step)
+                if phases is not None:
+                    step = phases.wrap(step)
                 try:
                     times, extra, engine = time_steps(step, hidden, weight, target,
                                                       args.warmup, args.iters)
                 finally:
                     module.close()
-                if profile is not None:
-                    import pstats
-
-                    print(f"  {shape} {transport}: the worker's Python, {args.warmup + args.iters} "
-                          "steps (tottime order)")
-                    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+                if phases is not None:
+                    phases.print(shape, transport, args.warmup)
                 worker_ms = statistics.median(times)
                 engine_ms = statistics.median(s["engine"] for s in engine)
                 row = {"shape": shape, "dtype": args.dtype, "transport": transport,
@@ -226,7 +272,7 @@ def main(argv):
                        "phases_ms": {key: statistics.median(s[key] for s in engine)
                                      for key in engine[0]}}
                 rows.append(row)
-                print(f"{shape:<18} {transport:<9} {worker_ms:>10.2f} {engine_ms:>10.2f} "
+                print(f"{shape:<18} {transport:<13} {worker_ms:>10.2f} {engine_ms:>10.2f} "
                       f"{worker_ms - engine_ms:>9.2f} {eager_ms:>9.2f} "
                       f"{worker_ms / eager_ms:>9.3f} {extra / 2 ** 30:>10.3f} "
                       f"{eager_extra / 2 ** 30:>12.3f}", flush=True)
@@ -236,6 +282,7 @@ def main(argv):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         client.close()
+        grpc_client.close()
     finally:
         server.kill()
     if args.json:

@@ -313,12 +313,23 @@ void CallChannel::Take(uint32_t seq) {
 }
 
 void CallChannel::Loop() {
-  int64_t spins = 0;
-  absl::Time spin_until = absl::Now() + limits_.spin;
+  // The next call is expected one gap after the last answer (the gaps of
+  // the last calls, averaged): the thread sleeps until shortly before then,
+  // polls from then for `spin`, and sleeps again until the client wakes it.
+  // A call that comes on time meets a polling thread; one that comes early
+  // or late costs a wake-up.
+  int64_t polls = 0;
+  absl::Duration gap = absl::ZeroDuration();
+  bool first = true;
+  absl::Time answered = absl::Now();
+  absl::Time poll_from = answered, poll_until = answered + limits_.spin;
   for (;;) {
     if (stop_.load()) break;
     const uint32_t seq = Load(cc::kRequestSeqOffset);
     if (seq != seen_) {
+      const absl::Duration observed = absl::Now() - answered;
+      gap = first ? observed : (gap + observed) / 2;
+      first = false;
       seen_ = seq;
       Take(seq);
       if (in_flight_.load()) {
@@ -327,12 +338,14 @@ void CallChannel::Loop() {
         mu_.Await(absl::Condition(
             +[](CallChannel* c) { return !c->in_flight_.load(); }, this));
       }
-      spin_until = absl::Now() + limits_.spin;
+      answered = absl::Now();
+      poll_from = answered + gap - (absl::Microseconds(500) + gap / 16);
+      poll_until = std::max(poll_from, answered) + limits_.spin;
       continue;
     }
     if (region_->broken()) break;
     // The clock is read once every 64 polls.
-    if ((++spins & 63) != 0) {
+    if ((++polls & 63) != 0) {
       CpuRelax();
       continue;
     }
@@ -342,13 +355,18 @@ void CallChannel::Loop() {
                   absl::FormatDuration(limits_.idle_timeout));
       break;
     }
-    if (now < spin_until) {
-      if ((spins & 4095) == 0) sched_yield();  // room for others on a busy host
+    if (now >= poll_from && now < poll_until) {
+      if ((polls & 4095) == 0) sched_yield();  // room for others on a busy host
       continue;
     }
+    // Before the polling window: until it opens; after it: until woken
+    // (in slices, to see the idle timeout and a stop).
+    const absl::Duration sleep =
+        std::min(now < poll_from ? poll_from - now : absl::InfiniteDuration(),
+                 absl::Milliseconds(100));
     Store(cc::kServerWaitingOffset, 1);
     if (Load(cc::kRequestSeqOffset) == seen_ && !stop_.load()) {
-      FutexWait(Word(cc::kRequestSeqOffset), seen_, absl::Milliseconds(100));
+      FutexWait(Word(cc::kRequestSeqOffset), seen_, sleep);
     }
     Store(cc::kServerWaitingOffset, 0);
   }
@@ -440,7 +458,7 @@ bool CallChannels::Close(const std::string& id, const std::string& principal) {
   return true;
 }
 
-void CallChannels::Reap() {
+void CallChannels::Reap() const {
   for (auto it = channels_.begin(); it != channels_.end();) {
     auto next = std::next(it);
     if (it->second->ended()) channels_.erase(it);  // joined by its destructor: at once
@@ -474,6 +492,7 @@ void CallChannels::Shutdown(absl::Time deadline) {
 
 int64_t CallChannels::size() const {
   absl::MutexLock lock(&mu_);
+  Reap();
   return static_cast<int64_t>(channels_.size() + closing_.size());
 }
 

@@ -4,12 +4,13 @@
 // Call channels (LossService.OpenCallChannel; the protocol is
 // proto/call_channel_layout.h): a same-host client's Forward, Backward and
 // ReleaseSession calls through a POSIX shared-memory region instead of
-// gRPC. Each open channel has a thread of its own that polls the region
-// for `spin` after each answer, then sleeps in futex(2) until the client
-// wakes it; its calls run on that thread when a worker's place is free
-// (WorkQueue::RunHereOrSubmit). A same-host gRPC call costs several thread
-// wake-ups, each 0.2 ms on an idle virtual CPU (bench/RESULTS.md); a
-// channel's call costs none while both sides poll.
+// gRPC. Each open channel has a thread of its own that sleeps in futex(2)
+// until shortly before the client's next call is due (as the gaps between
+// its last calls tell), polls the region from then for `spin`, and sleeps
+// again until the client wakes it; the calls run on that thread when a
+// worker's place is free (WorkQueue::RunHereOrSubmit). A same-host gRPC
+// call costs several thread wake-ups, each 0.2 ms on an idle virtual CPU
+// (bench/RESULTS.md); a channel's call costs none when it comes on time.
 //
 // What a client controls is treated as hostile: the request is copied out
 // of the region before it is parsed, its length is checked against the
@@ -41,9 +42,9 @@ struct CallChannelLimits {
   // one principal's (0: no per-principal bound).
   int64_t max_channels = 64;
   int64_t max_channels_per_principal = 0;
-  // How long a channel's thread polls after each answer before it sleeps
-  // (--call_channel_spin; zero: it sleeps at once).
-  absl::Duration spin = absl::Seconds(1);
+  // How long a channel's thread polls from the moment the next call is
+  // due before it sleeps (--call_channel_spin; zero: it never polls).
+  absl::Duration spin = absl::Milliseconds(50);
   // A channel without a call for this long is closed (--call_channel_idle_timeout).
   absl::Duration idle_timeout = absl::Minutes(10);
 };
@@ -100,8 +101,9 @@ class CallChannels {
   int64_t size() const;  // channels open (and closing)
 
  private:
-  // Joins channels whose thread has ended (closed, idle, broken).
-  void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets (and joins) channels whose thread has ended (closed, idle,
+  // broken): they are no longer open.
+  void Reap() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CallChannelLimits limits_;
   const int64_t max_message_bytes_;
@@ -109,9 +111,10 @@ class CallChannels {
   RequestAdmission* const admission_;
   ServiceMetrics* const metrics_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<CallChannel>> channels_ ABSL_GUARDED_BY(mu_);
+  mutable absl::flat_hash_map<std::string, std::shared_ptr<CallChannel>> channels_
+      ABSL_GUARDED_BY(mu_);
   // Closed by Close, their thread possibly still answering.
-  std::vector<std::shared_ptr<CallChannel>> closing_ ABSL_GUARDED_BY(mu_);
+  mutable std::vector<std::shared_ptr<CallChannel>> closing_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -56,9 +56,9 @@ ABSL_FLAG(int64_t, max_call_channels_per_principal, 0,
           "call channels of one principal (0: only --max_call_channels)");
 ABSL_FLAG(flce::DurationFlag, call_channel_spin,
           flce::DurationFlag{flce::CallChannelLimits().spin},
-          "how long a call channel's thread polls for the next call after each answer before "
-          "it sleeps (a CPU core while it polls; 0s: sleep at once, each call then pays a "
-          "thread wake-up)");
+          "how long a call channel's thread polls for the next call from the moment it is due "
+          "(after the gaps between the last calls) before it sleeps (a CPU core while it "
+          "polls; 0s: never poll, each call then pays a thread wake-up)");
 ABSL_FLAG(flce::DurationFlag, call_channel_idle_timeout,
           flce::DurationFlag{flce::CallChannelLimits().idle_timeout},
           "a call channel without a call for this long is closed");

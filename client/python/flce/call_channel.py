@@ -69,9 +69,11 @@ def _futex():
 
 class CallChannel:
     """One channel of a :class:`flce.Client`: ``call`` makes one call at a
-    time through it. ``spin_s`` is how long a call polls for its answer
-    before it sleeps in futex(2) (polling costs this thread's CPU; sleeping
-    costs a wake-up when the answer comes)."""
+    time through it. A call sleeps in futex(2) until shortly before its
+    answer is due (as long as the last call of the same method took), then
+    polls for up to ``spin_s``, then sleeps until the server wakes it:
+    polling costs this thread's CPU, a sleep that the answer has to end
+    costs a wake-up (about 0.2 ms on an idle virtual CPU)."""
 
     def __init__(self, client, request_bytes: int = 1 << 20, response_bytes: int = 1 << 20,
                  spin_s: float = 0.25):
@@ -98,6 +100,7 @@ class CallChannel:
         self._addr = {off: ctypes.addressof(self._words[off]) for off in (_REQUEST_SEQ,
                                                                            _RESPONSE_SEQ)}
         self._seq = 0
+        self._took = {}  # method → seconds its last call took
         try:
             self.region_id = client._call(
                 client._stub.RegisterSharedMemory,
@@ -137,10 +140,12 @@ class CallChannel:
             self._timeout_us.value = max(1, int(timeout * 1e6)) if timeout else 0
             seq = self._seq % 0xFFFFFFFF + 1
             self._seq = seq
+            start = time.monotonic()
             words[_REQUEST_SEQ].value = seq  # the call is made here
             _futex()(_SYS_FUTEX, ctypes.c_void_p(self._addr[_REQUEST_SEQ]), _FUTEX_WAKE, 1,
                      None, None, 0)
-            self._wait(seq, timeout)
+            self._wait(seq, start, timeout, self._took.get(method, 0.0))
+            self._took[method] = time.monotonic() - start
             code = words[_RESPONSE_CODE].value
             length = min(words[_RESPONSE_LENGTH].value, self.response_bytes)
             start = HEADER_BYTES + self.request_bytes
@@ -152,14 +157,15 @@ class CallChannel:
                             body.decode("utf-8", "replace"))
         return response_type.FromString(body)
 
-    def _wait(self, seq: int, timeout: float):
+    def _wait(self, seq: int, start: float, timeout: float, expected: float):
         from flce.client import FlceError
 
         words = self._words
         response, closed = words[_RESPONSE_SEQ], words[_CLOSED]
-        now = time.monotonic()
-        spin_until = now + self.spin_s
-        deadline = now + timeout if timeout else float("inf")
+        # Asleep until shortly before the answer is due, then polling.
+        poll_from = start + expected - (0.0003 + expected / 16)
+        spin_until = max(poll_from, start) + self.spin_s
+        deadline = start + timeout if timeout else float("inf")
         cancelled_at = None
         while response.value != seq:
             if closed.value:
@@ -176,14 +182,15 @@ class CallChannel:
                 self.broken = True  # an answer may still land here later
                 raise FlceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "call channel: no answer after the deadline and a cancel")
-            if now < spin_until:
+            if poll_from <= now < spin_until:
                 os.sched_yield()  # lets other threads (and their GIL) run
                 continue
             seen = response.value
             if seen == seq:
                 break
             words[_CLIENT_WAITING].value = 1
-            wait = _Timespec(0, 50_000_000)
+            nap = min(poll_from - now, 0.05) if now < poll_from else 0.05
+            wait = _Timespec(0, int(nap * 1e9))
             _futex()(_SYS_FUTEX, ctypes.c_void_p(self._addr[_RESPONSE_SEQ]), _FUTEX_WAIT, seen,
                      ctypes.byref(wait), None, 0)
             words[_CLIENT_WAITING].value = 0

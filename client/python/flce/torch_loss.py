@@ -8,6 +8,7 @@ Tensors keep their dtype on the wire (bf16 stays bf16); results come back on
 the input's device and in its dtype, the loss in float32.
 """
 
+import struct
 from typing import Optional
 
 import torch
@@ -79,6 +80,10 @@ class _RemoteFunction(torch.autograd.Function):
         ctx.params = (weight, bias)
         module.last_num_valid = result.num_valid
         module.last_stats = [result.stats, None]
+        if not result.loss.shape:
+            # A scalar: made on the device by a fill (no copy to wait for).
+            module.last_z_loss = _scalar(result.z_loss)
+            return torch.full((), _scalar(result.loss), dtype=torch.float32, device=hidden.device)
         module.last_z_loss = float(to_torch(result.z_loss).sum())
         return to_torch(result.loss, hidden.device)
 
@@ -159,6 +164,11 @@ class _RemoteFunction(torch.autograd.Function):
                 device, dtype, _ = meta
                 result.append(to_torch(wire[i]).to(device=device, dtype=dtype))
         return result[0], result[1], result[2], None, None, None
+
+
+def _scalar(tensor) -> float:
+    """The value of a scalar fp32 wire Tensor (exact as a Python float)."""
+    return struct.unpack("<f", tensor.data)[0]
 
 
 def _can_add_into(grad, like) -> bool:
