@@ -35,6 +35,22 @@
 //           kClientWaiting set in FUTEX_WAIT on kResponseSeq), then reads
 //           the response.
 //
+// Two more words let a client go on before the answer comes. The server
+// stores a Forward's number in kAcceptedSeq once the call was accepted
+// (validated, its session's place reserved: only the engine can fail it
+// now), waking the client as for an answer; a call refused before that is
+// answered without it. And it stores every call's number in kFenceSeq
+// right after the answer: a client's GPU stream can wait for that word
+// (cuStreamWaitValue32, cyclic >=, on the region registered with
+// cudaHostRegister), so work it queues after an accepted Forward runs once
+// the server's writes into its memory (gradients, loss_out) are done. A
+// client that gives up on a call whose fence its GPU waits for (the server
+// died) stores the fence itself.
+//
+// The server adds 1 to kHeartbeat every 100 ms while the channel is open,
+// also while a call runs: a client that sees it stand still for seconds
+// while it waits knows the server is gone.
+//
 // A client stores a call's number in kCancelSeq to cancel it (the answer
 // is then CANCELLED, or the call's result if it had finished). The server
 // stores 1 in kClosed when it closes the channel (CloseCallChannel, the
@@ -67,6 +83,9 @@ constexpr int64_t kRequestLengthOffset = 452;  // client: bytes in the request a
 constexpr int64_t kRequestTimeoutUsOffset = 456;  // u64, client: 0 for no deadline
 constexpr int64_t kResponseCodeOffset = 512;      // server: a gRPC status code
 constexpr int64_t kResponseLengthOffset = 516;    // server: bytes in the response area
+constexpr int64_t kAcceptedSeqOffset = 576;       // server
+constexpr int64_t kFenceSeqOffset = 640;          // server (and a client giving up)
+constexpr int64_t kHeartbeatOffset = 704;         // server
 
 enum Method : uint32_t {
   kForward = 1,         // ForwardRequest → ForwardResponse

@@ -119,13 +119,23 @@ class CallChannel {
     Store(cc::kResponseCodeOffset, static_cast<uint32_t>(status.code()));
     Store(cc::kResponseLengthOffset, length);
     Store(cc::kResponseSeqOffset, seq);
-    if (Load(cc::kClientWaitingOffset) != 0) FutexWake(Word(cc::kResponseSeqOffset));
+    Store(cc::kFenceSeqOffset, seq);  // the client's GPU may go on
+    WakeClient();
     *sent = length;
     if (region_->broken()) {
       return absl::FailedPreconditionError(
           "call channel: its region was shrunk by its owner; the answer was lost");
     }
     return status;
+  }
+
+  // The server lives (kHeartbeat).
+  void Beat() { __atomic_add_fetch(Word(cc::kHeartbeatOffset), 1, __ATOMIC_RELEASE); }
+
+  // Call `seq` was accepted: only the engine can fail it now.
+  void Accepted(uint32_t seq) {
+    Store(cc::kAcceptedSeqOffset, seq);
+    WakeClient();
   }
 
   // The call taken last has been answered.
@@ -141,6 +151,12 @@ class CallChannel {
   class TypedCall;
 
   uint32_t* Word(int64_t offset) const { return reinterpret_cast<uint32_t*>(base_ + offset); }
+  // A client asleep waits on the answer's word or the acceptance's.
+  void WakeClient() {
+    if (Load(cc::kClientWaitingOffset) == 0) return;
+    FutexWake(Word(cc::kResponseSeqOffset));
+    FutexWake(Word(cc::kAcceptedSeqOffset));
+  }
   uint32_t Load(int64_t offset) const { return __atomic_load_n(Word(offset), __ATOMIC_ACQUIRE); }
   void Store(int64_t offset, uint32_t value) {
     __atomic_store_n(Word(offset), value, __ATOMIC_SEQ_CST);
@@ -185,6 +201,7 @@ class CallChannel::ChannelCall : public Call {
   bool IsCancelled() const override { return channel_->Cancelled(seq_); }
   absl::Time deadline() const override { return deadline_; }
   bool HasOwnThread() const override { return true; }
+  void Started() override { channel_->Accepted(seq_); }
   void WhenOver(std::function<void(bool)> f) override { record_.WhenOver(std::move(f)); }
 
   void Reply(const absl::Status& status) override {
@@ -385,9 +402,22 @@ CallChannels::CallChannels(CallChannelLimits limits, int64_t max_message_bytes,
       max_message_bytes_(max_message_bytes),
       service_(service),
       admission_(admission),
-      metrics_(metrics) {}
+      metrics_(metrics),
+      heart_([this] { Heartbeat(); }) {}
 
-CallChannels::~CallChannels() { Shutdown(absl::Now()); }
+CallChannels::~CallChannels() {
+  Shutdown(absl::Now());
+  stop_heart_.Notify();
+  heart_.join();
+}
+
+void CallChannels::Heartbeat() {
+  while (!stop_heart_.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, channel] : channels_) channel->Beat();
+    for (const auto& channel : closing_) channel->Beat();
+  }
+}
 
 absl::StatusOr<std::string> CallChannels::Open(std::shared_ptr<SharedRegion> region,
                                                int64_t request_bytes, int64_t response_bytes,

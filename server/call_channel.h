@@ -28,6 +28,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "proto/flce/v1/loss_service.pb.h"
 #include "server/metrics.h"
@@ -104,6 +105,8 @@ class CallChannels {
   // Forgets (and joins) channels whose thread has ended (closed, idle,
   // broken): they are no longer open.
   void Reap() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every 100 ms, each channel's kHeartbeat.
+  void Heartbeat();
 
   const CallChannelLimits limits_;
   const int64_t max_message_bytes_;
@@ -116,6 +119,8 @@ class CallChannels {
   // Closed by Close, their thread possibly still answering.
   mutable std::vector<std::shared_ptr<CallChannel>> closing_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Notification stop_heart_;
+  std::thread heart_;  // last: started once the rest is there
 };
 
 }  // namespace flce

@@ -160,6 +160,42 @@ TEST_F(CallChannelTest, ACallIsServedAsItsPrincipalAndAnswered) {
   EXPECT_TRUE(released.released());
 }
 
+TEST_F(CallChannelTest, AStartedCallIsAcceptedBeforeItsAnswerAndFencedAfterIt) {
+  absl::Notification accepted_seen, release;
+  service_.forward = [&](Call* call, const v1::ForwardRequest*, v1::ForwardResponse*) {
+    call->Started();
+    release.WaitForNotification();
+    call->Reply(absl::OkStatus());
+  };
+  MakeChannels();
+  Peer peer(object_.base());
+  ASSERT_TRUE(channels_->Open(Region(), kArea, kArea, "p").ok());
+  const uint32_t seq = peer.Send(cc::kForward, ForwardWithRows(1));
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (peer.Load(cc::kAcceptedSeqOffset) != seq && absl::Now() < deadline) {
+    absl::SleepFor(absl::Microseconds(50));
+  }
+  EXPECT_EQ(peer.Load(cc::kAcceptedSeqOffset), seq);
+  EXPECT_NE(peer.Load(cc::kResponseSeqOffset), seq);
+  EXPECT_NE(peer.Load(cc::kFenceSeqOffset), seq);
+  // The heart beats while the call runs.
+  const uint32_t beat = peer.Load(cc::kHeartbeatOffset);
+  absl::SleepFor(absl::Milliseconds(350));
+  EXPECT_GE(peer.Load(cc::kHeartbeatOffset) - beat, 2u);
+  release.Notify();
+  ASSERT_TRUE(peer.Wait(seq));
+  EXPECT_EQ(peer.Load(cc::kFenceSeqOffset), seq);
+  // A refusal is answered, and fenced, without being accepted.
+  service_.forward = [](Call* call, const v1::ForwardRequest*, v1::ForwardResponse*) {
+    call->Reply(absl::OutOfRangeError("target[0] = 9 is outside [0, 3)"));
+  };
+  const uint32_t refused = peer.Send(cc::kForward, ForwardWithRows(1));
+  ASSERT_TRUE(peer.Wait(refused));
+  EXPECT_EQ(peer.Load(cc::kAcceptedSeqOffset), seq);
+  EXPECT_EQ(peer.Load(cc::kFenceSeqOffset), refused);
+  EXPECT_THAT(peer.Answer(), StatusIs(Code::kOutOfRange, HasSubstr("target[0]")));
+}
+
 TEST_F(CallChannelTest, MalformedCallsAreRefusedNamingTheFieldAndTheChannelServesOn) {
   MakeChannels();
   Peer peer(object_.base());

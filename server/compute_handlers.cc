@@ -74,6 +74,22 @@ absl::StatusOr<BackwardCall> DecodeEagerBackward(const v1::ForwardRequest& reque
 }
 
 // ForwardRequest.release_sessions' bound.
+}  // namespace
+
+absl::Status LossServiceImpl::WriteLoss(const HostTensor& loss, const SliceMemory& out) {
+  const int64_t bytes = static_cast<int64_t>(loss.data.size());
+  if (out.space == MemorySpace::kHost) {
+    std::memcpy(out.data, loss.data.data(), bytes);
+    return absl::OkStatus();
+  }
+  DeviceMemory* device = core_->engine().device_memory();
+  if (device == nullptr) return absl::InternalError("loss_out: device memory without a device");
+  return device->CopyToDevice(loss.data.data(), out.data, bytes);
+}
+
+namespace {
+
+// ForwardRequest.release_sessions' bound.
 constexpr int kMaxReleasedSessions = 64;
 
 }  // namespace
@@ -85,7 +101,8 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
                                              const v1::EagerBackward* eager_request,
                                              v1::ForwardResponse* response, absl::Time queued) {
   const absl::Time engine_start = absl::Now();
-  absl::StatusOr<ForwardOutcome> outcome = core_->Forward(forward, principal, CancelFor(call));
+  absl::StatusOr<ForwardOutcome> outcome =
+      core_->Forward(forward, principal, CancelFor(call), [call] { call->Started(); });
   metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
   metrics_->RecordEngine(call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),
                          outcome.ok() ? forward.problem.rows() : 0);
@@ -122,6 +139,7 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
   }
   FLCE_RETURN_IF_ERROR(CheckAlive(*call, "while computing"));
   ForwardResult& r = outcome->result;
+  if (forward.loss_out) FLCE_RETURN_IF_ERROR(WriteLoss(r.loss, *forward.loss_out));
   MoveToProto(std::move(r.loss), response->mutable_loss());
   MoveToProto(std::move(r.z_loss), response->mutable_z_loss());
   if (r.lse) MoveToProto(std::move(*r.lse), response->mutable_lse());

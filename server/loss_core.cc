@@ -34,7 +34,8 @@ struct BorrowedMemory {
 
 absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
                                                  const std::string& principal,
-                                                 const CancelFn& cancelled) {
+                                                 const CancelFn& cancelled,
+                                                 const std::function<void()>& started) {
   // A registered weight is read from its device copy where the engine keeps
   // one: never uploaded or copied per call, and not counted in a session.
   LossProblem problem = call.problem;
@@ -59,6 +60,7 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     FLCE_ASSIGN_OR_RETURN(
         reservation, sessions_->Reserve(engine_->SavedStateBytes(problem, spec.mode), principal));
   }
+  if (started) started();
   FLCE_ASSIGN_OR_RETURN(outcome.result, engine_->Forward(problem, spec, cancelled));
   // A shared-memory region its owner shrank under the call was read as
   // zeros: the result is void.

@@ -50,8 +50,11 @@ class LossCore {
   // Other modes stay as requested.
   BackwardMode ResolveMode(const LossProblem& problem, BackwardMode requested) const;
 
+  // `started` (if any) runs once the session's place is reserved, just
+  // before the engine runs: from then on only the engine can fail the call.
   absl::StatusOr<ForwardOutcome> Forward(const ForwardCall& call, const std::string& principal,
-                                         const CancelFn& cancelled);
+                                         const CancelFn& cancelled,
+                                         const std::function<void()>& started = nullptr);
 
   // On failure the session stays as it was. On success it stays held by
   // the outcome until Settle. With accumulate_weight_grad, dW and db go into

@@ -140,6 +140,8 @@ class LossServiceImpl final : public RawLossService, public CallChannelService {
                      int64_t max_response_bytes, std::shared_ptr<BackwardOutcome> outcome,
                      std::shared_ptr<CallStats> stats,
                      std::function<void(const absl::Status&)> done);
+  // Writes the loss into ForwardRequest.loss_out's memory.
+  absl::Status WriteLoss(const HostTensor& loss, const SliceMemory& out);
   // A unary Backward: StartBackward, then its gradients into `response`
   // (`request` and `response` live until the call is over).
   void ServeBackward(Call* call, const std::string& principal, const v1::BackwardRequest* request,

@@ -205,6 +205,18 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
   }
   call.want_lse = r.outputs().lse();
   call.want_per_row_loss = r.outputs().per_row_loss();
+  if (r.has_loss_out()) {
+    if (resolver == nullptr) {
+      return absl::FailedPreconditionError(
+          "loss_out: shared memory is not enabled on this server (--enable_shared_memory)");
+    }
+    if (r.loss_out().accumulate()) {
+      return Invalid("loss_out.accumulate: only gradient outputs accumulate");
+    }
+    const int64_t bytes = (p.options.reduction == Reduction::kNone ? n : 1) * int64_t{4};
+    FLCE_ASSIGN_OR_RETURN(call.loss_out,
+                          resolver->Resolve(ToSliceRef(r.loss_out()), bytes, "loss_out"));
+  }
 
   // Targets last: the scan is O(N) and needs V.
   if (p.target.dtype == DType::kInt32) {

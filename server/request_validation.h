@@ -37,6 +37,8 @@ struct ForwardCall {
   BackwardMode requested_mode = BackwardMode::kAuto;
   bool want_lse = false;
   bool want_per_row_loss = false;
+  // Where the loss goes too (ForwardRequest.loss_out), checked to hold it.
+  std::optional<SliceMemory> loss_out;
 };
 
 // Registered weights are looked up in `weights` for `principal`; tensors in

@@ -125,6 +125,9 @@ class Call {
   // True for a call served on a thread of its own (a call channel's), where
   // its engine work may run instead of being handed to a worker.
   virtual bool HasOwnThread() const { return false; }
+  // The call was accepted: what is left is the engine's work (a call
+  // channel tells its client, which may go on before the answer).
+  virtual void Started() {}
   // Finishes the call with `status` (the response, on OK, is sent).
   virtual void Reply(const absl::Status& status) = 0;
   // `f(delivered)` runs once the call is over, before it is logged;

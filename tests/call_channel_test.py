@@ -17,6 +17,7 @@ import numpy as np
 
 import flce
 from flce import call_channel
+from flce import client as flce_client
 from flce_pb.v1 import loss_service_pb2 as pb
 from server_process import ServerProcess, run_tests, wait_for
 
@@ -128,6 +129,59 @@ class CallChannelTest(unittest.TestCase):
         again = c.forward(x, t, w)
         self.assertEqual(first.loss.data, again.loss.data)
         self.assertNotEqual(c.call_channel().channel_id, old)
+
+    def test_a_forward_is_accepted_before_its_answer_and_fenced_after_it(self):
+        c = self.client(call_channel=True)
+        channel = c.call_channel()
+        words = channel._words
+        x, w, t = problem(11, n=2048, h=256, v=8000)  # a few hundred ms on the CPU
+        region = c.create_shared_memory(16 << 20)
+        self.addCleanup(region.close)
+        request = pb.ForwardRequest()
+        offset = 0
+        for tensor, out in ((x, request.hidden), (w, request.weight)):
+            offset = region.write(tensor, out, offset)
+        flce.to_wire(t, request.target)
+        call = channel.submit(call_channel.FORWARD, request, pb.ForwardResponse, 60)
+        self.assertTrue(channel.accepted(call))
+        self.assertNotEqual(words[call_channel._FENCE_SEQ].value, call.seq)
+        response = channel.finish(call)
+        self.assertEqual(words[call_channel._FENCE_SEQ].value, call.seq)
+        self.assertEqual(response.num_valid, 2045)
+        # A refusal comes before any acceptance.
+        request.target.data = np.full(2048, 8000).astype(np.int64).tobytes()
+        call = channel.submit(call_channel.FORWARD, request, pb.ForwardResponse, 60)
+        self.assertFalse(channel.accepted(call))
+        with self.assertRaises(flce.FlceError) as e:
+            channel.finish(call)
+        self.assertEqual(e.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+
+    def test_the_loss_is_written_to_loss_out(self):
+        x, w, t = problem(12)
+        c = self.client(call_channel=False)
+        region = c.create_shared_memory(1 << 16)
+        self.addCleanup(region.close)
+        for reduction, n in (("mean", 1), ("none", len(t))):
+            request = pb.ForwardRequest()
+            for tensor, out in ((x, request.hidden), (w, request.weight), (t, request.target)):
+                flce.to_wire(tensor, out)
+            request.options.reduction = flce_client._REDUCTIONS[reduction]
+            request.options.ignore_index = -100
+            request.loss_out.region_id = region.region_id
+            request.loss_out.offset = 128
+            region.buffer[128:128 + 4 * n] = b"\xff" * (4 * n)
+            response = c._call(c._stub.Forward, request)
+            self.assertEqual(bytes(region.buffer[128:128 + 4 * n]), response.loss.data)
+        request.loss_out.offset = (1 << 16) - 2
+        with self.assertRaises(flce.FlceError) as e:
+            c._call(c._stub.Forward, request)
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("loss_out.shm", e.exception.details)
+        request.loss_out.offset = 0
+        request.loss_out.accumulate = True
+        with self.assertRaises(flce.FlceError) as e:
+            c._call(c._stub.Forward, request)
+        self.assertIn("loss_out.accumulate", e.exception.details)
 
     def test_opening_is_checked(self):
         c = self.client(call_channel=False)

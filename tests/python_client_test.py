@@ -8,6 +8,7 @@ Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
 
 import copy
 import sys
+import time
 import unittest
 
 import numpy as np
@@ -288,6 +289,74 @@ class PythonClientTest(unittest.TestCase):
             h.copy_(data)
             got = self.client.forward(h, t, w, cuda_ipc=True).loss
             self.assertEqual(flce.from_wire(got), flce.from_wire(want))
+
+    def test_cuda_ipc_forward_returns_once_accepted_and_the_stream_waits_for_it(self):
+        # The drop-in's Forward (through a call channel) returns before the
+        # server is done: work queued after it must still see the loss and
+        # the gradients the server writes.
+        self._needs_cuda_server()
+        torch.manual_seed(9)
+        h = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(32000, 1024, device="cuda") / 32).to(torch.bfloat16)
+        t = torch.randint(0, 32000, (4096,), device="cuda")
+        grpc_client = flce.Client(self.server.address, call_channel=False)
+        self.addCleanup(grpc_client.close)
+        wire = flce.RemoteLinearCrossEntropy(grpc_client, cuda_ipc=True)
+        fast = flce.RemoteLinearCrossEntropy(self.client, cuda_ipc=True)
+        self.addCleanup(wire.close)
+        self.addCleanup(fast.close)
+        results = []
+        for loss_fn in (wire, fast, fast):
+            hv, wv = h.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = loss_fn(hv, wv, t)
+            doubled = loss * 2  # queued behind the server's answer
+            loss.backward()
+            hx = hv.grad.float().sum()  # likewise
+            results.append((doubled.item(), hx.item(), wv.grad.clone()))
+        self.assertIsNotNone(self.client.call_channel())
+        for got in results[1:]:
+            self.assertEqual(got[:2], results[0][:2])
+            self.assertTrue(torch.equal(got[2], results[0][2]))
+
+    def test_cuda_ipc_a_computation_failing_after_acceptance_raises_in_backward(self):
+        self._needs_cuda_server()
+        torch.manual_seed(10)
+        h = torch.randn(65536, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(65536, 2048, device="cuda") / 45).to(torch.bfloat16).requires_grad_()
+        t = torch.randint(0, 65536, (65536,), device="cuda")
+        client = flce.Client(self.server.address, timeout=0.02)  # far less than it takes
+        loss_fn = flce.RemoteLinearCrossEntropy(client, cuda_ipc=True)
+        self.addCleanup(client.close)
+        self.addCleanup(loss_fn.close)
+        loss = loss_fn(h, w, t)
+        self.assertTrue(torch.isnan(loss).item())  # the stream went on: the answer came
+        with self.assertRaises(flce.FlceError) as e:
+            loss.backward()
+        self.assertEqual(e.exception.code.name, "DEADLINE_EXCEEDED")
+        client.timeout = 60
+        small = loss_fn(h[:64].detach().requires_grad_(), w, t[:64])
+        self.assertTrue(torch.isfinite(small).item())
+
+    def test_cuda_ipc_a_server_dying_mid_call_releases_the_stream(self):
+        self._needs_cuda_server()
+        server = ServerProcess(SERVER, "--backend=cuda", "--enable_shared_memory")
+        self.addCleanup(server.kill)
+        client = flce.Client(server.address)
+        loss_fn = flce.RemoteLinearCrossEntropy(client, cuda_ipc=True)
+        self.addCleanup(client.close)
+        torch.manual_seed(11)
+        h = torch.randn(65536, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(128256, 4096, device="cuda") / 64).to(torch.bfloat16).requires_grad_()
+        t = torch.randint(0, 128256, (65536,), device="cuda")
+        loss_fn(h[:128].detach().requires_grad_(), w, t[:128]).backward()  # registered, warm
+        loss = loss_fn(h, w, t)
+        server.process.kill()  # while it computes
+        start = time.monotonic()
+        torch.cuda.synchronize()  # waits for the fence, which the client stores itself
+        self.assertLess(time.monotonic() - start, 30)
+        with self.assertRaises(flce.FlceError) as e:
+            loss.backward()
+        self.assertEqual(e.exception.code.name, "UNAVAILABLE")
 
     def test_weight_grad_in_place_equals_autograd_accumulation(self):
         self._needs_cuda_server()

@@ -52,6 +52,9 @@ if [ -z "$ARGS" ] || want python; then
   PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/python_client_test.py "$bin/flce_server" \
     > "$OUT/python_client_test.log" 2>&1 || status=1
   grep -E '(ok|FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/python_client_test.log"
+  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/call_channel_test.py "$bin/flce_server" \
+    > "$OUT/call_channel_test.log" 2>&1 || status=1
+  grep -E '(FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/call_channel_test.log"
 fi
 
 if [ -z "$ARGS" ] || want smoke; then

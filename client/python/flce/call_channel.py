@@ -33,6 +33,9 @@ _REQUEST_SEQ, _RESPONSE_SEQ, _CLIENT_WAITING = 64, 128, 192
 _CANCEL_SEQ, _CLOSED = 320, 384
 _REQUEST_METHOD, _REQUEST_LENGTH, _REQUEST_TIMEOUT_US = 448, 452, 456
 _RESPONSE_CODE, _RESPONSE_LENGTH = 512, 516
+_ACCEPTED_SEQ, _FENCE_SEQ, _HEARTBEAT = 576, 640, 704
+# The server beats every 100 ms: this long without a beat, it is gone.
+HEARTBEAT_LOST_S = 2.0
 FORWARD, BACKWARD, RELEASE_SESSION = 1, 2, 3
 
 _SYS_FUTEX = 202  # x86-64
@@ -50,6 +53,16 @@ def supported() -> bool:
 class ChannelClosed(Exception):
     """The server closed the channel before it took the call: the call was
     not made (make it again elsewhere)."""
+
+
+class Call:
+    """A call made through a channel, its answer still to be read."""
+
+    __slots__ = ("seq", "method", "response_type", "start", "timeout")
+
+    def __init__(self, seq, method, response_type, start, timeout):
+        self.seq, self.method, self.response_type = seq, method, response_type
+        self.start, self.timeout = start, timeout
 
 
 class _Timespec(ctypes.Structure):
@@ -89,16 +102,20 @@ class CallChannel:
         self.region_id = ""
         self.channel_id = ""
         self.broken = False  # unusable: a call was abandoned, or the server closed it
+        self.on_close = []  # run first by close()
+        self._watch_cond = threading.Condition()
+        self._watched = None  # the call the watch thread watches
+        self._watcher = None
+        self._closing = False
         self._lock = threading.Lock()
         buf = self._shm.buf
         struct.pack_into("<Q", buf, 0, MAGIC)
         self._words = {off: ctypes.c_uint32.from_buffer(buf, off)
                        for off in (_REQUEST_SEQ, _RESPONSE_SEQ, _CLIENT_WAITING, _CANCEL_SEQ,
                                    _CLOSED, _REQUEST_METHOD, _REQUEST_LENGTH, _RESPONSE_CODE,
-                                   _RESPONSE_LENGTH)}
+                                   _RESPONSE_LENGTH, _ACCEPTED_SEQ, _FENCE_SEQ, _HEARTBEAT)}
         self._timeout_us = ctypes.c_uint64.from_buffer(buf, _REQUEST_TIMEOUT_US)
-        self._addr = {off: ctypes.addressof(self._words[off]) for off in (_REQUEST_SEQ,
-                                                                           _RESPONSE_SEQ)}
+        self._addr = {_REQUEST_SEQ: ctypes.addressof(self._words[_REQUEST_SEQ])}
         self._seq = 0
         self._took = {}  # method → seconds its last call took
         try:
@@ -119,9 +136,13 @@ class CallChannel:
         """Makes one call: the response message, or FlceError with the
         server's code and message. ChannelClosed when the server closed
         the channel before taking it; ValueError when the request does not
-        fit the request area (neither was sent)."""
-        from flce.client import FlceError
+        fit the request area; BlockingIOError while another thread's call
+        holds the channel (none of these was sent)."""
+        return self.finish(self.submit(method, request, response_type, timeout))
 
+    def submit(self, method: int, request, response_type, timeout: float) -> "Call":
+        """Makes a call and returns at once; the channel is this call's until
+        :meth:`finish` reads its answer. Errors as :meth:`call`'s."""
         payload = request.SerializeToString()
         if len(payload) > self.request_bytes:
             raise ValueError(f"call channel: a {len(payload)}-byte request, over the channel's "
@@ -133,45 +154,83 @@ class CallChannel:
                 self.broken = True
                 raise ChannelClosed()
             words = self._words
-            buf = self._shm.buf
-            buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
+            self._shm.buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
             words[_REQUEST_METHOD].value = method
             words[_REQUEST_LENGTH].value = len(payload)
             self._timeout_us.value = max(1, int(timeout * 1e6)) if timeout else 0
             seq = self._seq % 0xFFFFFFFF + 1
             self._seq = seq
-            start = time.monotonic()
+            call = Call(seq, method, response_type, time.monotonic(), timeout)
             words[_REQUEST_SEQ].value = seq  # the call is made here
             _futex()(_SYS_FUTEX, ctypes.c_void_p(self._addr[_REQUEST_SEQ]), _FUTEX_WAKE, 1,
                      None, None, 0)
-            self._wait(seq, start, timeout, self._took.get(method, 0.0))
-            self._took[method] = time.monotonic() - start
+            return call
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def accepted(self, call: "Call") -> bool:
+        """Waits until the server accepted `call` (True: what is left is the
+        engine's work, whose answer :meth:`finish` reads) or answered it
+        before that (False: a refusal, or a call that is never accepted)."""
+        try:
+            return self._wait(call, _ACCEPTED_SEQ, expected=0.0)
+        except BaseException:
+            self._abandon(call)
+            raise
+
+    def finish(self, call: "Call"):
+        """Waits for `call`'s answer and returns its response, or raises
+        FlceError with the server's code and message (ChannelClosed: the
+        call was not made); the channel is free again."""
+        from flce.client import FlceError
+
+        try:
+            self._wait(call, _RESPONSE_SEQ, self._took.get(call.method, 0.0))
+            self._took[call.method] = time.monotonic() - call.start
+            words = self._words
             code = words[_RESPONSE_CODE].value
             length = min(words[_RESPONSE_LENGTH].value, self.response_bytes)
             start = HEADER_BYTES + self.request_bytes
-            body = bytes(buf[start:start + length])
-        finally:
-            self._lock.release()
+            body = bytes(self._shm.buf[start:start + length])
+        except BaseException:
+            self._abandon(call)
+            raise
+        self._lock.release()
         if code != 0:
             raise FlceError(_CODES.get(code, grpc.StatusCode.UNKNOWN),
                             body.decode("utf-8", "replace"))
-        return response_type.FromString(body)
+        return call.response_type.FromString(body)
 
-    def _wait(self, seq: int, start: float, timeout: float, expected: float):
+    def _abandon(self, call: "Call"):
+        """Gives a call up (no answer will be read): its fence is released
+        for a GPU that may wait on it, and the channel is not used again."""
+        self.broken = True
+        if self._words:
+            self._words[_FENCE_SEQ].value = call.seq
+        self._lock.release()
+
+    def _wait(self, call: "Call", word: int, expected: float) -> bool:
+        """Waits until `word` holds the call's number (True) or the answer
+        came (False); raises ChannelClosed or DEADLINE_EXCEEDED."""
         from flce.client import FlceError
 
         words = self._words
-        response, closed = words[_RESPONSE_SEQ], words[_CLOSED]
+        seq = call.seq
+        target, response, closed = words[word], words[_RESPONSE_SEQ], words[_CLOSED]
         # Asleep until shortly before the answer is due, then polling.
-        poll_from = start + expected - (0.0003 + expected / 16)
-        spin_until = max(poll_from, start) + self.spin_s
-        deadline = start + timeout if timeout else float("inf")
+        poll_from = call.start + expected - (0.0003 + expected / 16)
+        spin_until = max(poll_from, time.monotonic()) + self.spin_s
+        deadline = call.start + call.timeout if call.timeout else float("inf")
         cancelled_at = None
-        while response.value != seq:
+        heartbeat = words[_HEARTBEAT]
+        beat, beat_at = heartbeat.value, time.monotonic()
+        while target.value != seq:
+            if response.value == seq:
+                return False
             if closed.value:
                 if response.value == seq:
-                    break
-                self.broken = True
+                    return False
                 raise ChannelClosed()
             now = time.monotonic()
             if now > deadline and cancelled_at is None:
@@ -179,24 +238,84 @@ class CallChannel:
                 words[_CANCEL_SEQ].value = seq
                 cancelled_at = now
             if cancelled_at is not None and now > cancelled_at + 10.0:
-                self.broken = True  # an answer may still land here later
                 raise FlceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "call channel: no answer after the deadline and a cancel")
+            if heartbeat.value != beat:
+                beat, beat_at = heartbeat.value, now
+            elif now > beat_at + HEARTBEAT_LOST_S:
+                raise FlceError(grpc.StatusCode.UNAVAILABLE,
+                                f"call channel: the server stopped (no heartbeat for "
+                                f"{HEARTBEAT_LOST_S:g} s)")
             if poll_from <= now < spin_until:
                 os.sched_yield()  # lets other threads (and their GIL) run
                 continue
-            seen = response.value
+            seen = target.value
             if seen == seq:
                 break
             words[_CLIENT_WAITING].value = 1
             nap = min(poll_from - now, 0.05) if now < poll_from else 0.05
             wait = _Timespec(0, int(nap * 1e9))
-            _futex()(_SYS_FUTEX, ctypes.c_void_p(self._addr[_RESPONSE_SEQ]), _FUTEX_WAIT, seen,
+            _futex()(_SYS_FUTEX, ctypes.c_void_p(ctypes.addressof(target)), _FUTEX_WAIT, seen,
                      ctypes.byref(wait), None, 0)
             words[_CLIENT_WAITING].value = 0
+        return True
+
+    def fence(self) -> int:
+        """The address of the fence word (for a GPU stream's wait; the
+        region must be registered with the GPU first)."""
+        return ctypes.addressof(self._words[_FENCE_SEQ])
+
+    def watch(self, call: "Call"):
+        """Has a thread of this channel's store `call`'s fence itself if the
+        server stops beating before answering it: a GPU stream waiting on the
+        fence (queued work the caller synchronises with before it reads the
+        answer) must not wait for a dead server forever."""
+        with self._watch_cond:
+            self._watched = call
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_loop, daemon=True,
+                                                 name="flce-fence-watch")
+                self._watcher.start()
+            self._watch_cond.notify()
+
+    def _watch_loop(self):
+        while True:
+            with self._watch_cond:
+                while self._watched is None and not self._closing:
+                    self._watch_cond.wait()
+                if self._closing:
+                    return
+                call = self._watched
+            words = self._words
+            beat, beat_at = words[_HEARTBEAT].value, time.monotonic()
+            while True:
+                time.sleep(0.1)
+                with self._watch_cond:
+                    if self._closing or self._watched is not call:
+                        break
+                    if words[_RESPONSE_SEQ].value == call.seq or words[_CLOSED].value:
+                        self._watched = None
+                        break
+                    now = time.monotonic()
+                    if words[_HEARTBEAT].value != beat:
+                        beat, beat_at = words[_HEARTBEAT].value, now
+                    elif now > beat_at + HEARTBEAT_LOST_S:
+                        words[_FENCE_SEQ].value = call.seq  # the GPU goes on
+                        self._watched = None
+                        break
+            del words
 
     def close(self):
         """Closes the channel and frees its region (idempotent)."""
+        with self._watch_cond:
+            self._closing = True
+            self._watch_cond.notify()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+        for f in self.on_close:
+            f()
+        self.on_close = []
         client, self._client = self._client, None
         if client is not None:
             for stub, request in ((client._stub.CloseCallChannel,

@@ -161,6 +161,95 @@ class Gradients:
     stats: Optional[pb.CallStats] = None
 
 
+class PendingForward:
+    """A Forward in flight (Client.forward with ``asynchronous=True``):
+    ``result()`` waits for it and returns its ForwardResult, or raises its
+    FlceError. Holds what the server reads (the request, the inputs' memory,
+    the ready event) until the answer."""
+
+    def __init__(self, client, ipc):
+        self.request = pb.ForwardRequest()
+        self.inputs = None  # the tensors the server reads, alive until the answer
+        self.released = []  # release_sessions the request carries
+        self.token = None  # the ready event, given back once the answer is in
+        self._client, self._ipc = client, ipc
+        self._channel = self._call = None
+        self._result = self._error = None
+        self._over = False
+        # Its session is nobody's once it is made (the graph went first).
+        self.release_when_done = False
+
+    def submit(self, channel, device):
+        """Makes the call through `channel`; once the server accepted it,
+        the device's current stream waits for the answer (the fence)."""
+        call = channel.submit(_call_channel.FORWARD, self.request, pb.ForwardResponse,
+                              self._client.timeout)
+        # (Closed before it was taken: not made, the caller may go elsewhere.)
+        accepted = channel.accepted(call)
+        self._channel, self._call = channel, call
+        self._client._pending = self
+        if accepted:
+            self._ipc.wait_fence(channel, call.seq, device)
+            channel.watch(call)
+        else:
+            self.result()  # answered already (a refusal): raise it now
+
+    def done(self) -> bool:
+        return self._over
+
+    def wait(self):
+        """Reads the answer (waiting for it) without raising its error."""
+        if self._over:
+            return
+        client = self._client
+        if client._pending is self:
+            client._pending = None
+        try:
+            self.settle(self._channel.finish(self._call))
+        except FlceError as e:
+            self._error = e
+            self.fail()
+        except _call_channel.ChannelClosed:
+            self._error = FlceError(grpc.StatusCode.UNAVAILABLE,
+                                    "call channel: closed by the server during the call")
+            self.fail()
+
+    def result(self) -> ForwardResult:
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def error(self) -> Optional["FlceError"]:
+        """The call's error once it is over (None: none, or not over)."""
+        return self._error
+
+    def settle(self, response):
+        self._result = self._client._forward_result(self.request, response)
+        self._end()
+        if self.release_when_done and self._result.session_id:
+            self._client.release_session_later(self._result.session_id)
+
+    def fail(self):
+        """The call failed (or was never made): its session releases go
+        out with the next call."""
+        if self._over:
+            return
+        self._client._deferred_releases.extend(self.released)
+        self._end()
+
+    def _end(self):
+        self._over = True
+        if self._client._pending is self:
+            self._client._pending = None
+        ipc, self.inputs = self._ipc, None
+        if self.token is not None:
+            ipc.done(self.token)
+            self.token = None
+        if ipc is not None and not ipc.keep:
+            ipc.release_allocations()
+
+
 class Client:
     """A connection to one flce server ("host:port").
 
@@ -211,6 +300,7 @@ class Client:
         self._channel_mode = call_channel
         self._channel_spin = call_channel_spin
         self._open_channel = None  # the CallChannel, opened on first use
+        self._pending = None  # a Forward of the channel's whose answer is still to be read
         self._channel_refused_at = None  # when the server last refused one
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
@@ -226,6 +316,7 @@ class Client:
         return self._cuda_ipc
 
     def close(self):
+        self._settle_pending()
         if self._open_channel is not None:
             self._open_channel.close()
             self._open_channel = None
@@ -280,6 +371,7 @@ class Client:
         """One Forward, Backward or ReleaseSession: through the call channel
         when this client uses one for such a call, else (or when the channel
         could not take it) through gRPC."""
+        self._settle_pending()
         mode = self._channel_mode
         # (A session release goes the way its Forward went.)
         if mode is True or (mode == "auto" and (same_host or (
@@ -313,7 +405,8 @@ class Client:
                 want_lse: bool = False, want_per_row_loss: bool = False,
                 shm: Optional[SharedMemoryRegion] = None,
                 cuda_ipc: bool = False, backward_into=None,
-                backward_grad_output: Optional[float] = None) -> ForwardResult:
+                backward_grad_output: Optional[float] = None, loss_out=None,
+                asynchronous: bool = False):
         """Forward. Pass ``weight`` (and ``bias``), or ``weight_name`` of a
         registered weight. ``need_backward`` keeps a session for backward().
         With ``shm``, the tensors travel through that shared-memory region;
@@ -325,17 +418,28 @@ class Client:
         upstream gradient ``backward_grad_output`` (None: 1) and writes the
         gradients there (``ForwardResult.gradients``); the session is kept
         for a Backward with another grad_output, and is the caller's to
-        release."""
+        release. ``loss_out``, a contiguous fp32 CUDA tensor of the loss's
+        shape ([] or [N]), receives the loss too (with ``cuda_ipc``).
+
+        Returns the ForwardResult; with ``asynchronous=True`` a
+        :class:`PendingForward` instead, as soon as the server has accepted
+        the call when it goes through a call channel with ``cuda_ipc`` (the
+        device's current stream then waits on the GPU for the server's
+        answer, so work queued on it afterwards sees the gradients and
+        ``loss_out``; errors of the computation itself come from the
+        pending call's ``result()``), or once it is done otherwise."""
         check_loss_options(reduction=reduction, backward_mode=backward_mode,
                            label_smoothing=label_smoothing, logit_softcap=logit_softcap,
                            z_loss_scale=z_loss_scale)
+        self._settle_pending()
         ipc = self.cuda_ipc() if cuda_ipc and (_is_cuda(hidden) or _is_cuda(weight)) else None
-        token = None
+        pending = PendingForward(self, ipc)
         try:
-            r = pb.ForwardRequest()
+            r = pending.request
             released, self._deferred_releases = self._deferred_releases, []
             r.release_sessions.extend(released[:64])
             self._deferred_releases.extend(released[64:])
+            pending.released = released[:64]
             if ipc is not None:
                 ipc.sweep()
             # Tensors go into the region (one copy each) or the message.
@@ -348,7 +452,7 @@ class Client:
                 else:
                     offset = shm.write(tensor, out, offset)
 
-            # Contiguous copies (if any) live until the call returns: the
+            # Contiguous copies (if any) live until the call is over: the
             # server reads them.
             if ipc is not None and _is_cuda(hidden):
                 hidden = hidden.contiguous()
@@ -367,6 +471,7 @@ class Client:
                     put(weight, r.weight)
                 if bias is not None:
                     put(bias, r.bias)
+            pending.inputs = (hidden, weight)
             o = r.options
             o.ignore_index = ignore_index
             o.reduction = _REDUCTIONS[reduction]
@@ -390,36 +495,50 @@ class Client:
                 if backward_grad_output is not None:
                     to_wire(np.asarray(backward_grad_output, dtype=np.float32),
                             r.backward.grad_output)
+            if loss_out is not None:
+                if ipc is None:
+                    raise ValueError("loss_out needs cuda_ipc")
+                r.loss_out.CopyFrom(ipc.slice(loss_out))
             if ipc is not None:
-                token, r.ready_event = ipc.record_ready(
-                    hidden.device if _is_cuda(hidden) else weight.device)
-            try:
-                resp = self._unary("Forward", _call_channel.FORWARD, r, pb.ForwardResponse,
-                                   same_host=shm is not None or ipc is not None)
-            except Exception:
-                self._deferred_releases.extend(released[:64])  # again next time
-                raise
-            if resp.session_id:
-                h = r.hidden.shape[1]
-                v = r.weight.shape[0] if r.HasField("weight") else 0
-                self._sessions[resp.session_id] = (r.hidden.shape[0], h, v,
-                                                   r.HasField("bias"), r.hidden.dtype)
-            gradients = None
-            if resp.HasField("backward"):
-                b = resp.backward
-                gradients = Gradients(b.grad_hidden,
-                                      b.grad_weight if b.HasField("grad_weight") else None,
-                                      b.grad_bias if b.HasField("grad_bias") else None, resp.stats)
-            return ForwardResult(resp.loss, resp.z_loss,
-                                 resp.lse if resp.HasField("lse") else None,
-                                 resp.num_valid, resp.num_correct, resp.session_id,
-                                 _MODE_NAMES.get(resp.backward_mode, "auto"), resp.stats,
-                                 gradients)
-        finally:
-            if token is not None:
-                ipc.done(token)
-            if ipc is not None and not ipc.keep:
-                ipc.release_allocations()
+                device = hidden.device if _is_cuda(hidden) else weight.device
+                pending.token, r.ready_event = ipc.record_ready(device)
+            same_host = shm is not None or ipc is not None
+            channel = self.call_channel() if asynchronous and ipc is not None and (
+                self._channel_mode is not False) else None
+            if channel is not None:
+                try:
+                    pending.submit(channel, device)
+                    return pending
+                except (_call_channel.ChannelClosed, ValueError, BlockingIOError):
+                    pass  # not made: through gRPC below
+            pending.settle(self._unary("Forward", _call_channel.FORWARD, r, pb.ForwardResponse,
+                                       same_host=same_host))
+        except BaseException:
+            pending.fail()
+            raise
+        return pending if asynchronous else pending.result()
+
+    def _settle_pending(self):
+        """Reads the answer of this client's pending Forward, if any (its
+        result or error stays with it): the channel is free again."""
+        if self._pending is not None:
+            self._pending.wait()
+
+    def _forward_result(self, r: "pb.ForwardRequest", resp: "pb.ForwardResponse") -> ForwardResult:
+        if resp.session_id:
+            h = r.hidden.shape[1]
+            v = r.weight.shape[0] if r.HasField("weight") else 0
+            self._sessions[resp.session_id] = (r.hidden.shape[0], h, v,
+                                               r.HasField("bias"), r.hidden.dtype)
+        gradients = None
+        if resp.HasField("backward"):
+            b = resp.backward
+            gradients = Gradients(b.grad_hidden,
+                                  b.grad_weight if b.HasField("grad_weight") else None,
+                                  b.grad_bias if b.HasField("grad_bias") else None, resp.stats)
+        return ForwardResult(resp.loss, resp.z_loss, resp.lse if resp.HasField("lse") else None,
+                             resp.num_valid, resp.num_correct, resp.session_id,
+                             _MODE_NAMES.get(resp.backward_mode, "auto"), resp.stats, gradients)
 
     def backward(self, session_id: str, grad_output=None, *, keep_session: bool = False,
                  float32_grads: bool = False, accumulate_weight_grad: bool = False,

@@ -47,6 +47,10 @@ class _Driver:
             ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
             ctypes.c_uint64]
         self._cuda.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        self._cuda.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64,
+                                                      ctypes.c_uint32, ctypes.c_uint]
+        self._cuda.cuMemHostGetDevicePointer_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         attrs = (_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, _CU_POINTER_ATTRIBUTE_RANGE_SIZE,
                  _CU_POINTER_ATTRIBUTE_BUFFER_ID)
         self._attrs = (ctypes.c_int * 3)(*attrs)
@@ -66,6 +70,25 @@ class _Driver:
         if self._base.value == 0 and self._size.value == 0:
             return None
         return self._base.value, self._size.value, self._buffer_id.value
+
+    def wait_value(self, stream: int, device_address: int, value: int):
+        """Queues on `stream` a wait until the 32-bit word at
+        `device_address` is at least `value` (cyclically)."""
+        result = self._cuda.cuStreamWaitValue32_v2(ctypes.c_void_p(stream), device_address,
+                                                   value, 0)  # CU_STREAM_WAIT_VALUE_GEQ
+        if result != 0:
+            raise RuntimeError(f"cuda_ipc: cuStreamWaitValue32 failed with CUDA driver error "
+                               f"{result}")
+
+    def device_address(self, host: int) -> int:
+        """The device address of registered host memory."""
+        address = ctypes.c_uint64()
+        result = self._cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(address),
+                                                         ctypes.c_void_p(host), 0)
+        if result != 0:
+            raise RuntimeError(f"cuda_ipc: cuMemHostGetDevicePointer failed with CUDA driver "
+                               f"error {result}")
+        return address.value
 
     def ipc_handle(self, base: int) -> bytes:
         handle = ctypes.create_string_buffer(64)
@@ -110,6 +133,7 @@ class CudaIpcRegistry:
         self._entries: "OrderedDict[int, _Entry]" = OrderedDict()  # base → entry, LRU order
         self._events: Dict[int, List] = {}  # device index → free (event, region id) pairs
         self._event_regions: List[str] = []
+        self._fences: Dict[tuple, int] = {}  # (channel, device) → the fence's device address
         self.max_entries = max_entries
         self.registrations = 0  # allocations registered so far (for tests and benchmarks)
 
@@ -227,6 +251,43 @@ class CudaIpcRegistry:
         index, pair = token
         with self._lock:
             self._events.setdefault(index, []).append(pair)
+
+    # -- fences ----------------------------------------------------------------
+
+    def wait_fence(self, channel, seq: int, device):
+        """Queues on ``device``'s current stream a wait for the answer to
+        call ``seq`` of ``channel`` (its fence word): work queued after it
+        runs once the server is done with this process's memory."""
+        import torch
+
+        index = torch.device(device).index
+        if index is None:
+            index = torch.cuda.current_device()
+        address = self._fences.get((id(channel), index))
+        if address is None:
+            address = self._register_fence(channel, index)
+        self._driver.wait_value(torch.cuda.current_stream(index).cuda_stream, address, seq)
+
+    def _register_fence(self, channel, index) -> int:
+        """Makes the channel's header page visible to the GPU (pinned), once
+        per channel and device; unregistered when the channel closes."""
+        import torch
+
+        page = channel.fence() & ~4095
+        with torch.cuda.device(index):
+            error = torch.cuda.cudart().cudaHostRegister(page, 4096, 3)  # portable | mapped
+            if int(error) != 0:
+                raise RuntimeError(f"cuda_ipc: cudaHostRegister of the call channel: {error}")
+            address = self._driver.device_address(page) + (channel.fence() - page)
+
+        def unregister():
+            with torch.cuda.device(index):
+                torch.cuda.cudart().cudaHostUnregister(page)
+            self._fences.pop((id(channel), index), None)
+
+        channel.on_close.append(unregister)
+        self._fences[(id(channel), index)] = address
+        return address
 
     # -- the end ---------------------------------------------------------------
 

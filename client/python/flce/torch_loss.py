@@ -13,26 +13,40 @@ from typing import Optional
 
 import torch
 
-from flce.client import Client, check_loss_options, to_torch
+from flce.client import Client, PendingForward, check_loss_options, to_torch
 from flce.weight_registration import WeightRegistration
 
 
 class _Session:
     """A server session owned by one autograd graph: released when the graph
     goes away without having consumed it (a loss dropped without backward(),
-    or kept by ``retain_graph``)."""
+    or kept by ``retain_graph``). Its id may still be on its way (`pending`:
+    the Forward in flight that makes it)."""
 
-    def __init__(self, client, session_id):
+    def __init__(self, client, session_id="", pending=None):
         self.client = client
-        self.id = session_id
+        self._id = session_id
+        self.pending = pending
         self.consumed = False
 
+    @property
+    def id(self) -> str:
+        if self.pending is not None:
+            self._id = self.pending.result().session_id
+            self.pending = None
+        return self._id
+
     def __del__(self):
-        if self.id and not self.consumed:
-            try:
-                self.client.release_session_later(self.id)
-            except Exception:  # pragma: no cover - interpreter shutdown
-                pass
+        if self.consumed:
+            return
+        try:
+            if self.pending is not None and not self.pending.done():
+                self.pending.release_when_done = True
+            elif self.pending is None or self.pending.error() is None:
+                if self.id:
+                    self.client.release_session_later(self.id)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
 
 class _RemoteFunction(torch.autograd.Function):
@@ -58,6 +72,13 @@ class _RemoteFunction(torch.autograd.Function):
         else:
             weight_name, weight_version = "", 0
             wire_weight, wire_bias = weight, bias
+        # With the gradients coming along, the loss too is written into this
+        # process's GPU memory, and the call returns once the server has
+        # accepted it: this stream waits on the GPU for the server's answer,
+        # while autograd and the caller go on (backward reads the answer).
+        # NaN stays there if the computation fails.
+        loss = (torch.full((), float("nan"), dtype=torch.float32, device=hidden.device)
+                if eager is not None else None)
         result = module.client.forward(
             hidden, target, wire_weight, wire_bias, weight_name=weight_name,
             weight_version=weight_version,
@@ -66,25 +87,32 @@ class _RemoteFunction(torch.autograd.Function):
             z_loss_scale=module.z_loss_scale, class_weight=module.class_weight,
             need_backward=needs_grad, backward_mode=module.backward_mode,
             shm=module._region_for(hidden, weight, bias, target), cuda_ipc=module.cuda_ipc,
-            backward_into=eager, backward_grad_output=expected if eager else None)
+            backward_into=eager, backward_grad_output=expected if eager else None,
+            loss_out=loss, asynchronous=eager is not None)
         ctx.eager = (eager, expected) if eager is not None else None
-        ctx.session = _Session(module.client, result.session_id) if result.session_id else None
         ctx.module = module
         ctx.meta = [(t.device, t.dtype, t.shape) if t is not None else None
                     for t in (hidden, weight, bias)]
+        # The parameters, whose .grad a Backward may add into in place.
+        ctx.params = (weight, bias)
+        module._backward_stats = None
+        if eager is not None:
+            ctx.pending = result
+            ctx.session = _Session(module.client, pending=result)
+            # The session may be a RECOMPUTE one (its mode is in the answer).
+            ctx.keep = (hidden, weight)
+            module._last = result
+            return loss
+        ctx.pending = None
+        ctx.session = _Session(module.client, result.session_id) if result.session_id else None
         # A RECOMPUTE session reads X and W again in Backward: through CUDA
         # IPC they must stay alive (and unchanged) until then.
         ctx.keep = ((hidden, weight) if module.cuda_ipc and result.backward_mode == "recompute"
                     else None)
-        # The parameters, whose .grad a Backward may add into in place.
-        ctx.params = (weight, bias)
-        module.last_num_valid = result.num_valid
-        module.last_stats = [result.stats, None]
+        module._last = result
         if not result.loss.shape:
             # A scalar: made on the device by a fill (no copy to wait for).
-            module.last_z_loss = _scalar(result.z_loss)
             return torch.full((), _scalar(result.loss), dtype=torch.float32, device=hidden.device)
-        module.last_z_loss = float(to_torch(result.z_loss).sum())
         return to_torch(result.loss, hidden.device)
 
     @staticmethod
@@ -99,6 +127,12 @@ class _RemoteFunction(torch.autograd.Function):
                 "RemoteLinearCrossEntropy(..., retain_graph=True)")
         module = ctx.module
         retain = module.retain_graph
+        if ctx.pending is not None:
+            # The answer first (a failed computation raises here), then the
+            # upstream gradient: reading it waits for the GPU, which waits
+            # for the answer.
+            ctx.pending.result()
+            ctx.pending = None
         g = grad_output.detach().float().cpu()
         if ctx.eager is not None:
             into, expected = ctx.eager
@@ -142,7 +176,7 @@ class _RemoteFunction(torch.autograd.Function):
                                        accumulate_weight_grad=ctx.registered)
         if ctx.registered:
             module._registration.added(*ctx.params)
-        module.last_stats[1] = grads.stats
+        module._backward_stats = grads.stats
         # Without retain_graph the session is gone; with it, it lives until the
         # graph does.
         session.consumed = not retain
@@ -253,14 +287,40 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         # Regions the gradients come back in, each reused once no gradient
         # viewing it is alive (autograd may keep one as .grad for a while).
         self._grad_regions = []
-        # The server's CallStats of the last Forward and Backward (None when
-        # Forward brought the gradients).
-        self.last_stats = [None, None]
+        # The last Forward's ForwardResult (or PendingForward), and the
+        # CallStats of the last Backward (None when Forward brought the
+        # gradients).
+        self._last = None
+        self._backward_stats = None
         # The upstream gradient the last backward had: through CUDA IPC the
         # next Forward computes the gradients for it.
         self._expected_grad_output = 1.0
-        self.last_num_valid = 0
-        self.last_z_loss = 0.0
+
+    def _last_result(self):
+        last = self._last
+        return last.result() if isinstance(last, PendingForward) else last
+
+    @property
+    def last_stats(self):
+        """The server's CallStats of the last Forward and of its Backward
+        (None when the Forward brought the gradients)."""
+        last = self._last_result()
+        return [last.stats if last is not None else None, self._backward_stats]
+
+    @property
+    def last_num_valid(self) -> int:
+        """The last Forward's non-ignored rows."""
+        last = self._last_result()
+        return last.num_valid if last is not None else 0
+
+    @property
+    def last_z_loss(self) -> float:
+        """The last Forward's z-loss term (summed for reduction none)."""
+        last = self._last_result()
+        if last is None:
+            return 0.0
+        return _scalar(last.z_loss) if not last.z_loss.shape else float(
+            to_torch(last.z_loss).sum())
 
     def _region_for(self, hidden, weight, bias, target):
         """The shared-memory region for these tensors (grown as needed), or
