@@ -58,10 +58,12 @@ absl::Status CheckOptions(const ServerOptions& o) {
   const SharedMemoryLimits& shm = o.shared_memory;
   if (shm.max_regions < 1 || shm.max_regions > SigbusGuard::kCapacity ||
       shm.max_regions_per_principal < 0 || shm.max_bytes < 0 ||
-      shm.max_bytes_per_principal < 0) {
+      shm.max_bytes_per_principal < 0 || shm.max_server_bytes < 0 ||
+      shm.max_server_bytes_per_principal < 0 || shm.server_region_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_shared_memory_regions must be in [1, ", SigbusGuard::kCapacity,
-        "], --shared_memory_bytes and the _per_principal forms >= 0"));
+        "], --shared_memory_bytes, --region_memory_bytes and the _per_principal forms >= 0, "
+        "--region_idle_timeout > 0"));
   }
   const CallChannelLimits& ch = o.call_channels;
   if (ch.max_channels < 0 || ch.max_channels > 1024 || ch.max_channels_per_principal < 0 ||
@@ -178,13 +180,13 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get(),
                                         s->weights_.get());
   s->queue_ = std::make_unique<WorkQueue>(options.workers, options.max_queued_requests);
-  if (options.enable_shared_memory) {
-    s->shared_memory_ = std::make_unique<SharedMemoryRegistry>(options.shared_memory);
-  }
+  // Always there: regions of server memory need no flag.
+  s->shared_memory_ = std::make_unique<SharedMemoryRegistry>(options.shared_memory);
   s->admission_ = std::make_unique<RequestAdmission>(options.requests);
   LossServer* raw = s.get();
   ServiceLimits limits;
   limits.max_message_bytes = options.max_message_bytes;
+  limits.shared_memory_enabled = options.enable_shared_memory;
   s->service_ = std::make_unique<LossServiceImpl>(
       s->core_.get(), s->queue_.get(), limits, s->admission_.get(), s->shared_memory_.get(),
       s->auth_.get(), &s->metrics_, [raw] { return raw->CurrentGauges(); },
@@ -314,8 +316,9 @@ Gauges LossServer::CurrentGauges() const {
   g.registered_weights = weights_->size();
   g.weight_memory_bytes = weights_->bytes_in_use();
   g.weight_device_memory_bytes = weights_->device_bytes_in_use();
-  g.shared_memory_regions = shared_memory_ ? shared_memory_->size() : 0;
-  g.shared_memory_bytes = shared_memory_ ? shared_memory_->bytes() : 0;
+  g.shared_memory_regions = shared_memory_->size();
+  g.shared_memory_bytes = shared_memory_->bytes();
+  g.region_memory_bytes = shared_memory_->server_bytes();
   g.call_channels = channels_ ? channels_->size() : 0;
   g.open_streams = admission_->open_streams();
   g.request_memory_bytes = admission_->bytes_in_use();
@@ -337,6 +340,11 @@ void LossServer::ReaperLoop() {
   while (!stop_reaper_.WaitForNotificationWithTimeout(options_.reap_interval)) {
     const int reaped = sessions_->ReapExpired();
     if (reaped > 0) SPDLOG_INFO("expired {} idle session(s)", reaped);
+    const int regions = shared_memory_->ReapIdle();
+    if (regions > 0) {
+      SPDLOG_INFO("unregistered {} region(s) of server memory no call named for {}", regions,
+                  absl::FormatDuration(options_.shared_memory.server_region_ttl));
+    }
   }
 }
 

@@ -60,7 +60,7 @@ absl::StatusOr<std::string> LossServiceImpl::Admit(const Context* context) const
 }
 
 std::shared_ptr<SliceResolver> LossServiceImpl::ResolverFor(const std::string& principal) const {
-  return shared_memory_ ? shared_memory_->ResolverFor(principal) : nullptr;
+  return shared_memory_->ResolverFor(principal);
 }
 
 absl::Status LossServiceImpl::Explain(absl::Status status, const Call& call) {
@@ -139,10 +139,9 @@ LossServiceImpl::Unary* LossServiceImpl::GetServerInfo(Context* context, const B
   limits->set_max_streams(admission_->limits().max_streams);
   limits->set_request_memory_budget_bytes(admission_->limits().memory_bytes);
   limits->set_stream_idle_timeout_seconds(absl::ToDoubleSeconds(admission_->limits().idle_timeout));
-  if (shared_memory_ != nullptr) {
-    limits->set_max_shared_memory_regions(shared_memory_->limits().max_regions);
-    limits->set_shared_memory_budget_bytes(shared_memory_->limits().max_bytes);
-  }
+  limits->set_max_shared_memory_regions(shared_memory_->limits().max_regions);
+  limits->set_shared_memory_budget_bytes(shared_memory_->limits().max_bytes);
+  limits->set_region_memory_budget_bytes(shared_memory_->limits().max_server_bytes);
   const Gauges load = gauges_();
   response->set_live_sessions(load.live_sessions);
   response->set_session_memory_bytes(load.session_memory_bytes);
@@ -193,6 +192,7 @@ LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes*
   response->set_weight_memory_bytes(g.weight_memory_bytes);
   response->set_shared_memory_regions(g.shared_memory_regions);
   response->set_call_channels(g.call_channels);
+  response->set_region_memory_bytes(g.region_memory_bytes);
   response->set_shared_memory_bytes(g.shared_memory_bytes);
   response->set_device_memory_bytes(g.device_memory_bytes);
   response->set_weight_device_memory_bytes(g.weight_device_memory_bytes);
@@ -210,14 +210,18 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
       context, in, out, "RegisterSharedMemory");
   std::optional<std::string> principal = Accept(call, /*new_work=*/true);
   if (!principal) return call;
-  if (shared_memory_ == nullptr) {
+  const v1::RegisterSharedMemoryRequest& request = call->request();
+  if (!limits_.shared_memory_enabled && !request.has_server_memory()) {
     call->Reply(absl::FailedPreconditionError(
-        "shared memory is disabled on this server; start it with --enable_shared_memory"));
+        "shared memory is disabled on this server; start it with --enable_shared_memory "
+        "(regions of server memory need no flag: server_memory)"));
     return call;
   }
-  const v1::RegisterSharedMemoryRequest& request = call->request();
   absl::StatusOr<RegisteredRegion> region;
-  if (request.has_cuda_ipc_handle()) {
+  if (request.has_server_memory()) {
+    call->record().SetDetail(absl::StrCat("server_memory bytes=", request.bytes(), " "));
+    region = shared_memory_->RegisterServerMemory(request.bytes(), *principal);
+  } else if (request.has_cuda_ipc_handle()) {
     call->record().SetDetail("cuda_ipc ");
     region = shared_memory_->RegisterCudaIpc(request.cuda_ipc_handle(), request.bytes(),
                                              core_->engine().device_memory(), *principal);
@@ -247,7 +251,6 @@ LossServiceImpl::Unary* LossServiceImpl::UnregisterSharedMemory(Context* context
       context, in, out, "UnregisterSharedMemory");
   if (std::optional<std::string> principal = Accept(call, /*new_work=*/false)) {
     call->response()->set_unregistered(
-        shared_memory_ != nullptr &&
         shared_memory_->Unregister(call->request().region_id(), *principal));
     call->Reply(absl::OkStatus());
   }
@@ -262,7 +265,7 @@ LossServiceImpl::Unary* LossServiceImpl::OpenCallChannel(Context* context, const
       context, in, out, "OpenCallChannel");
   std::optional<std::string> principal = Accept(call, /*new_work=*/true);
   if (!principal) return call;
-  if (channels_ == nullptr || shared_memory_ == nullptr) {
+  if (channels_ == nullptr) {
     call->Reply(absl::FailedPreconditionError(
         "call channels need shared memory, which is disabled on this server; start it with "
         "--enable_shared_memory"));

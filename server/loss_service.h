@@ -34,6 +34,9 @@ namespace flce {
 
 struct ServiceLimits {
   int64_t max_message_bytes = int64_t{256} << 20;
+  // Clients' own memory (POSIX shared memory, CUDA IPC) accepted
+  // (--enable_shared_memory); regions of server memory need no flag.
+  bool shared_memory_enabled = false;
   // Largest ForwardStream request (all its tensors), in bytes.
   int64_t max_stream_request_bytes = int64_t{64} << 30;
 
@@ -44,6 +47,12 @@ struct ServiceLimits {
 
 // The service on raw bytes: every request is parsed by the service itself
 // (server/rpc_call.h), so one that does not parse is INVALID_ARGUMENT.
+template <typename Base>
+using RawRegions = v1::LossService::WithRawCallbackMethod_WriteRegion<
+    v1::LossService::WithRawCallbackMethod_ReadRegion<Base>>;
+template <typename Base>
+using RawChannels = v1::LossService::WithRawCallbackMethod_OpenCallChannel<
+    v1::LossService::WithRawCallbackMethod_CloseCallChannel<Base>>;
 using RawLossService =
     v1::LossService::WithRawCallbackMethod_Forward<v1::LossService::WithRawCallbackMethod_Backward<
         v1::LossService::WithRawCallbackMethod_ForwardStream<
@@ -59,17 +68,13 @@ using RawLossService =
                                                 WithRawCallbackMethod_UnregisterSharedMemory<
                                                     v1::LossService::
                                                         WithRawCallbackMethod_TakeWeightGrad<
-                                                            v1::LossService::
-                                                                WithRawCallbackMethod_OpenCallChannel<
-                                                                    v1::LossService::
-                                                                        WithRawCallbackMethod_CloseCallChannel<
-                                                                            v1::LossService::
-                                                                                Service>>>>>>>>>>>>>>>;
+                                                            RawChannels<RawRegions<
+                                                                v1::LossService::Service>>>>>>>>>>>>>>>;
 
 class LossServiceImpl final : public RawLossService, public CallChannelService {
  public:
-  // All pointers must outlive the service; `shared_memory` is null when
-  // shared memory is disabled, `auth` null for anonymous callers only.
+  // All pointers must outlive the service (`auth` null for anonymous
+  // callers only).
   // `on_engine_unhealthy` runs once, the first time a failed call leaves
   // the engine unhealthy.
   // `metrics` records every RPC; `gauges` reads the current gauges for
@@ -108,6 +113,8 @@ class LossServiceImpl final : public RawLossService, public CallChannelService {
   grpc::ServerWriteReactor<Bytes>* TakeWeightGrad(Context* context, const Bytes* request) override;
   Unary* OpenCallChannel(Context* context, const Bytes* request, Bytes* response) override;
   Unary* CloseCallChannel(Context* context, const Bytes* request, Bytes* response) override;
+  grpc::ServerReadReactor<Bytes>* WriteRegion(Context* context, Bytes* response) override;
+  grpc::ServerWriteReactor<Bytes>* ReadRegion(Context* context, const Bytes* request) override;
 
   // CallChannelService: a channel's calls, served as the RPCs are.
   void ChannelForward(Call* call, const std::string& principal, const v1::ForwardRequest* request,

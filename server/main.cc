@@ -50,6 +50,16 @@ ABSL_FLAG(flce::ByteCount, shared_memory_bytes,
           "bytes all registered shared-memory regions may map");
 ABSL_FLAG(flce::ByteCount, shared_memory_bytes_per_principal, flce::ByteCount{0},
           "bytes one principal's shared-memory regions may map (0: only --shared_memory_bytes)");
+ABSL_FLAG(flce::ByteCount, region_memory_bytes,
+          flce::ByteCount{flce::SharedMemoryLimits().max_server_bytes},
+          "bytes regions of server memory may hold (RegisterSharedMemory server_memory, filled "
+          "and read by WriteRegion/ReadRegion; 0: none)");
+ABSL_FLAG(flce::ByteCount, region_memory_bytes_per_principal, flce::ByteCount{0},
+          "bytes one principal's regions of server memory may hold (0: only "
+          "--region_memory_bytes)");
+ABSL_FLAG(flce::DurationFlag, region_idle_timeout,
+          flce::DurationFlag{flce::SharedMemoryLimits().server_region_ttl},
+          "a region of server memory no call named for this long is unregistered");
 ABSL_FLAG(int64_t, max_call_channels, flce::CallChannelLimits().max_channels,
           "call channels open at once (OpenCallChannel; a server thread each; at most 1024)");
 ABSL_FLAG(int64_t, max_call_channels_per_principal, 0,
@@ -203,6 +213,10 @@ int main(int argc, char** argv) {
   options.shared_memory.max_bytes = absl::GetFlag(FLAGS_shared_memory_bytes).bytes;
   options.shared_memory.max_bytes_per_principal =
       absl::GetFlag(FLAGS_shared_memory_bytes_per_principal).bytes;
+  options.shared_memory.max_server_bytes = absl::GetFlag(FLAGS_region_memory_bytes).bytes;
+  options.shared_memory.max_server_bytes_per_principal =
+      absl::GetFlag(FLAGS_region_memory_bytes_per_principal).bytes;
+  options.shared_memory.server_region_ttl = absl::GetFlag(FLAGS_region_idle_timeout).value;
   options.call_channels.max_channels = absl::GetFlag(FLAGS_max_call_channels);
   options.call_channels.max_channels_per_principal =
       absl::GetFlag(FLAGS_max_call_channels_per_principal);

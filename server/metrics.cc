@@ -179,6 +179,9 @@ std::string PrometheusText(const MetricsSnapshot& s) {
               g.shared_memory_regions);
   AppendGauge(&out, "flce_call_channels", "Open call channels (a server thread each).",
               g.call_channels);
+  AppendGauge(&out, "flce_region_memory_bytes",
+              "Bytes of the server's own memory held by registered regions (server_memory).",
+              g.region_memory_bytes);
   AppendGauge(&out, "flce_device_memory_bytes",
               "Device memory the engine holds (its pool, registered weights and their "
               "gradient sums; 0 on the CPU).", g.device_memory_bytes);

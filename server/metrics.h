@@ -48,6 +48,7 @@ struct Gauges {
   int64_t open_streams = 0, request_memory_bytes = 0, stream_idle_timeouts = 0;
   int64_t shared_memory_bytes = 0;
   int64_t call_channels = 0;  // open (server/call_channel.h)
+  int64_t region_memory_bytes = 0;  // regions of server memory
 };
 
 struct MetricsSnapshot {

@@ -9,6 +9,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "server/host_memory.h"
 #include "server/random_id.h"
 #include "server/sigbus_guard.h"
 
@@ -50,6 +52,15 @@ SharedRegion::SharedRegion(const DeviceEvent* event, std::function<void()> relea
       fd_(-1),
       guard_slot_(-1),
       event_(event) {}
+
+SharedRegion::SharedRegion(ServerMemory, void* base, int64_t bytes, std::function<void()> release)
+    : base_(base),
+      bytes_(bytes),
+      space_(MemorySpace::kHost),
+      release_(std::move(release)),
+      fd_(-1),
+      guard_slot_(-1),
+      server_memory_(true) {}
 
 SharedRegion::~SharedRegion() {
   SigbusGuard::Unguard(guard_slot_);
@@ -251,6 +262,74 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Register(const std::strin
              principal);
 }
 
+absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterServerMemory(
+    int64_t bytes, const std::string& principal) {
+  if (bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bytes: ", bytes, "; expected > 0"));
+  }
+  FLCE_RETURN_IF_ERROR(Admit(principal, bytes));
+  if (absl::Status budget = AdmitServerBytes(principal, bytes); !budget.ok()) {
+    Unadmit(principal, bytes);
+    return budget;
+  }
+  auto fail = [&](absl::Status status) {
+    UnadmitServerBytes(principal, bytes);
+    Unadmit(principal, bytes);
+    return status;
+  };
+  if (absl::Status host = CheckHostMemory(bytes, HostAvailableBytes(), "server_memory");
+      !host.ok()) {
+    return fail(host);
+  }
+  void* base = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) {
+    return fail(absl::ResourceExhaustedError(
+        absl::StrCat("server_memory: cannot allocate ", bytes, " bytes: ", std::strerror(errno))));
+  }
+  madvise(base, static_cast<size_t>(bytes), MADV_HUGEPAGE);  // fewer faults when first written
+  return Add(std::make_shared<SharedRegion>(SharedRegion::ServerMemory{}, base, bytes,
+                                            [this, principal, base, bytes] {
+                                              munmap(base, static_cast<size_t>(bytes));
+                                              UnadmitServerBytes(principal, bytes);
+                                              Unadmit(principal, bytes);
+                                            }),
+             principal);
+}
+
+absl::Status SharedMemoryRegistry::AdmitServerBytes(const std::string& principal, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (bytes > limits_.max_server_bytes - server_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "server_memory: this region takes ", bytes, " bytes; regions of server memory hold ",
+        server_bytes_, " of the server's limit of ", limits_.max_server_bytes,
+        " (--region_memory_bytes)"));
+  }
+  Usage& usage = usage_[principal];  // there: Admit counted the region
+  if (limits_.max_server_bytes_per_principal > 0 &&
+      bytes > limits_.max_server_bytes_per_principal - usage.server_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "server_memory: this region takes ", bytes, " bytes; this principal's hold ",
+        usage.server_bytes, " of its limit of ", limits_.max_server_bytes_per_principal,
+        " (--region_memory_bytes_per_principal)"));
+  }
+  server_bytes_ += bytes;
+  usage.server_bytes += bytes;
+  return absl::OkStatus();
+}
+
+void SharedMemoryRegistry::UnadmitServerBytes(const std::string& principal, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  server_bytes_ -= bytes;
+  auto it = usage_.find(principal);
+  if (it != usage_.end()) it->second.server_bytes -= bytes;
+}
+
+int64_t SharedMemoryRegistry::server_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return server_bytes_;
+}
+
 absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
     const std::string& handle, int64_t bytes, DeviceMemory* memory, const std::string& principal) {
   if (handle.size() != kCudaIpcHandleBytes) {
@@ -359,7 +438,23 @@ std::shared_ptr<SharedRegion> SharedMemoryRegistry::Lookup(const std::string& re
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(region_id);
   if (it == regions_.end() || it->second.principal != principal) return nullptr;
+  it->second.region->Touch();
   return it->second.region;
+}
+
+int SharedMemoryRegistry::ReapIdle() {
+  const absl::Time oldest = absl::Now() - limits_.server_region_ttl;
+  std::vector<std::shared_ptr<SharedRegion>> idle;  // unmapped after the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    auto next = std::next(it);
+    if (it->second.region->server_memory() && it->second.region->last_used() < oldest) {
+      idle.push_back(std::move(it->second.region));
+      regions_.erase(it);
+    }
+    it = next;
+  }
+  return static_cast<int>(idle.size());
 }
 
 absl::StatusOr<std::shared_ptr<SharedRegion>> SharedMemoryRegistry::Find(

@@ -15,6 +15,7 @@
 // size, and a shrink during a call cannot crash the server (SigbusGuard) —
 // the call fails with FAILED_PRECONDITION instead (CheckIntact).
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -24,6 +25,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kernels/device_memory.h"
 #include "kernels/loss_engine.h"
 #include "proto/codec.h"
@@ -39,6 +42,15 @@ struct SharedMemoryLimits {
   // principal's (0: no per-principal bound).
   int64_t max_bytes = int64_t{1} << 40;
   int64_t max_bytes_per_principal = 0;
+  // Regions of the server's own memory (server_memory), which cost it
+  // that memory: their bytes together (--region_memory_bytes; 0: none
+  // allowed) and one principal's (0: no per-principal bound). They count
+  // among the regions above too.
+  int64_t max_server_bytes = int64_t{16} << 30;
+  int64_t max_server_bytes_per_principal = 0;
+  // A region of server memory no call has named for this long is
+  // unregistered (--region_idle_timeout): a client that died leaves none.
+  absl::Duration server_region_ttl = absl::Minutes(10);
 };
 
 class SharedRegion {
@@ -50,6 +62,9 @@ class SharedRegion {
                int fd = -1, int guard_slot = -1);
   // A registered event instead of memory (no bytes); `release` closes it.
   SharedRegion(const DeviceEvent* event, std::function<void()> release);
+  // Memory of the server's own (`server_memory`); `release` frees it.
+  struct ServerMemory {};
+  SharedRegion(ServerMemory, void* base, int64_t bytes, std::function<void()> release);
   ~SharedRegion();
   SharedRegion(const SharedRegion&) = delete;
   SharedRegion& operator=(const SharedRegion&) = delete;
@@ -64,6 +79,16 @@ class SharedRegion {
   bool broken() const;
   // The event of an event region; null for memory.
   const DeviceEvent* event() const { return event_; }
+  // A client's POSIX object (shm_name).
+  bool posix() const { return fd_ >= 0; }
+  // The server's own memory (server_memory), which WriteRegion and
+  // ReadRegion reach.
+  bool server_memory() const { return server_memory_; }
+  // When a call last named it.
+  void Touch() { last_used_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
+  absl::Time last_used() const {
+    return absl::FromUnixNanos(last_used_ns_.load(std::memory_order_relaxed));
+  }
 
  private:
   void* const base_;
@@ -73,6 +98,8 @@ class SharedRegion {
   const int fd_;
   const int guard_slot_;
   const DeviceEvent* const event_ = nullptr;
+  const bool server_memory_ = false;
+  std::atomic<int64_t> last_used_ns_{absl::GetCurrentTimeNanos()};
 };
 
 struct RegisteredRegion {
@@ -109,11 +136,24 @@ class SharedMemoryRegistry {
                                                         DeviceMemory* memory,
                                                         const std::string& principal);
 
+  // `bytes` of zeroed memory of the server's own for `principal`, filled and
+  // read over gRPC (WriteRegion, ReadRegion). INVALID_ARGUMENT for bytes
+  // <= 0; RESOURCE_EXHAUSTED past a bound (the region count, the mapped
+  // bytes, --region_memory_bytes and its per-principal form) or past what
+  // the host has available.
+  absl::StatusOr<RegisteredRegion> RegisterServerMemory(int64_t bytes,
+                                                        const std::string& principal);
+
   bool Unregister(const std::string& region_id, const std::string& principal);
+
+  // Unregisters the regions of server memory no call named for
+  // limits().server_region_ttl; how many.
+  int ReapIdle();
 
   const SharedMemoryLimits& limits() const { return limits_; }
   int64_t size() const;   // registered regions
   int64_t bytes() const;  // their mapped bytes
+  int64_t server_bytes() const;  // of them, the server's own memory
 
   // A resolver for `principal`'s regions that keeps every region it resolved
   // mapped for as long as it lives (so a call in flight never loses one).
@@ -134,11 +174,14 @@ class SharedMemoryRegistry {
     std::string principal;
   };
   struct Usage {
-    int64_t regions = 0, bytes = 0;
+    int64_t regions = 0, bytes = 0, server_bytes = 0;
   };
   // Takes a region's place in the bounds before it is mapped.
   absl::Status Admit(const std::string& principal, int64_t bytes);
   void Unadmit(const std::string& principal, int64_t bytes);
+  // The server-memory budget (after Admit counted the region).
+  absl::Status AdmitServerBytes(const std::string& principal, int64_t bytes);
+  void UnadmitServerBytes(const std::string& principal, int64_t bytes);
   absl::StatusOr<RegisteredRegion> Add(std::shared_ptr<SharedRegion> region,
                                        const std::string& principal);
 
@@ -148,6 +191,7 @@ class SharedMemoryRegistry {
   absl::flat_hash_map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   int64_t count_ ABSL_GUARDED_BY(mu_) = 0;  // registered and being registered
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t server_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace flce

@@ -187,3 +187,42 @@ TEST(SharedMemoryTest, UnregisteredRegionsLeaveTheBoundsWhenNoCallHoldsThem) {
 
 }  // namespace
 }  // namespace flce
+
+namespace flce {
+namespace {
+
+TEST(SharedMemoryTest, ServerMemoryIsBoundedAndReapedWhenIdle) {
+  SharedMemoryLimits limits;
+  limits.max_server_bytes = 3 << 20;
+  limits.max_server_bytes_per_principal = 2 << 20;
+  limits.server_region_ttl = absl::Milliseconds(200);
+  SharedMemoryRegistry registry(limits);
+  auto a = registry.RegisterServerMemory(2 << 20, "a");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_THAT(registry.RegisterServerMemory(4096, "a"),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("--region_memory_bytes_per_principal")));
+  auto b = registry.RegisterServerMemory(1 << 20, "b");
+  ASSERT_TRUE(b.ok());
+  EXPECT_THAT(registry.RegisterServerMemory(4096, "c"),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("(--region_memory_bytes)")));
+  // Zeroed, and another principal's is NOT_FOUND.
+  auto mine = registry.Find(a->region_id, "a");
+  ASSERT_TRUE(mine.ok());
+  EXPECT_TRUE((*mine)->server_memory());
+  EXPECT_EQ((*mine)->base()[(2 << 20) - 1], 0);
+  EXPECT_EQ(registry.Find(a->region_id, "b").status().code(), absl::StatusCode::kNotFound);
+  mine->reset();
+  // b is named again and again; a is not: only a goes.
+  for (int i = 0; i < 6; ++i) {
+    absl::SleepFor(absl::Milliseconds(60));
+    ASSERT_TRUE(registry.Find(b->region_id, "b").ok());
+  }
+  EXPECT_EQ(registry.ReapIdle(), 1);
+  EXPECT_EQ(registry.server_bytes(), 1 << 20);
+  EXPECT_EQ(registry.Find(a->region_id, "a").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.RegisterServerMemory(2 << 20, "a").ok());
+}
+
+}  // namespace
+}  // namespace flce

@@ -74,13 +74,7 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
     if (finished_) return;
     ticket_.Touch();
     record_.AddBytes(static_cast<int64_t>(in_.Length()), 0);
-    absl::Status status = GuardMemory(
-        [&]() -> absl::Status {
-          FLCE_RETURN_IF_ERROR(ParseMessage(in_, message()));
-          in_.Clear();
-          return Take();
-        },
-        record_.rpc());
+    absl::Status status = GuardMemory([&] { return Consume(in_); }, record_.rpc());
     if (!status.ok()) return FinishLocked(status);
     StartRead(&in_);
   }
@@ -98,11 +92,20 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
   }
 
  protected:
+  // One message arrived (its bytes, which it may take): by default parsed
+  // into message() and given to Take().
+  virtual absl::Status Consume(grpc::ByteBuffer& in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    FLCE_RETURN_IF_ERROR(ParseMessage(in, message()));
+    in.Clear();
+    return Take();
+  }
   // The message a read is parsed into, and the response sent on OK.
-  virtual google::protobuf::Message* message() = 0;
+  virtual google::protobuf::Message* message() { return nullptr; }
   virtual const google::protobuf::Message& response() = 0;
   // One message arrived (parsed into message()).
-  virtual absl::Status Take() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  virtual absl::Status Take() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return absl::InternalError("a stream without Take");
+  }
   // The client half-closed: checks what arrived. OK finishes the call with
   // the response, unless Proceed() replies later.
   virtual absl::Status End() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
@@ -208,17 +211,24 @@ class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Ca
 
  protected:
   // The next message, or null after the last.
-  virtual const google::protobuf::Message* Next() = 0;
+  virtual const google::protobuf::Message* Next() { return nullptr; }
+  // The next message's bytes into `out` (true), or none left (false): by
+  // default Next() serialized.
+  virtual absl::StatusOr<bool> NextBytes(grpc::ByteBuffer* out) {
+    const google::protobuf::Message* message = Next();
+    if (message == nullptr) return false;
+    FLCE_RETURN_IF_ERROR(SerializeMessage(*message, max_message_bytes_,
+                                          absl::StrCat(record_.rpc(), " message"), out));
+    return true;
+  }
 
  private:
   void WriteNext() {
     absl::Status status = GuardMemory(
         [&]() -> absl::Status {
-          const google::protobuf::Message* message = Next();
-          if (message == nullptr) return absl::OkStatus();
           out_.Clear();
-          FLCE_RETURN_IF_ERROR(SerializeMessage(*message, max_message_bytes_,
-                                                absl::StrCat(record_.rpc(), " message"), &out_));
+          FLCE_ASSIGN_OR_RETURN(const bool more, NextBytes(&out_));
+          if (!more) return absl::OkStatus();
           record_.AddBytes(0, static_cast<int64_t>(out_.Length()));
           writing_ = true;
           return absl::OkStatus();

@@ -39,11 +39,26 @@ void FillWeightInfo(const RegisteredWeight& w, v1::WeightInfo* info) {
 // from the weight budget; the data is stored as it arrives, and the end of
 // the stream checks the length and CRC-32C before the weight is registered.
 // Nothing is registered from a broken stream.
+// A slice of a registered region in host memory holding `bytes` (a
+// weight's source, a gradient's destination), kept mapped by `resolver`.
+absl::StatusOr<char*> HostSlice(SliceResolver& resolver, const v1::SharedMemorySlice& slice,
+                                int64_t bytes, const std::string& field) {
+  FLCE_ASSIGN_OR_RETURN(SliceMemory memory, resolver.Resolve(ToSliceRef(slice), bytes, field));
+  if (memory.space != MemorySpace::kHost) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": a region in host memory (server memory or POSIX), not CUDA IPC"));
+  }
+  return static_cast<char*>(memory.data);
+}
+
 class PutWeightReactor final : public ReadStream {
  public:
   PutWeightReactor(grpc::CallbackServerContext* context, WeightRegistry* weights,
-                   grpc::ByteBuffer* response, ServiceMetrics* metrics, int64_t max_message_bytes)
-      : ReadStream(context, response, metrics, "PutWeight", max_message_bytes), weights_(weights) {}
+                   const SharedMemoryRegistry* regions, grpc::ByteBuffer* response,
+                   ServiceMetrics* metrics, int64_t max_message_bytes)
+      : ReadStream(context, response, metrics, "PutWeight", max_message_bytes),
+        weights_(weights),
+        regions_(regions) {}
 
  private:
   google::protobuf::Message* message() override { return &chunk_; }
@@ -59,6 +74,10 @@ class PutWeightReactor final : public ReadStream {
       return absl::InvalidArgumentError("header: only the first chunk carries one");
     }
     const std::string& data = chunk_.data();
+    if (from_source_ && !data.empty()) {
+      return absl::InvalidArgumentError(
+          "data: the header names a source (header.source); no data follows it");
+    }
     if (static_cast<int64_t>(payload_.size() + data.size()) > total_) {
       return absl::InvalidArgumentError(absl::StrCat("data: more bytes than the header's ", total_,
                                                      " (", payload_.size() + data.size(),
@@ -101,6 +120,27 @@ class PutWeightReactor final : public ReadStream {
     const int64_t elem = DTypeSize(dtype_);
     total_ = (shape_[0] * shape_[1] + (has_bias_ ? shape_[0] : 0)) * elem;
     FLCE_ASSIGN_OR_RETURN(hold_, weights_->Reserve(name_, total_));
+    if (h.has_source()) FLCE_RETURN_IF_ERROR(TakeSource(h));
+    return absl::OkStatus();
+  }
+
+  // The whole payload from a region at once (its CRC checked only when the
+  // header gives zlib's: the parts that filled a region of server memory
+  // were checked as they came).
+  absl::Status TakeSource(const v1::WeightHeader& h) {
+    from_source_ = true;
+    std::shared_ptr<SliceResolver> resolver = regions_->ResolverFor(principal());
+    FLCE_ASSIGN_OR_RETURN(const char* source,
+                          HostSlice(*resolver, h.source(), total_, "header.source"));
+    payload_.assign(source, static_cast<size_t>(total_));
+    FLCE_RETURN_IF_ERROR(resolver->CheckIntact());
+    if (ieee_crc_) {
+      crc_ = static_cast<uint32_t>(crc32(crc32(0L, Z_NULL, 0),
+                                         reinterpret_cast<const Bytef*>(payload_.data()),
+                                         static_cast<uInt>(payload_.size())));
+    } else {
+      crc_ = expected_crc_ = 0;  // nothing to check
+    }
     return absl::OkStatus();
   }
 
@@ -139,6 +179,8 @@ class PutWeightReactor final : public ReadStream {
   }
 
   WeightRegistry* const weights_;
+  const SharedMemoryRegistry* const regions_;
+  bool from_source_ = false;
   v1::PutWeightChunk chunk_;
   v1::PutWeightResponse response_;
   bool started_ = false;
@@ -163,8 +205,8 @@ class TakeGradReactor final : public WriteStream {
       : WriteStream(context, metrics, "TakeWeightGrad", max_message_bytes),
         chunk_bytes_(chunk_bytes) {}
 
-  absl::Status Prepare(const WeightRegistry& weights, const v1::TakeWeightGradRequest& r,
-                       const std::string& principal) {
+  absl::Status Prepare(const WeightRegistry& weights, const SharedMemoryRegistry& regions,
+                       const v1::TakeWeightGradRequest& r, const std::string& principal) {
     record().SetDetail(absl::StrCat("weight=", LogSafe(r.weight().name()), " "));
     FLCE_ASSIGN_OR_RETURN(weight_, weights.Get(r.weight().name(), r.weight().version(), principal));
     DType dtype = DType::kFloat32;
@@ -187,6 +229,16 @@ class TakeGradReactor final : public WriteStream {
       }
     });
     FLCE_ASSIGN_OR_RETURN(payload_, weight_->GradBytes(*grad_, dtype, "dtype"));
+    if (r.has_into()) {
+      // Into the caller's region; the stream carries the header alone.
+      std::shared_ptr<SliceResolver> resolver = regions.ResolverFor(principal);
+      FLCE_ASSIGN_OR_RETURN(char* into,
+                            HostSlice(*resolver, r.into(), static_cast<int64_t>(payload_.size()),
+                                      "into"));
+      std::memcpy(into, payload_.data(), payload_.size());
+      FLCE_RETURN_IF_ERROR(resolver->CheckIntact());
+      payload_.clear();
+    }
     v1::WeightGradHeader* header = chunk_.mutable_header();
     FillWeightInfo(*weight_, header->mutable_weight());
     header->set_dtype(ToProto(dtype));
@@ -221,8 +273,8 @@ class TakeGradReactor final : public WriteStream {
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* LossServiceImpl::PutWeight(Context* context,
                                                                       Bytes* response) {
-  auto* reactor = new PutWeightReactor(context, &core_->weights(), response, metrics_,
-                                       limits_.max_message_bytes);
+  auto* reactor = new PutWeightReactor(context, &core_->weights(), shared_memory_, response,
+                                       metrics_, limits_.max_message_bytes);
   reactor->Begin(Admit(context), admission_);
   return reactor;
 }
@@ -261,8 +313,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::TakeWeightGrad(Cont
   v1::TakeWeightGradRequest request;
   if (status.ok()) status = reactor->ParseRequest(*in, *admission_, *principal, &request);
   if (status.ok()) {
-    status = GuardMemory([&] { return reactor->Prepare(core_->weights(), request, *principal); },
-                         "TakeWeightGrad");
+    status = GuardMemory(
+        [&] { return reactor->Prepare(core_->weights(), *shared_memory_, request, *principal); },
+        "TakeWeightGrad");
   }
   if (status.ok()) {
     reactor->StartWriting();

@@ -96,27 +96,44 @@ def weight_checksum(payload: bytes) -> dict:
 def to_wire(tensor, out: Optional["pb.Tensor"] = None) -> "pb.Tensor":
     """A NumPy array or torch tensor as a wire Tensor (bf16 stays bf16)."""
     out = out if out is not None else pb.Tensor()
+    dtype, shape, raw = _host_bytes(tensor)
+    out.dtype = dtype
+    del out.shape[:]
+    out.shape.extend(shape)
+    out.data = raw.tobytes()
+    return out
+
+
+def _host_bytes(tensor):
+    """(wire dtype, shape, contiguous CPU array of its bytes) of a NumPy
+    array or torch tensor, without a copy where it is one already."""
     if hasattr(tensor, "detach"):  # torch
         import torch
 
         t = tensor.detach().to("cpu").contiguous()
         if t.dtype == torch.bfloat16:
-            out.dtype = pb.DTYPE_BFLOAT16
-            data = t.view(torch.int16).numpy().tobytes()
-        else:
-            arr = t.numpy()
-            out.dtype = _wire_dtype(arr.dtype)
-            data = arr.tobytes()
-        shape = list(t.shape)
+            return pb.DTYPE_BFLOAT16, list(t.shape), t.view(torch.int16).numpy().view(np.uint8)
+        arr = t.numpy()
     else:
         arr = np.ascontiguousarray(tensor)
-        out.dtype = _wire_dtype(arr.dtype)
-        data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-        shape = list(arr.shape)
-    del out.shape[:]
-    out.shape.extend(shape)
-    out.data = data
-    return out
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+    return _wire_dtype(arr.dtype), list(arr.shape), arr.reshape(-1).view(np.uint8)
+
+
+def _writable_bytes(buffer, nbytes: int, what: str) -> memoryview:
+    """The bytes of a writable contiguous CPU buffer (torch or NumPy) that
+    must hold exactly ``nbytes``."""
+    if hasattr(buffer, "detach"):  # torch
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError(f"{what}: a contiguous CPU tensor")
+        import torch
+
+        buffer = (buffer.reshape(-1).view(torch.uint8).numpy() if buffer.numel()
+                  else np.empty(0, np.uint8))
+    view = memoryview(buffer).cast("B")
+    if view.nbytes != nbytes or view.readonly:
+        raise ValueError(f"{what}: {view.nbytes} writable bytes, the gradient has {nbytes}")
+    return view
 
 
 def from_wire(tensor: "pb.Tensor") -> np.ndarray:
@@ -267,7 +284,10 @@ class Client:
     :mod:`flce.call_channel`) where the server offers one, True makes every
     Forward, Backward and ReleaseSession so, False none;
     ``call_channel_spin`` is how long such a call polls for its answer
-    before it sleeps."""
+    before it sleeps. Weights and their gradients of at least
+    ``bulk_threshold`` bytes travel over ``bulk_connections`` connections at
+    once, through a region of the server's memory (see :mod:`flce.bulk`;
+    0 connections: over the one channel, as chunks of one stream)."""
 
     def __init__(self, target: str, timeout: float = 300.0,
                  max_message_bytes: int = 256 << 20, stream_chunk_bytes: int = 4 << 20, *,
@@ -275,18 +295,29 @@ class Client:
                  certificate_chain: Optional[bytes] = None, private_key: Optional[bytes] = None,
                  server_name: Optional[str] = None, token: Optional[str] = None,
                  cuda_ipc_keep_registrations: bool = True, call_channel="auto",
-                 call_channel_spin: float = 0.25):
+                 call_channel_spin: float = 0.25, bulk_connections: int = 4,
+                 bulk_threshold: int = 8 << 20):
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         target = with_default_port(target)
+        credentials = None
         if tls or root_certificates or certificate_chain or server_name:
             if server_name:
                 options.append(("grpc.ssl_target_name_override", server_name))
             credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
                                                        certificate_chain)
-            self._channel = grpc.secure_channel(target, credentials, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
+
+        def make_channel(connection: Optional[int] = None):
+            # Each bulk connection its own TCP connection (gRPC would
+            # otherwise share one subchannel among channels to one target).
+            extra = [] if connection is None else [("grpc.use_local_subchannel_pool", 1),
+                                                   ("flce.bulk_connection", connection)]
+            if credentials is not None:
+                return grpc.secure_channel(target, credentials, options=options + extra)
+            return grpc.insecure_channel(target, options=options + extra)
+
+        self._make_channel = make_channel
+        self._channel = make_channel()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.LossServiceStub(self._channel)
         self._sessions = {}  # session id → (N, H, V, has_bias, dtype), for shm layouts
@@ -300,6 +331,11 @@ class Client:
         self._channel_mode = call_channel
         self._channel_spin = call_channel_spin
         self._open_channel = None  # the CallChannel, opened on first use
+        self._bulk = None  # the BulkTransfer, made on first use
+        self._bulk_connections = bulk_connections
+        self._bulk_threshold = bulk_threshold
+        self._bulk_refused_at = None  # when the server last refused a region
+        self._weights = {}  # name → (V, H, has_bias, wire dtype) of the weights put
         self._pending = None  # a Forward of the channel's whose answer is still to be read
         self._channel_refused_at = None  # when the server last refused one
         self.timeout = timeout
@@ -315,8 +351,42 @@ class Client:
             self._cuda_ipc = CudaIpcRegistry(self, keep=self._cuda_ipc_keep)
         return self._cuda_ipc
 
+    def bulk(self, nbytes: int):
+        """This client's :class:`flce.bulk.BulkTransfer` for ``nbytes``, or
+        None where they go over the one channel (small, disabled, or a server
+        that refused a region: asked again after a minute)."""
+        if self._bulk_connections <= 0 or nbytes < self._bulk_threshold:
+            return None
+        refused = self._bulk_refused_at
+        if refused is not None and time.monotonic() < refused + 60.0:
+            return None
+        if self._bulk is None:
+            from flce.bulk import BulkTransfer
+
+            self._bulk = BulkTransfer(self, self._make_channel, self._bulk_connections,
+                                      part_bytes=min(self.stream_chunk_bytes,
+                                                     self.max_message_bytes - (64 << 10)))
+        return self._bulk
+
+    def _bulk_region(self, nbytes: int):
+        """(bulk transfer, region id) for ``nbytes``, or None (see bulk())."""
+        bulk = self.bulk(nbytes)
+        if bulk is None:
+            return None
+        try:
+            return bulk, bulk.region(nbytes)
+        except FlceError as e:
+            if e.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED,
+                          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                self._bulk_refused_at = time.monotonic()
+                return None
+            raise
+
     def close(self):
         self._settle_pending()
+        if self._bulk is not None:
+            self._bulk.close()
+            self._bulk = None
         if self._open_channel is not None:
             self._open_channel.close()
             self._open_channel = None
@@ -653,11 +723,24 @@ class Client:
         """Registers weight [V, H] (and bias [V]) under ``name``, streamed in
         chunks with a checksum (weight_checksum); returns its WeightInfo
         (with the version)."""
-        w = to_wire(weight)
-        b = to_wire(bias) if bias is not None else None
-        payload = w.data + (b.data if b is not None else b"")
-        header = pb.WeightHeader(name=name, dtype=w.dtype, shape=list(w.shape),
-                                 has_bias=b is not None, **weight_checksum(payload))
+        arrays = [_host_bytes(weight)] + ([_host_bytes(bias)] if bias is not None else [])
+        (w_dtype, w_shape, _), nbytes = arrays[0], sum(a[2].nbytes for a in arrays)
+        bulk = self._bulk_region(nbytes)
+        if bulk is not None:
+            # Into the region over every connection, each part checked by
+            # its CRC-32; the header then names the slice.
+            transfer, region = bulk
+            offset = 0
+            for _, _, data in arrays:
+                transfer.write(region, offset, data, self.timeout)
+                offset += data.nbytes
+            header = pb.WeightHeader(name=name, dtype=w_dtype, shape=w_shape,
+                                     has_bias=bias is not None,
+                                     source=pb.SharedMemorySlice(region_id=region, offset=0))
+            return self._remember(self._put_weight_stream(iter([pb.PutWeightChunk(header=header)])))
+        payload = b"".join(a[2].tobytes() for a in arrays)
+        header = pb.WeightHeader(name=name, dtype=w_dtype, shape=w_shape,
+                                 has_bias=bias is not None, **weight_checksum(payload))
         # Room beside each chunk's data for its framing (and the header).
         step = max(4096, min(self.stream_chunk_bytes, self.max_message_bytes - (16 << 10)))
 
@@ -666,10 +749,18 @@ class Client:
             for offset in range(step, len(payload), step):
                 yield pb.PutWeightChunk(data=payload[offset:offset + step])
 
+        return self._remember(self._put_weight_stream(chunks()))
+
+    def _remember(self, info: "pb.WeightInfo") -> "pb.WeightInfo":
+        """Keeps a put weight's sizes (for its gradient's bulk transfer)."""
+        self._weights[info.name] = (info.shape[0], info.shape[1], info.has_bias, info.dtype)
+        return info
+
+    def _put_weight_stream(self, chunks) -> "pb.WeightInfo":
         # A future, waited for with the deadline on this side too: the
         # blocking form can stay stuck past its deadline in a write that a
         # dead link never completes (seen with grpcio 1.51).
-        call = self._stub.PutWeight.future(chunks(), timeout=self.timeout,
+        call = self._stub.PutWeight.future(chunks, timeout=self.timeout,
                                            metadata=self._metadata)
         try:
             return call.result(timeout=self.timeout + 1.0).weight
@@ -686,16 +777,38 @@ class Client:
     def list_weights(self) -> Sequence["pb.WeightInfo"]:
         return list(self._call(self._stub.ListWeights, pb.ListWeightsRequest()).weights)
 
-    def take_weight_grad(self, name: str, version: int = 0, float32: bool = True):
+    def take_weight_grad(self, name: str, version: int = 0, float32: bool = True, out=None):
         """The gradient accumulated into a weight (and resets it): returns
-        (grad_weight, grad_bias or None, accumulated_backwards) as wire Tensors.
-        The server keeps each take until the next one of the version: if this
-        one does not arrive whole, this client's next take gets it again."""
+        (grad_weight, grad_bias or None, accumulated_backwards) as wire
+        Tensors; with ``out`` = (w, b or None), writable contiguous CPU
+        buffers (torch tensors or NumPy arrays) of the gradient's shapes and
+        dtype, it lands in them and they are returned instead.
+        ``float32=False`` asks for the weight's dtype where this client knows
+        it (it put the weight; rounded once from the fp32 sum on the server),
+        else fp32. The server keeps each take until the next one of the
+        version: if this one does not arrive whole, this client's next take
+        gets it again. A large one comes over several connections (see
+        :meth:`bulk`) when this client knows the weight's size."""
         r = pb.TakeWeightGradRequest(dtype=pb.DTYPE_FLOAT32 if float32 else pb.DTYPE_UNSPECIFIED,
                                      hold_until_acknowledged=True,
                                      resume_take=self._lost_takes.get(name, 0))
         r.weight.name = name
         r.weight.version = version
+        known = self._weights.get(name)
+        nbytes = 0
+        if known is not None:
+            v, h, has_bias, dtype = known
+            if not float32:
+                r.dtype = dtype  # narrowed on the server: half the bytes for bf16
+            elem = 4 if float32 else _elem_size(dtype)
+            nbytes = (v * h + (v if has_bias else 0)) * elem
+            if out is not None:  # checked before anything is taken
+                _writable_bytes(out[0], v * h * elem, "out[0]")
+                if has_bias:
+                    _writable_bytes(out[1], v * elem, "out[1]")
+        bulk = self._bulk_region(nbytes) if nbytes else None
+        if bulk is not None:
+            r.into.region_id = bulk[1]
         header = None
         parts = []
         try:
@@ -708,12 +821,36 @@ class Client:
             if header is not None and header.take_id:
                 self._lost_takes[name] = header.take_id  # asked for again next time
             raise FlceError(e.code(), e.details()) from None
-        self._lost_takes.pop(name, None)
-        data = b"".join(parts)
         v, h = header.weight.shape
         elem = _elem_size(header.dtype)
-        dw = pb.Tensor(dtype=header.dtype, shape=[v, h], data=data[:v * h * elem])
-        db = None
-        if header.weight.has_bias:
-            db = pb.Tensor(dtype=header.dtype, shape=[v], data=data[v * h * elem:])
+        w_bytes, b_bytes = v * h * elem, (v * elem if header.weight.has_bias else 0)
+        if out is None:
+            data = bytearray(w_bytes + b_bytes) if bulk is not None else b"".join(parts)
+            views = [memoryview(data)[:w_bytes], memoryview(data)[w_bytes:]]
+        else:
+            try:
+                views = [_writable_bytes(out[0], w_bytes, "out[0]"),
+                         _writable_bytes(out[1], b_bytes, "out[1]") if b_bytes else None]
+            except ValueError:
+                self._lost_takes[name] = header.take_id  # not lost: the next take has it
+                raise
+        if bulk is not None:
+            transfer, region = bulk
+            try:
+                transfer.read(region, 0, views[0], self.timeout)
+                if b_bytes:
+                    transfer.read(region, w_bytes, views[1], self.timeout)
+            except FlceError:
+                self._lost_takes[name] = header.take_id  # asked for again next time
+                raise
+        elif out is not None:
+            data = b"".join(parts)
+            views[0][:] = data[:w_bytes]
+            if b_bytes:
+                views[1][:] = data[w_bytes:]
+        self._lost_takes.pop(name, None)
+        if out is not None:
+            return out[0], (out[1] if b_bytes else None), header.accumulated_backwards
+        dw = pb.Tensor(dtype=header.dtype, shape=[v, h], data=bytes(views[0]))
+        db = pb.Tensor(dtype=header.dtype, shape=[v], data=bytes(views[1])) if b_bytes else None
         return dw, db, header.accumulated_backwards

@@ -15,7 +15,7 @@ it before each ``optimizer.step()``.
 import uuid
 import warnings
 
-from flce.client import to_torch
+import torch
 
 
 class WeightRegistration:
@@ -74,12 +74,17 @@ class WeightRegistration:
         if not self._pending:
             return
         weight, bias = self._params
-        dw, db, _ = self._client.take_weight_grad(self.name, self.version, float32=False)
+        # Straight into CPU tensors of the parameters' dtype (the weight's
+        # on the server), then onto their device.
+        out = tuple(None if p is None else torch.empty(p.shape, dtype=p.dtype)
+                    for p in (weight, bias))
+        dw, db, _ = self._client.take_weight_grad(self.name, self.version, float32=False,
+                                                  out=out)
         self._pending = 0
-        for param, wire in ((weight, dw), (bias, db)):
-            if param is None or wire is None or not param.requires_grad:
+        for param, grad in ((weight, dw), (bias, db)):
+            if param is None or grad is None or not param.requires_grad:
                 continue
-            grad = to_torch(wire).to(device=param.device, dtype=param.dtype)
+            grad = grad.to(device=param.device)
             if param.grad is None:
                 param.grad = grad
             else:

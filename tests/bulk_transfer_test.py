@@ -1,0 +1,127 @@
+"""Weights and their gradients over several connections (flce/bulk.py)
+against a real flce_server: the same bytes as over one stream, into the
+caller's buffers, the fallback where the server offers no region, and
+the parts' encoding.
+
+Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
+"""
+
+import sys
+import unittest
+import zlib
+
+import grpc
+import numpy as np
+import torch
+
+import flce
+from flce import bulk
+from server_process import ServerProcess, run_tests
+
+SERVER = sys.argv[1]
+
+
+def count_streams(server, rpc):
+    return server.read_log().count(f"rpc={rpc} ")
+
+
+class BulkTransferTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = ServerProcess(SERVER, "--backend=cpu", "--max_message_bytes=8MiB")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.kill()
+
+    def client(self, **kwargs):
+        c = flce.Client(self.server.address, max_message_bytes=8 << 20, **kwargs)
+        self.addCleanup(c.close)
+        return c
+
+    def accumulate(self, c, name, x, t):
+        fwd = c.forward(x, t, weight_name=name, need_backward=True)
+        c.backward(fwd.session_id, accumulate_weight_grad=True)
+        return flce.from_wire(fwd.loss)
+
+    def test_a_weight_and_its_gradient_over_several_connections_equal_one_stream(self):
+        r = np.random.default_rng(1)
+        w = (r.standard_normal((6001, 333)) / 20).astype(np.float32)  # 8 MB: over the limit
+        b = r.standard_normal(6001).astype(np.float32)
+        x = r.standard_normal((37, 333)).astype(np.float32)
+        t = r.integers(0, 6001, 37)
+        results = []
+        for connections in (0, 3):
+            c = self.client(bulk_connections=connections, bulk_threshold=1 << 20)
+            writes, reads = count_streams(self.server, "WriteRegion"), count_streams(
+                self.server, "ReadRegion")
+            info = c.put_weight(f"w{connections}", w, b)
+            self.assertEqual(info.bytes, w.nbytes + b.nbytes)
+            loss = self.accumulate(c, f"w{connections}", x, t)
+            dw, db, count = c.take_weight_grad(f"w{connections}")
+            self.assertEqual(count, 1)
+            used = (count_streams(self.server, "WriteRegion") - writes,
+                    count_streams(self.server, "ReadRegion") - reads)
+            # Over 3 connections: W's two parts on two, b on one; the same back.
+            self.assertEqual(used, (0, 0) if connections == 0 else (3, 3))
+            results.append((loss.tobytes(), dw.data, db.data))
+        self.assertEqual(results[0], results[1])
+
+    def test_gradients_land_in_the_callers_buffers(self):
+        torch.manual_seed(2)
+        w = torch.randn(4099, 257).to(torch.bfloat16)
+        x = torch.randn(19, 257).to(torch.bfloat16)
+        t = torch.randint(0, 4099, (19,))
+        for connections in (0, 2):
+            c = self.client(bulk_connections=connections, bulk_threshold=1 << 20)
+            c.put_weight("bf", w)
+            self.accumulate(c, "bf", x, t)
+            out = torch.full((4099, 257), float("nan"), dtype=torch.bfloat16)
+            got, none, _ = c.take_weight_grad("bf", float32=False, out=(out, None))
+            self.assertIs(got, out)
+            self.assertIsNone(none)
+            self.assertTrue(torch.isfinite(out.float()).all())
+            self.accumulate(c, "bf", x, t)
+            dw, _, _ = c.take_weight_grad("bf", float32=False)
+            self.assertEqual(dw.dtype, flce.client.pb.DTYPE_BFLOAT16)
+            self.assertEqual(out.view(torch.int16).numpy().tobytes(), dw.data)
+            # A buffer of the wrong size is refused before anything is taken.
+            self.accumulate(c, "bf", x, t)
+            with self.assertRaises(ValueError):
+                c.take_weight_grad("bf", float32=False, out=(torch.empty(3), None))
+            _, _, count = c.take_weight_grad("bf")
+            self.assertEqual(count, 1)
+
+    def test_without_regions_the_one_stream_serves(self):
+        server = ServerProcess(SERVER, "--backend=cpu", "--region_memory_bytes=0")
+        self.addCleanup(server.kill)
+        c = flce.Client(server.address, bulk_threshold=1 << 10)
+        self.addCleanup(c.close)
+        w = np.ones((300, 40), np.float32)
+        self.assertEqual(c.put_weight("w", w).version, 1)
+        self.assertNotIn("rpc=WriteRegion", server.read_log())
+        self.assertIn("--region_memory_bytes", server.read_log())
+
+    def test_parts_round_trip_and_a_bad_crc_is_refused(self):
+        data = bytes(range(256)) * 300
+        encoded = bulk.encode_part("abc", 12345, memoryview(data))
+        part = flce.client.pb.RegionPart.FromString(encoded)
+        self.assertEqual((part.region_id, part.offset, part.data, part.crc32),
+                         ("abc", 12345, data, zlib.crc32(data)))
+        offset, crc, view = bulk.decode_part(part.SerializeToString())
+        self.assertEqual((offset, crc, bytes(view)), (12345, zlib.crc32(data), data))
+        c = self.client()
+        region = c._call(c._stub.RegisterSharedMemory, flce.client.pb.RegisterSharedMemoryRequest(
+            server_memory=True, bytes=1 << 20)).region_id
+        bad = bytearray(bulk.encode_part(region, 0, memoryview(data)))
+        bad[-1] ^= 1
+        write = c._channel.stream_unary("/flce.v1.LossService/WriteRegion")
+        with self.assertRaises(grpc.RpcError) as e:
+            write(iter([bytes(bad)]), timeout=30)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("crc32", e.exception.details())
+        self.assertTrue(c.info().version)
+
+
+if __name__ == "__main__":
+    sys.exit(run_tests(BulkTransferTest, "BulkTransferTest"))

@@ -1,0 +1,316 @@
+// Regions of the server's own memory against a real server on localhost:0:
+// registered without --enable_shared_memory and bounded, written and read
+// in checked parts (WriteRegion, ReadRegion), and named by Forward,
+// Backward, PutWeight and TakeWeightGrad instead of bytes.
+
+#include <zlib.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/status_macros.h"
+#include "proto/codec.h"
+#include "server/loss_server.h"
+#include "tests/shm_object.h"
+#include "tests/status_matchers.h"
+
+namespace flce {
+namespace {
+
+using ::testing::HasSubstr;
+using Code = absl::StatusCode;
+
+uint32_t Crc(const std::string& s) {
+  return static_cast<uint32_t>(
+      crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(s.data()), s.size()));
+}
+
+std::string Random(size_t n, int seed) {
+  std::mt19937 gen(seed);
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(gen());
+  return s;
+}
+
+class RegionTest : public ::testing::Test {
+ protected:
+  void Start(int64_t region_memory_bytes = int64_t{64} << 20) {
+    ServerOptions o;
+    o.listen_address = "127.0.0.1:0";
+    o.security.insecure = true;
+    o.backend = "cpu";
+    o.shared_memory.max_server_bytes = region_memory_bytes;
+    auto server = LossServer::Start(o);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    stub_ = v1::LossService::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  }
+
+  absl::StatusOr<std::string> Register(int64_t bytes) {
+    grpc::ClientContext context;
+    v1::RegisterSharedMemoryRequest request;
+    request.set_server_memory(true);
+    request.set_bytes(bytes);
+    v1::RegisterSharedMemoryResponse response;
+    FLCE_RETURN_IF_ERROR(FromGrpcStatus(stub_->RegisterSharedMemory(&context, request, &response)));
+    return response.region_id();
+  }
+
+  // One WriteRegion stream of these parts.
+  absl::Status Write(const std::vector<v1::RegionPart>& parts) {
+    grpc::ClientContext context;
+    v1::WriteRegionResponse response;
+    auto writer = stub_->WriteRegion(&context, &response);
+    for (const v1::RegionPart& part : parts) {
+      if (!writer->Write(part)) break;
+    }
+    writer->WritesDone();
+    return FromGrpcStatus(writer->Finish());
+  }
+
+  absl::StatusOr<std::string> Read(const std::string& region, int64_t offset, int64_t length,
+                                   int64_t part_bytes = 0) {
+    grpc::ClientContext context;
+    v1::ReadRegionRequest request;
+    request.set_region_id(region);
+    request.set_offset(offset);
+    request.set_length(length);
+    request.set_part_bytes(part_bytes);
+    request.set_crc32(true);
+    auto reader = stub_->ReadRegion(&context, request);
+    std::string out;
+    v1::RegionPart part;
+    while (reader->Read(&part)) {
+      EXPECT_EQ(part.offset(), offset + static_cast<int64_t>(out.size()));
+      EXPECT_EQ(part.crc32(), Crc(part.data()));
+      out += part.data();
+    }
+    FLCE_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+    return out;
+  }
+
+  static v1::RegionPart Part(const std::string& region, int64_t offset, const std::string& data,
+                             bool crc = true) {
+    v1::RegionPart part;
+    part.set_region_id(region);
+    part.set_offset(offset);
+    part.set_data(data);
+    if (crc) part.set_crc32(Crc(data));
+    return part;
+  }
+
+  std::unique_ptr<LossServer> server_;
+  std::unique_ptr<v1::LossService::Stub> stub_;
+};
+
+TEST_F(RegionTest, ServerMemoryNeedsNoFlagAndIsBounded) {
+  Start(/*region_memory_bytes=*/1 << 20);
+  auto a = Register(512 << 10);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_THAT(Register(768 << 10),
+              StatusIs(Code::kResourceExhausted, HasSubstr("(--region_memory_bytes)")));
+  EXPECT_THAT(Register(0), StatusIs(Code::kInvalidArgument, HasSubstr("bytes: 0")));
+  EXPECT_EQ(server_->CurrentGauges().region_memory_bytes, 512 << 10);
+  // Clients' own memory still needs the flag.
+  ShmObject shm(4096);
+  grpc::ClientContext context;
+  v1::RegisterSharedMemoryRequest posix;
+  posix.set_shm_name(shm.name());
+  posix.set_bytes(4096);
+  v1::RegisterSharedMemoryResponse response;
+  EXPECT_THAT(FromGrpcStatus(stub_->RegisterSharedMemory(&context, posix, &response)),
+              StatusIs(Code::kFailedPrecondition, HasSubstr("--enable_shared_memory")));
+  grpc::ClientContext unregister_context;
+  v1::UnregisterSharedMemoryRequest unregister;
+  unregister.set_region_id(*a);
+  v1::UnregisterSharedMemoryResponse unregistered;
+  ASSERT_TRUE(stub_->UnregisterSharedMemory(&unregister_context, unregister, &unregistered).ok());
+  EXPECT_EQ(server_->CurrentGauges().region_memory_bytes, 0);
+  EXPECT_TRUE(Register(1 << 20).ok());
+}
+
+TEST_F(RegionTest, PartsWrittenOnSeveralStreamsReadBackChecked) {
+  Start();
+  auto region = Register(100000);
+  ASSERT_TRUE(region.ok());
+  const std::string data = Random(100000, 1);
+  // Two streams, out of order; the second names the region only once.
+  ASSERT_TRUE(Write({Part(*region, 60000, data.substr(60000)), Part(*region, 0, data.substr(0, 1))})
+                  .ok());
+  v1::RegionPart later = Part("", 30001, data.substr(30001, 29999));
+  ASSERT_TRUE(Write({Part(*region, 1, data.substr(1, 30000)), later}).ok());
+  for (int64_t part_bytes : {0, 1000, 99999}) {
+    auto back = Read(*region, 0, 100000, part_bytes);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, data) << part_bytes;
+  }
+  auto middle = Read(*region, 333, 4444, 1024);
+  ASSERT_TRUE(middle.ok());
+  EXPECT_EQ(*middle, data.substr(333, 4444));
+}
+
+TEST_F(RegionTest, BadPartsAreRefusedNamingTheFieldAndTheServerServesOn) {
+  Start();
+  auto region = Register(4096);
+  ASSERT_TRUE(region.ok());
+  EXPECT_THAT(Write({Part(*region, 4000, std::string(97, 'x'))}),
+              StatusIs(Code::kInvalidArgument,
+                       HasSubstr("97 bytes at offset 4000 do not lie inside the region's 4096")));
+  EXPECT_THAT(Write({Part(*region, -1, "x")}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("at offset -1")));
+  v1::RegionPart corrupt = Part(*region, 0, "abcdef");
+  corrupt.set_crc32(corrupt.crc32() ^ 1);
+  EXPECT_THAT(Write({corrupt}), StatusIs(Code::kInvalidArgument, HasSubstr("crc32: the 6 bytes")));
+  EXPECT_THAT(Write({Part("", 0, "x")}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("region_id: required")));
+  EXPECT_THAT(Write({Part("ffff", 0, "x")}),
+              StatusIs(Code::kNotFound, HasSubstr("region_id: unknown region 'ffff'")));
+  EXPECT_THAT(Read(*region, 4000, 100),
+              StatusIs(Code::kInvalidArgument, HasSubstr("do not lie inside")));
+  EXPECT_THAT(Read("ffff", 0, 1), StatusIs(Code::kNotFound, HasSubstr("unknown region")));
+  auto still = Read(*region, 0, 6);
+  EXPECT_TRUE(still.ok()) << still.status();
+}
+
+TEST_F(RegionTest, ForwardBackwardAndWeightsNameSlicesOfARegion) {
+  Start();
+  const int64_t n = 7, h = 5, v = 11;
+  std::mt19937 gen(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n * h), w(v * h);
+  for (float& f : x) f = normal(gen);
+  for (float& f : w) f = normal(gen) / 2;
+  std::vector<int64_t> t = {0, 3, 10, 5, -100, 2, 7};
+  auto tensor = [](v1::Tensor* out, const void* data, size_t bytes, std::vector<int64_t> shape,
+                   v1::DType dtype) {
+    out->set_dtype(dtype);
+    for (int64_t d : shape) out->add_shape(d);
+    out->set_data(data, bytes);
+  };
+  v1::ForwardRequest inline_request;
+  tensor(inline_request.mutable_hidden(), x.data(), x.size() * 4, {n, h}, v1::DTYPE_FLOAT32);
+  tensor(inline_request.mutable_weight(), w.data(), w.size() * 4, {v, h}, v1::DTYPE_FLOAT32);
+  tensor(inline_request.mutable_target(), t.data(), t.size() * 8, {n}, v1::DTYPE_INT64);
+  inline_request.mutable_options()->set_ignore_index(-100);
+  inline_request.set_need_backward(true);
+
+  Start();
+  auto region = Register(1 << 16);
+  ASSERT_TRUE(region.ok());
+  const std::string xs(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+  const std::string ws(reinterpret_cast<const char*>(w.data()), w.size() * 4);
+  ASSERT_TRUE(Write({Part(*region, 0, xs), Part(*region, 4096, ws)}).ok());
+  v1::ForwardRequest sliced = inline_request;
+  sliced.mutable_hidden()->mutable_shm()->set_region_id(*region);
+  sliced.mutable_hidden()->mutable_shm()->set_offset(0);
+  sliced.mutable_weight()->mutable_shm()->set_region_id(*region);
+  sliced.mutable_weight()->mutable_shm()->set_offset(4096);
+
+  std::vector<v1::ForwardResponse> forwards(2);
+  for (int i = 0; i < 2; ++i) {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->Forward(&context, i == 0 ? inline_request : sliced, &forwards[i]).ok());
+  }
+  EXPECT_EQ(forwards[0].loss().data(), forwards[1].loss().data());
+  // The gradients into the region, against the inline ones.
+  v1::BackwardResponse inline_grads, sliced_grads;
+  {
+    grpc::ClientContext context;
+    v1::BackwardRequest b;
+    b.set_session_id(forwards[0].session_id());
+    ASSERT_TRUE(stub_->Backward(&context, b, &inline_grads).ok());
+  }
+  {
+    grpc::ClientContext context;
+    v1::BackwardRequest b;
+    b.set_session_id(forwards[1].session_id());
+    b.mutable_grad_hidden_out()->set_region_id(*region);
+    b.mutable_grad_hidden_out()->set_offset(8192);
+    b.mutable_grad_weight_out()->set_region_id(*region);
+    b.mutable_grad_weight_out()->set_offset(12288);
+    ASSERT_TRUE(stub_->Backward(&context, b, &sliced_grads).ok());
+  }
+  EXPECT_EQ(*Read(*region, 8192, n * h * 4), inline_grads.grad_hidden().data());
+  EXPECT_EQ(*Read(*region, 12288, v * h * 4), inline_grads.grad_weight().data());
+
+  // PutWeight from the region, then a TakeWeightGrad into it.
+  {
+    grpc::ClientContext context;
+    v1::PutWeightResponse put;
+    auto writer = stub_->PutWeight(&context, &put);
+    v1::PutWeightChunk chunk;
+    v1::WeightHeader* header = chunk.mutable_header();
+    header->set_name("head");
+    header->set_dtype(v1::DTYPE_FLOAT32);
+    header->add_shape(v);
+    header->add_shape(h);
+    header->set_crc32(Crc(ws));
+    header->mutable_source()->set_region_id(*region);
+    header->mutable_source()->set_offset(4096);
+    ASSERT_TRUE(writer->Write(chunk));
+    writer->WritesDone();
+    ASSERT_TRUE(writer->Finish().ok());
+    EXPECT_EQ(put.weight().version(), 1);
+  }
+  v1::ForwardRequest registered = sliced;
+  registered.clear_weight();
+  registered.mutable_weight_ref()->set_name("head");
+  v1::ForwardResponse fwd;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->Forward(&context, registered, &fwd).ok());
+  }
+  EXPECT_EQ(fwd.loss().data(), forwards[0].loss().data());
+  {
+    grpc::ClientContext context;
+    v1::BackwardRequest b;
+    b.set_session_id(fwd.session_id());
+    b.set_accumulate_weight_grad(true);
+    v1::BackwardResponse ignored;
+    ASSERT_TRUE(stub_->Backward(&context, b, &ignored).ok());
+  }
+  {
+    grpc::ClientContext context;
+    v1::TakeWeightGradRequest take;
+    take.mutable_weight()->set_name("head");
+    take.mutable_into()->set_region_id(*region);
+    take.mutable_into()->set_offset(20480);
+    auto reader = stub_->TakeWeightGrad(&context, take);
+    v1::WeightGradChunk chunk;
+    int chunks = 0;
+    while (reader->Read(&chunk)) {
+      EXPECT_TRUE(chunk.data().empty());
+      ++chunks;
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(chunks, 1);
+  }
+  EXPECT_EQ(*Read(*region, 20480, v * h * 4), inline_grads.grad_weight().data());
+  // A source that does not hold the weight is refused before anything.
+  {
+    grpc::ClientContext context;
+    v1::PutWeightResponse put;
+    auto writer = stub_->PutWeight(&context, &put);
+    v1::PutWeightChunk chunk;
+    v1::WeightHeader* header = chunk.mutable_header();
+    header->set_name("head");
+    header->set_dtype(v1::DTYPE_FLOAT32);
+    header->add_shape(v);
+    header->add_shape(h);
+    header->mutable_source()->set_region_id(*region);
+    header->mutable_source()->set_offset((1 << 16) - 8);
+    writer->Write(chunk);
+    writer->WritesDone();
+    EXPECT_THAT(FromGrpcStatus(writer->Finish()),
+                StatusIs(Code::kInvalidArgument, HasSubstr("header.source.shm")));
+  }
+}
+
+}  // namespace
+}  // namespace flce
