@@ -7,6 +7,11 @@
 //
 //   rpc_bench --shape=512x1024x32000 --dtype=bf16 --iters=20
 //   rpc_bench --server=host:port ...   (an already running server)
+//
+// With --transfer_mib (a list), instead: a weight of each size (fp32) put
+// (PutWeight) and its gradient taken (TakeWeightGrad, after one
+// accumulating Backward), over one stream and over 1, 2, 4 and 8 bulk
+// connections (--connections): the median time and GB/s each way.
 
 #include <algorithm>
 #include <cstdio>
@@ -30,6 +35,10 @@ ABSL_FLAG(std::string, shape, "512x1024x32000", "NxHxV");
 ABSL_FLAG(std::string, dtype, "bf16", "bf16, fp16 or fp32");
 ABSL_FLAG(int, warmup, 2, "untimed round trips first");
 ABSL_FLAG(int, iters, 20, "timed round trips");
+ABSL_FLAG(std::string, transfer_mib, "",
+          "weight sizes in MiB (e.g. 64,1024): time PutWeight and TakeWeightGrad instead");
+ABSL_FLAG(std::string, connections, "0,1,2,4,8",
+          "bulk connections to time with --transfer_mib (0: one stream, no region)");
 
 namespace flce {
 namespace {
@@ -42,6 +51,76 @@ struct Sample {
 double Percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
+}
+
+double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
+
+// PutWeight and TakeWeightGrad of fp32 weights of the given sizes, over one
+// stream and over bulk connections.
+int Transfers(const std::string& address) {
+  std::printf("%-10s %-12s %12s %10s %12s %10s\n", "weight", "connections", "put ms", "GB/s",
+              "take ms", "GB/s");
+  for (absl::string_view mib_text : absl::StrSplit(absl::GetFlag(FLAGS_transfer_mib), ',')) {
+    int64_t mib = 0;
+    if (!absl::SimpleAtoi(mib_text, &mib) || mib < 1) {
+      std::fprintf(stderr, "--transfer_mib: sizes in MiB\n");
+      return 2;
+    }
+    const int64_t h = 1024, v = mib * 256;  // v * h * 4 bytes = mib MiB
+    HostTensor w(DType::kFloat32, {v, h});
+    for (int64_t i = 0; i < v * h; ++i) w.mutable_data<float>()[i] = 1e-3f * static_cast<float>(i % 977);
+    HostTensor x(DType::kFloat32, {1, h}), t(DType::kInt64, {1});
+    for (int64_t i = 0; i < h; ++i) x.mutable_data<float>()[i] = 0.01f * static_cast<float>(i % 13);
+    t.mutable_data<int64_t>()[0] = 3;
+    const double bytes = static_cast<double>(v * h * 4);
+    for (absl::string_view c_text : absl::StrSplit(absl::GetFlag(FLAGS_connections), ',')) {
+      int connections = 0;
+      if (!absl::SimpleAtoi(c_text, &connections)) return 2;
+      ClientOptions options;
+      options.max_message_bytes = int64_t{64} << 20;
+      options.bulk_connections = connections;
+      options.bulk_threshold_bytes = 1;
+      auto client = LossClient::Create(address, options);
+      const std::string name = absl::StrCat("transfer_", mib, "_", connections);
+      std::vector<double> put_ms, take_ms;
+      for (int i = 0; i < 1 + absl::GetFlag(FLAGS_iters); ++i) {
+        const absl::Time start = absl::Now();
+        auto info = client->PutWeight(name, w.view(), std::nullopt);
+        const double put = absl::ToDoubleMilliseconds(absl::Now() - start);
+        if (!info.ok()) {
+          std::fprintf(stderr, "PutWeight: %s\n", info.status().ToString().c_str());
+          return 1;
+        }
+        ForwardArgs args;
+        args.problem.hidden = x.view();
+        args.problem.target = t.view();
+        args.weight_name = name;
+        args.need_backward = true;
+        auto fwd = client->Forward(args);
+        if (!fwd.ok()) return 1;
+        BackwardArgs b;
+        b.session_id = fwd->session_id;
+        b.accumulate_weight_grad = true;
+        if (!client->Backward(b).ok()) return 1;
+        const absl::Time take_start = absl::Now();
+        auto grad = client->TakeWeightGrad(name);
+        const double take = absl::ToDoubleMilliseconds(absl::Now() - take_start);
+        if (!grad.ok()) {
+          std::fprintf(stderr, "TakeWeightGrad: %s\n", grad.status().ToString().c_str());
+          return 1;
+        }
+        if (i == 0) continue;  // the first makes the region and touches its pages
+        put_ms.push_back(put);
+        take_ms.push_back(take);
+      }
+      (void)client->DeleteWeight(name);
+      const double put = Median(put_ms), take = Median(take_ms);
+      std::printf("%-10s %-12s %12.1f %10.2f %12.1f %10.2f\n", absl::StrCat(mib, " MiB").c_str(),
+                  connections == 0 ? "one stream" : absl::StrCat(connections).c_str(), put,
+                  bytes / (put * 1e6), take, bytes / (take * 1e6));
+    }
+  }
+  return 0;
 }
 
 int Main() {
@@ -80,6 +159,7 @@ int Main() {
     local = std::move(*server);
     address = "127.0.0.1:" + std::to_string(local->port());
   }
+  if (!absl::GetFlag(FLAGS_transfer_mib).empty()) return Transfers(address);
   ClientOptions unary_options;
   unary_options.max_message_bytes = int64_t{1} << 30;
   unary_options.stream_above_bytes = int64_t{1} << 40;  // never stream

@@ -15,6 +15,7 @@
 #include "kernels/status_macros.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/bulk_transfer.h"
 #include "proto/codec.h"
 #include "proto/crc32c.h"
 
@@ -55,15 +56,52 @@ std::unique_ptr<LossClient> LossClient::Create(const std::string& target,
     ssl.pem_private_key = options.tls_client_key;
     credentials = grpc::SslCredentials(ssl);
   }
-  auto channel = grpc::CreateCustomChannel(WithDefaultPort(target), credentials, args);
-  return std::unique_ptr<LossClient>(new LossClient(std::move(channel), options));
+  const std::string address = WithDefaultPort(target);
+  // Connection -1 is the control channel; bulk connections each get a TCP
+  // connection of their own (gRPC would share one among channels to one
+  // target).
+  auto make_channel = [address, credentials, args](int connection) {
+    grpc::ChannelArguments own = args;
+    if (connection >= 0) {
+      own.SetInt("grpc.use_local_subchannel_pool", 1);
+      own.SetInt("flce.bulk_connection", connection);
+    }
+    return grpc::CreateCustomChannel(address, credentials, own);
+  };
+  return std::unique_ptr<LossClient>(new LossClient(make_channel, options));
 }
 
-LossClient::LossClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+LossClient::LossClient(ChannelFactory channels, ClientOptions options)
     : options_(options),
-      channel_(std::move(channel)),
+      make_channel_(std::move(channels)),
+      channel_(make_channel_(-1)),
       stub_(v1::LossService::NewStub(channel_)),
       health_(grpc::health::v1::Health::NewStub(channel_)) {}
+
+LossClient::~LossClient() = default;
+
+BulkTransfer* LossClient::Bulk(int64_t bytes) {
+  if (options_.bulk_connections <= 0 || bytes < options_.bulk_threshold_bytes) return nullptr;
+  absl::MutexLock lock(&mu_);
+  if (bulk_refused_) return nullptr;
+  if (bulk_ == nullptr) {
+    std::vector<std::shared_ptr<grpc::Channel>> connections;
+    for (int i = 0; i < options_.bulk_connections; ++i) connections.push_back(make_channel_(i));
+    bulk_ = std::make_unique<BulkTransfer>(std::move(connections), stub_.get(), options_.timeout,
+                                           options_.token, ChunkBytes());
+  }
+  absl::StatusOr<std::string> region = bulk_->Region(bytes);
+  if (!region.ok()) {
+    // No regions there (none allowed, or the budget spent): the one channel.
+    if (region.status().code() == absl::StatusCode::kResourceExhausted ||
+        region.status().code() == absl::StatusCode::kUnimplemented ||
+        region.status().code() == absl::StatusCode::kInvalidArgument) {
+      bulk_refused_ = true;
+    }
+    return nullptr;
+  }
+  return bulk_.get();
+}
 
 void LossClient::Prepare(grpc::ClientContext& context) const {
   context.set_deadline(std::chrono::system_clock::now() +
@@ -374,6 +412,30 @@ absl::StatusOr<v1::WeightInfo> LossClient::PutWeight(const std::string& name,
   const char* parts[2] = {static_cast<const char*>(weight.data),
                           bias ? static_cast<const char*>(bias->data) : nullptr};
   const int64_t sizes[2] = {weight.bytes(), bias ? bias->bytes() : 0};
+  if (BulkTransfer* bulk = Bulk(sizes[0] + sizes[1])) {
+    // Into the region over every connection, each part checked; the header
+    // then names the slice.
+    FLCE_ASSIGN_OR_RETURN(const std::string region, bulk->Region(sizes[0] + sizes[1]));
+    if (sizes[0] > 0) FLCE_RETURN_IF_ERROR(bulk->Write(region, 0, parts[0], sizes[0]));
+    if (sizes[1] > 0) FLCE_RETURN_IF_ERROR(bulk->Write(region, sizes[0], parts[1], sizes[1]));
+    grpc::ClientContext context;
+    Prepare(context);
+    v1::PutWeightResponse response;
+    auto writer = stub_->PutWeight(&context, &response);
+    v1::PutWeightChunk chunk;
+    v1::WeightHeader* header = chunk.mutable_header();
+    header->set_name(name);
+    header->set_dtype(ToProto(weight.dtype));
+    header->mutable_shape()->Assign(weight.shape.begin(), weight.shape.end());
+    header->set_has_bias(bias.has_value());
+    header->mutable_source()->set_region_id(region);
+    writer->Write(chunk);
+    writer->WritesDone();
+    FLCE_RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+    absl::MutexLock lock(&mu_);
+    weights_[name] = response.weight();
+    return response.weight();
+  }
   uint32_t crc = 0;
   for (int k = 0; k < 2; ++k) crc = Crc32c(crc, parts[k], static_cast<size_t>(sizes[k]));
 
@@ -404,6 +466,8 @@ absl::StatusOr<v1::WeightInfo> LossClient::PutWeight(const std::string& name,
   if (ok && !sent) ok = writer->Write(chunk);  // header only (cannot happen for V, H >= 1)
   writer->WritesDone();
   FLCE_RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  absl::MutexLock lock(&mu_);
+  weights_[name] = response.weight();
   return response.weight();
 }
 
@@ -435,11 +499,33 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
     auto it = lost_takes_.find(name);
     if (it != lost_takes_.end()) request.set_resume_take(it->second);
   }
+  // A gradient of a weight this client put, and large: into a region, then
+  // over every connection.
+  int64_t known = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = weights_.find(name);
+    if (it != weights_.end() && it->second.shape_size() == 2) {
+      const int64_t v = it->second.shape(0), h = it->second.shape(1);
+      known = (v * h + (it->second.has_bias() ? v : 0)) * DTypeSize(dtype);
+    }
+  }
+  BulkTransfer* bulk = known > 0 ? Bulk(known) : nullptr;
+  std::string region;
+  if (bulk != nullptr) {
+    FLCE_ASSIGN_OR_RETURN(region, bulk->Region(known));
+    request.mutable_into()->set_region_id(region);
+  }
   WeightGrad out;
   std::string bytes;
   DType got = dtype;
   uint64_t take_id = 0;
   absl::Status status = ReadTake(request, &out, &bytes, &got, &take_id);
+  if (status.ok() && bulk != nullptr) {
+    const int64_t v = out.weight.shape(0), h = out.weight.shape(1);
+    bytes.resize(static_cast<size_t>((v * h + (out.weight.has_bias() ? v : 0)) * DTypeSize(got)));
+    status = bulk->Read(region, 0, &bytes[0], static_cast<int64_t>(bytes.size()));
+  }
   const int64_t v = status.ok() ? out.weight.shape(0) : 0;
   const int64_t h = status.ok() ? out.weight.shape(1) : 0;
   const int64_t elem = DTypeSize(got);

@@ -44,8 +44,14 @@ struct ClientOptions {
   std::string tls_server_name;
   // Sent as "authorization: Bearer <token>" on every call when not empty.
   std::string token;
+  // A weight or its gradient of at least bulk_threshold_bytes travels over
+  // this many connections of its own at once, through a region of the
+  // server's memory (client/bulk_transfer.h); 0: over the one channel.
+  int bulk_connections = 4;
+  int64_t bulk_threshold_bytes = int64_t{8} << 20;
 };
 
+class BulkTransfer;
 class SharedMemoryArena;
 
 struct ForwardArgs {
@@ -164,7 +170,8 @@ class LossClient {
   absl::StatusOr<std::unique_ptr<SharedMemoryArena>> CreateSharedMemory(int64_t bytes);
 
   // Registers `weight` [V, H] (and `bias` [V]) under `name`, streamed in
-  // stream_chunk_bytes chunks with a CRC-32C; returns the new version.
+  // stream_chunk_bytes chunks with a CRC-32C, or (large) written over the
+  // bulk connections; returns the new version.
   absl::StatusOr<v1::WeightInfo> PutWeight(const std::string& name, const TensorView& weight,
                                            const std::optional<TensorView>& bias);
   absl::StatusOr<bool> DeleteWeight(const std::string& name);
@@ -172,15 +179,22 @@ class LossClient {
   // The accumulated gradient of a weight version (0: latest) in `dtype`
   // (kFloat32 or the weight's dtype); resets the accumulator. The server
   // keeps the take until the next TakeWeightGrad of the version: if this
-  // one did not arrive whole, this client's next one gets it again.
+  // one did not arrive whole, this client's next one gets it again. A large
+  // one comes over the bulk connections when this client put the weight.
   absl::StatusOr<WeightGrad> TakeWeightGrad(const std::string& name, int64_t version = 0,
                                             DType dtype = DType::kFloat32);
   // grpc.health.v1 status of `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
       const std::string& service = "");
 
+  ~LossClient();
+
  private:
-  LossClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
+  using ChannelFactory = std::function<std::shared_ptr<grpc::Channel>(int connection)>;
+  LossClient(ChannelFactory channels, ClientOptions options);
+  // The bulk transfer and its region for `bytes`, or null where they go
+  // over the one channel (small, disabled, or a server without regions).
+  BulkTransfer* Bulk(int64_t bytes);
   void Prepare(grpc::ClientContext& context) const;
   // A unary call of `stub` with Prepare's deadline and token.
   template <typename Stub, typename Request, typename Response>
@@ -212,7 +226,12 @@ class LossClient {
   absl::flat_hash_map<std::string, uint64_t> lost_takes_ ABSL_GUARDED_BY(mu_);
 
   ClientOptions options_;
+  ChannelFactory make_channel_;
   std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<BulkTransfer> bulk_ ABSL_GUARDED_BY(mu_);
+  bool bulk_refused_ ABSL_GUARDED_BY(mu_) = false;
+  // The shapes of the weights this client put: their gradients' sizes.
+  absl::flat_hash_map<std::string, v1::WeightInfo> weights_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<v1::LossService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };

@@ -13,6 +13,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "client/loss_client.h"
 #include "kernels/status_macros.h"
 #include "proto/codec.h"
 #include "server/loss_server.h"
@@ -310,6 +311,47 @@ TEST_F(RegionTest, ForwardBackwardAndWeightsNameSlicesOfARegion) {
     EXPECT_THAT(FromGrpcStatus(writer->Finish()),
                 StatusIs(Code::kInvalidArgument, HasSubstr("header.source.shm")));
   }
+}
+
+TEST_F(RegionTest, TheCppClientMovesLargeWeightsOverSeveralConnections) {
+  Start();
+  const int64_t v = 3001, h = 701;  // 8.4 MB of fp32
+  HostTensor w(DType::kFloat32, {v, h}), b(DType::kFloat32, {v});
+  std::mt19937 gen(4);
+  std::normal_distribution<float> normal;
+  for (int64_t i = 0; i < v * h; ++i) w.mutable_data<float>()[i] = normal(gen) / 30;
+  for (int64_t i = 0; i < v; ++i) b.mutable_data<float>()[i] = normal(gen);
+  HostTensor x(DType::kFloat32, {5, h}), t(DType::kInt64, {5});
+  for (int64_t i = 0; i < 5 * h; ++i) x.mutable_data<float>()[i] = normal(gen);
+  for (int64_t i = 0; i < 5; ++i) t.mutable_data<int64_t>()[i] = i * 577;
+  std::vector<WeightGrad> grads;
+  for (int connections : {0, 3}) {
+    ClientOptions options;
+    options.bulk_connections = connections;
+    options.bulk_threshold_bytes = 1 << 20;
+    auto client = LossClient::Create("127.0.0.1:" + std::to_string(server_->port()), options);
+    const std::string name = "w" + std::to_string(connections);
+    auto info = client->PutWeight(name, w.view(), b.view());
+    ASSERT_TRUE(info.ok()) << info.status();
+    ForwardArgs args;
+    args.problem.hidden = x.view();
+    args.problem.target = t.view();
+    args.weight_name = name;
+    args.need_backward = true;
+    auto fwd = client->Forward(args);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    BackwardArgs back;
+    back.session_id = fwd->session_id;
+    back.accumulate_weight_grad = true;
+    ASSERT_TRUE(client->Backward(back).ok());
+    auto grad = client->TakeWeightGrad(name);
+    ASSERT_TRUE(grad.ok()) << grad.status();
+    grads.push_back(*std::move(grad));
+  }
+  EXPECT_EQ(grads[0].grad_weight.data, grads[1].grad_weight.data);
+  EXPECT_EQ(grads[0].grad_bias->data, grads[1].grad_bias->data);
+  // The bulk client's weight went through a region: one of its own.
+  EXPECT_GT(server_->CurrentGauges().region_memory_bytes, 0);
 }
 
 }  // namespace

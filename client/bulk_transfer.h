@@ -1,0 +1,67 @@
+#ifndef FLCE_CLIENT_BULK_TRANSFER_H_
+#define FLCE_CLIENT_BULK_TRANSFER_H_
+
+// Byte ranges to and from a region of the server's memory over several
+// connections at once (WriteRegion, ReadRegion; one stream per connection,
+// each over its own range, in CRC-32-checked parts): how LossClient moves a
+// large weight or gradient. One connection carries about 1 GB/s; the
+// calls that use the region (PutWeight, TakeWeightGrad) name a slice of it
+// instead of carrying the bytes.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/flce/v1/loss_service.grpc.pb.h"
+
+namespace flce {
+
+class BulkTransfer {
+ public:
+  // `connections`: channels of their own TCP connections; `control` for
+  // registering the region; every call has `timeout` and sends `token` (if
+  // any). Parts are `part_bytes`.
+  BulkTransfer(std::vector<std::shared_ptr<grpc::Channel>> connections,
+               v1::LossService::Stub* control, absl::Duration timeout, std::string token,
+               int64_t part_bytes);
+  ~BulkTransfer();  // unregisters the region
+  BulkTransfer(const BulkTransfer&) = delete;
+  BulkTransfer& operator=(const BulkTransfer&) = delete;
+
+  // The id of this transfer's region of server memory, at least `bytes`
+  // long (made once, grown as needed); the server's error where it offers
+  // none.
+  absl::StatusOr<std::string> Region(int64_t bytes);
+
+  // Writes `bytes` from `data` at `offset` of `region`, one range per
+  // connection, concurrently.
+  absl::Status Write(const std::string& region, int64_t offset, const char* data, int64_t bytes);
+  // Reads `bytes` at `offset` of `region` into `out`, checking each part.
+  absl::Status Read(const std::string& region, int64_t offset, char* out, int64_t bytes);
+
+  int connections() const { return static_cast<int>(stubs_.size()); }
+
+ private:
+  void Prepare(grpc::ClientContext& context) const;
+  // [begin, end) of connection i's range of `bytes`, in whole parts.
+  std::pair<int64_t, int64_t> Range(int i, int64_t bytes) const;
+
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<v1::LossService::Stub>> stubs_;
+  v1::LossService::Stub* const control_;
+  const absl::Duration timeout_;
+  const std::string token_;
+  const int64_t part_bytes_;
+  absl::Mutex mu_;
+  std::string region_ ABSL_GUARDED_BY(mu_);
+  int64_t region_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_CLIENT_BULK_TRANSFER_H_
