@@ -228,12 +228,13 @@ class LossClient {
   ClientOptions options_;
   ChannelFactory make_channel_;
   std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::LossService::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+  // After the stub it unregisters its region through: gone before it.
   std::unique_ptr<BulkTransfer> bulk_ ABSL_GUARDED_BY(mu_);
   bool bulk_refused_ ABSL_GUARDED_BY(mu_) = false;
   // The shapes of the weights this client put: their gradients' sizes.
   absl::flat_hash_map<std::string, v1::WeightInfo> weights_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<v1::LossService::Stub> stub_;
-  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };
 
 }  // namespace flce
