@@ -228,16 +228,17 @@ class TakeGradReactor final : public WriteStream {
         weight_->ConfirmTake();
       }
     });
-    FLCE_ASSIGN_OR_RETURN(payload_, weight_->GradBytes(*grad_, dtype, "dtype"));
     if (r.has_into()) {
-      // Into the caller's region; the stream carries the header alone.
+      // Narrowed straight into the caller's region; the stream carries the
+      // header alone.
       std::shared_ptr<SliceResolver> resolver = regions.ResolverFor(principal);
-      FLCE_ASSIGN_OR_RETURN(char* into,
-                            HostSlice(*resolver, r.into(), static_cast<int64_t>(payload_.size()),
-                                      "into"));
-      std::memcpy(into, payload_.data(), payload_.size());
+      FLCE_ASSIGN_OR_RETURN(
+          char* into,
+          HostSlice(*resolver, r.into(), RegisteredWeight::GradSize(*grad_, dtype), "into"));
+      FLCE_RETURN_IF_ERROR(weight_->GradBytesInto(*grad_, dtype, "dtype", into));
       FLCE_RETURN_IF_ERROR(resolver->CheckIntact());
-      payload_.clear();
+    } else {
+      FLCE_ASSIGN_OR_RETURN(payload_, weight_->GradBytes(*grad_, dtype, "dtype"));
     }
     v1::WeightGradHeader* header = chunk_.mutable_header();
     FillWeightInfo(*weight_, header->mutable_weight());

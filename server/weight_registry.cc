@@ -215,15 +215,26 @@ absl::Status RegisteredWeight::CheckGradDType(DType dtype, absl::string_view fie
                                                  DTypeName(weight_.dtype)));
 }
 
+int64_t RegisteredWeight::GradSize(const Grad& grad, DType dtype) {
+  return (grad.dw.num_elements() + (grad.db ? grad.db->num_elements() : 0)) * DTypeSize(dtype);
+}
+
+absl::Status RegisteredWeight::GradBytesInto(const Grad& grad, DType dtype,
+                                             absl::string_view field, char* out) const {
+  FLCE_RETURN_IF_ERROR(CheckGradDType(dtype, field));
+  const int64_t dw = grad.dw.num_elements();
+  FromFloat(dtype, grad.dw.data_as<float>(), dw, out);
+  if (grad.db) {
+    FromFloat(dtype, grad.db->data_as<float>(), grad.db->num_elements(), out + dw * DTypeSize(dtype));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> RegisteredWeight::GradBytes(const Grad& grad, DType dtype,
                                                         absl::string_view field) const {
   FLCE_RETURN_IF_ERROR(CheckGradDType(dtype, field));
-  const int64_t elem = DTypeSize(dtype);
-  const int64_t dw = grad.dw.num_elements();
-  const int64_t db = grad.db ? grad.db->num_elements() : 0;
-  std::string bytes(static_cast<size_t>((dw + db) * elem), '\0');
-  FromFloat(dtype, grad.dw.data_as<float>(), dw, &bytes[0]);
-  if (grad.db) FromFloat(dtype, grad.db->data_as<float>(), db, &bytes[dw * elem]);
+  std::string bytes(static_cast<size_t>(GradSize(grad, dtype)), '\0');
+  FLCE_RETURN_IF_ERROR(GradBytesInto(grad, dtype, field, &bytes[0]));
   return bytes;
 }
 

@@ -131,6 +131,10 @@ class RegisteredWeight {
   // `grad`'s bytes in `dtype` (dW then db, little-endian).
   absl::StatusOr<std::string> GradBytes(const Grad& grad, DType dtype,
                                         absl::string_view field) const;
+  // The same bytes into `out` (GradSize of room), without a buffer between.
+  absl::Status GradBytesInto(const Grad& grad, DType dtype, absl::string_view field,
+                             char* out) const;
+  static int64_t GradSize(const Grad& grad, DType dtype);
 
   int64_t accumulated_backwards() const;
 
