@@ -9,6 +9,7 @@
 // instead of carrying the bytes.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,6 +51,10 @@ class BulkTransfer {
   void Prepare(grpc::ClientContext& context) const;
   // [begin, end) of connection i's range of `bytes`, in whole parts.
   std::pair<int64_t, int64_t> Range(int i, int64_t bytes) const;
+  // f(connection, begin, end) for every connection's range, each on a
+  // thread of its own; the first error.
+  absl::Status ForEachRange(int64_t bytes,
+                            const std::function<absl::Status(int, int64_t, int64_t)>& f);
 
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::LossService::Stub>> stubs_;

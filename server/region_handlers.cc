@@ -66,7 +66,8 @@ class WriteRegionReactor final : public ReadStream {
       region_id_ = part.region_id();
       record().SetDetail(absl::StrCat("region=", LogSafe(region_id_, 8), " "));
     }
-    if (region_ == nullptr) return absl::InvalidArgumentError("region_id: required on the first part");
+    if (region_ == nullptr)
+      return absl::InvalidArgumentError("region_id: required on the first part");
     FLCE_RETURN_IF_ERROR(CheckRange(part.offset(), part.data_bytes(), *region_));
     const uint32_t crc =
         part.CopyData(region_->base() + part.offset(), /*with_crc=*/part.crc32().has_value());
@@ -128,8 +129,8 @@ class ReadRegionReactor final : public WriteStream {
     const char* data = region_->base() + position_;
     std::optional<uint32_t> crc;
     if (with_crc_) {
-      crc = static_cast<uint32_t>(crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data),
-                                        static_cast<uInt>(n)));
+      crc = static_cast<uint32_t>(
+          crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data), static_cast<uInt>(n)));
     }
     *out = RegionPartMessage(position_, data, n, crc, region_);
     position_ += n;
@@ -156,16 +157,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::ReadRegion(Context*
                                                                         const Bytes* in) {
   auto* reactor = new ReadRegionReactor(context, metrics_, limits_.max_message_bytes,
                                         limits_.stream_chunk_bytes());
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  absl::Status status = principal.status();
   v1::ReadRegionRequest request;
-  if (status.ok()) status = reactor->ParseRequest(*in, *admission_, *principal, &request);
-  if (status.ok()) status = reactor->Prepare(*shared_memory_, request, *principal);
-  if (status.ok()) {
-    reactor->StartWriting();
-  } else {
-    reactor->Reply(status);
-  }
+  reactor->BeginWriting(Authenticate(context), *in, *admission_, &request,
+                        [&](const std::string& principal) {
+                          return reactor->Prepare(*shared_memory_, request, principal);
+                        });
   return reactor;
 }
 

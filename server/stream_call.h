@@ -28,9 +28,9 @@ namespace flce {
 
 // DEADLINE_EXCEEDED for a client stream that sent nothing for `timeout`.
 inline absl::Status IdleError(const char* rpc, absl::Duration timeout) {
-  return absl::DeadlineExceededError(absl::StrCat(
-      rpc, ": no message for ", absl::FormatDuration(timeout),
-      " (--stream_idle_timeout); nothing was kept"));
+  return absl::DeadlineExceededError(absl::StrCat(rpc, ": no message for ",
+                                                  absl::FormatDuration(timeout),
+                                                  " (--stream_idle_timeout); nothing was kept"));
 }
 
 // A client stream on raw bytes, with its slot among the open streams (and
@@ -51,12 +51,11 @@ class ReadStream : public grpc::ServerReadReactor<grpc::ByteBuffer>, public Call
     absl::MutexLock lock(&mu_);
     if (!principal.ok()) return FinishLocked(principal.status());
     principal_ = *principal;
-    absl::StatusOr<StreamTicket> ticket =
-        streams->Open(principal_, record_.rpc(), [this, streams] {
-          absl::MutexLock idle_lock(&mu_);
-          // Once the request went on to compute, only its answer finishes.
-          if (!proceeding_) FinishLocked(IdleError(record_.rpc(), streams->limits().idle_timeout));
-        });
+    absl::StatusOr<StreamTicket> ticket = streams->Open(principal_, record_.rpc(), [this, streams] {
+      absl::MutexLock idle_lock(&mu_);
+      // Once the request went on to compute, only its answer finishes.
+      if (!proceeding_) FinishLocked(IdleError(record_.rpc(), streams->limits().idle_timeout));
+    });
     if (!ticket.ok()) return FinishLocked(ticket.status());
     ticket_ = *std::move(ticket);
     StartRead(&in_);
@@ -188,6 +187,22 @@ class WriteStream : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Ca
           return ParseMessage(in, request);
         },
         record_.rpc());
+  }
+
+  // The start of a server stream: with the caller authenticated
+  // (`principal`), its request parsed into `request` and `prepare(principal)`
+  // done, writes the messages; otherwise finishes with the first error.
+  void BeginWriting(const absl::StatusOr<std::string>& principal, const grpc::ByteBuffer& in,
+                    RequestAdmission& admission, google::protobuf::Message* request,
+                    const std::function<absl::Status(const std::string&)>& prepare) {
+    absl::Status status = principal.status();
+    if (status.ok()) status = ParseRequest(in, admission, *principal, request);
+    if (status.ok()) status = GuardMemory([&] { return prepare(*principal); }, record_.rpc());
+    if (status.ok()) {
+      StartWriting();
+    } else {
+      Reply(status);
+    }
   }
 
   // Finishes without (further) messages.

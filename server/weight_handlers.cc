@@ -309,20 +309,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossServiceImpl::TakeWeightGrad(Cont
                                                                             const Bytes* in) {
   auto* reactor = new TakeGradReactor(context, metrics_, limits_.max_message_bytes,
                                       limits_.stream_chunk_bytes());
-  absl::StatusOr<std::string> principal = Authenticate(context);
-  absl::Status status = principal.status();
   v1::TakeWeightGradRequest request;
-  if (status.ok()) status = reactor->ParseRequest(*in, *admission_, *principal, &request);
-  if (status.ok()) {
-    status = GuardMemory(
-        [&] { return reactor->Prepare(core_->weights(), *shared_memory_, request, *principal); },
-        "TakeWeightGrad");
-  }
-  if (status.ok()) {
-    reactor->StartWriting();
-  } else {
-    reactor->Reply(status);
-  }
+  reactor->BeginWriting(
+      Authenticate(context), *in, *admission_, &request, [&](const std::string& principal) {
+        return reactor->Prepare(core_->weights(), *shared_memory_, request, principal);
+      });
   return reactor;
 }
 

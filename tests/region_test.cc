@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -241,7 +242,7 @@ TEST_F(RegionTest, ForwardBackwardAndWeightsNameSlicesOfARegion) {
   EXPECT_EQ(*Read(*region, 12288, v * h * 4), inline_grads.grad_weight().data());
 
   // PutWeight from the region, then a TakeWeightGrad into it.
-  {
+  auto put_from = [&](int64_t offset, std::optional<uint32_t> crc) -> absl::StatusOr<int64_t> {
     grpc::ClientContext context;
     v1::PutWeightResponse put;
     auto writer = stub_->PutWeight(&context, &put);
@@ -251,14 +252,17 @@ TEST_F(RegionTest, ForwardBackwardAndWeightsNameSlicesOfARegion) {
     header->set_dtype(v1::DTYPE_FLOAT32);
     header->add_shape(v);
     header->add_shape(h);
-    header->set_crc32(Crc(ws));
+    if (crc) header->set_crc32(*crc);
     header->mutable_source()->set_region_id(*region);
-    header->mutable_source()->set_offset(4096);
-    ASSERT_TRUE(writer->Write(chunk));
+    header->mutable_source()->set_offset(offset);
+    writer->Write(chunk);
     writer->WritesDone();
-    ASSERT_TRUE(writer->Finish().ok());
-    EXPECT_EQ(put.weight().version(), 1);
-  }
+    FLCE_RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+    return put.weight().version();
+  };
+  absl::StatusOr<int64_t> version = put_from(4096, Crc(ws));
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 1);
   v1::ForwardRequest registered = sliced;
   registered.clear_weight();
   registered.mutable_weight_ref()->set_name("head");
@@ -293,24 +297,12 @@ TEST_F(RegionTest, ForwardBackwardAndWeightsNameSlicesOfARegion) {
     EXPECT_EQ(chunks, 1);
   }
   EXPECT_EQ(*Read(*region, 20480, v * h * 4), inline_grads.grad_weight().data());
-  // A source that does not hold the weight is refused before anything.
-  {
-    grpc::ClientContext context;
-    v1::PutWeightResponse put;
-    auto writer = stub_->PutWeight(&context, &put);
-    v1::PutWeightChunk chunk;
-    v1::WeightHeader* header = chunk.mutable_header();
-    header->set_name("head");
-    header->set_dtype(v1::DTYPE_FLOAT32);
-    header->add_shape(v);
-    header->add_shape(h);
-    header->mutable_source()->set_region_id(*region);
-    header->mutable_source()->set_offset((1 << 16) - 8);
-    writer->Write(chunk);
-    writer->WritesDone();
-    EXPECT_THAT(FromGrpcStatus(writer->Finish()),
-                StatusIs(Code::kInvalidArgument, HasSubstr("header.source.shm")));
-  }
+  // A source that does not hold the weight, or whose CRC does not match,
+  // is refused.
+  EXPECT_THAT(put_from((1 << 16) - 8, std::nullopt),
+              StatusIs(Code::kInvalidArgument, HasSubstr("header.source.shm")));
+  EXPECT_THAT(put_from(4096, Crc(ws) ^ 1),
+              StatusIs(Code::kInvalidArgument, HasSubstr("header.crc32")));
 }
 
 TEST_F(RegionTest, TheCppClientMovesLargeWeightsOverSeveralConnections) {
