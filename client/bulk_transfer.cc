@@ -43,13 +43,19 @@ BulkTransfer::BulkTransfer(std::vector<std::shared_ptr<grpc::Channel>> connectio
 
 BulkTransfer::~BulkTransfer() {
   absl::MutexLock lock(&mu_);
+  UnregisterLocked();
+}
+
+void BulkTransfer::UnregisterLocked() {
   if (region_.empty()) return;
   grpc::ClientContext context;
   Prepare(context);
   v1::UnregisterSharedMemoryRequest request;
   request.set_region_id(region_);
   v1::UnregisterSharedMemoryResponse response;
-  (void)control_->UnregisterSharedMemory(&context, request, &response);
+  (void)control_->UnregisterSharedMemory(&context, request, &response);  // the server's to keep
+  region_.clear();
+  region_bytes_ = 0;
 }
 
 void BulkTransfer::Prepare(grpc::ClientContext& context) const {
@@ -60,16 +66,7 @@ void BulkTransfer::Prepare(grpc::ClientContext& context) const {
 absl::StatusOr<std::string> BulkTransfer::Region(int64_t bytes) {
   absl::MutexLock lock(&mu_);
   if (!region_.empty() && region_bytes_ >= bytes) return region_;
-  if (!region_.empty()) {
-    grpc::ClientContext context;
-    Prepare(context);
-    v1::UnregisterSharedMemoryRequest request;
-    request.set_region_id(region_);
-    v1::UnregisterSharedMemoryResponse response;
-    (void)control_->UnregisterSharedMemory(&context, request, &response);
-    region_.clear();
-    region_bytes_ = 0;
-  }
+  UnregisterLocked();  // too small: a larger one
   grpc::ClientContext context;
   Prepare(context);
   v1::RegisterSharedMemoryRequest request;

@@ -49,6 +49,7 @@ class BulkTransfer {
 
  private:
   void Prepare(grpc::ClientContext& context) const;
+  void UnregisterLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // [begin, end) of connection i's range of `bytes`, in whole parts.
   std::pair<int64_t, int64_t> Range(int i, int64_t bytes) const;
   // f(connection, begin, end) for every connection's range, each on a

@@ -405,6 +405,20 @@ LossClient::CheckHealth(const std::string& service) {
   return response.status();
 }
 
+namespace {
+
+v1::WeightHeader WeightHeaderOf(const std::string& name, const TensorView& weight,
+                                const std::optional<TensorView>& bias) {
+  v1::WeightHeader header;
+  header.set_name(name);
+  header.set_dtype(ToProto(weight.dtype));
+  header.mutable_shape()->Assign(weight.shape.begin(), weight.shape.end());
+  header.set_has_bias(bias.has_value());
+  return header;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::WeightInfo> LossClient::PutWeight(const std::string& name,
                                                      const TensorView& weight,
                                                      const std::optional<TensorView>& bias) {
@@ -423,12 +437,8 @@ absl::StatusOr<v1::WeightInfo> LossClient::PutWeight(const std::string& name,
     v1::PutWeightResponse response;
     auto writer = stub_->PutWeight(&context, &response);
     v1::PutWeightChunk chunk;
-    v1::WeightHeader* header = chunk.mutable_header();
-    header->set_name(name);
-    header->set_dtype(ToProto(weight.dtype));
-    header->mutable_shape()->Assign(weight.shape.begin(), weight.shape.end());
-    header->set_has_bias(bias.has_value());
-    header->mutable_source()->set_region_id(region);
+    *chunk.mutable_header() = WeightHeaderOf(name, weight, bias);
+    chunk.mutable_header()->mutable_source()->set_region_id(region);
     writer->Write(chunk);
     writer->WritesDone();
     FLCE_RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
@@ -445,12 +455,8 @@ absl::StatusOr<v1::WeightInfo> LossClient::PutWeight(const std::string& name,
   std::unique_ptr<grpc::ClientWriter<v1::PutWeightChunk>> writer =
       stub_->PutWeight(&context, &response);
   v1::PutWeightChunk chunk;
-  v1::WeightHeader* header = chunk.mutable_header();
-  header->set_name(name);
-  header->set_dtype(ToProto(weight.dtype));
-  header->mutable_shape()->Assign(weight.shape.begin(), weight.shape.end());
-  header->set_has_bias(bias.has_value());
-  header->set_crc32c(crc);
+  *chunk.mutable_header() = WeightHeaderOf(name, weight, bias);
+  chunk.mutable_header()->set_crc32c(crc);
   bool ok = true;
   bool sent = false;
   const int64_t step = ChunkBytes();
