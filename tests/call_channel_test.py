@@ -9,7 +9,6 @@ import os
 import re
 import struct
 import sys
-import time
 import unittest
 
 import grpc
@@ -205,7 +204,7 @@ class CallChannelTest(unittest.TestCase):
     def test_a_hostile_client_cannot_hurt_the_server(self):
         c = self.client()
         channel = c.call_channel()
-        buf = channel._shm.buf
+        buf = channel._region.buffer
         words = channel._words
         rng = np.random.default_rng(8)
         # Garbage requests of every kind, numbered as calls.
@@ -222,7 +221,7 @@ class CallChannelTest(unittest.TestCase):
                      "an answer to garbage", timeout=10)
         self.assertTrue(c.info().version)
         # Its object shrunk under the server: the channel goes, the server stays.
-        os.ftruncate(channel._shm._fd, 0)
+        os.ftruncate(channel._region._shm._fd, 0)
         wait_for(lambda: c.stats().call_channels == 0, "the channel to close")
         x, w, t = problem(9)
         other = self.client(call_channel=True)

@@ -145,10 +145,7 @@ class BulkTransfer:
         calls = [self._writes[i].future(parts(span), timeout=timeout,
                                         metadata=self._client._metadata)
                  for i, span in enumerate(self._ranges(len(view)))]
-        try:
-            self._wait(calls, timeout, "WriteRegion")
-        finally:
-            del view
+        self._wait(calls, timeout, "WriteRegion")
 
     def read(self, region_id: str, offset: int, out, timeout: float):
         """Reads ``len(out)`` bytes at ``offset`` of the region into ``out``
@@ -191,8 +188,6 @@ class BulkTransfer:
         except concurrent.futures.TimeoutError:
             raise FlceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"ReadRegion did not finish within {timeout} s") from None
-        finally:
-            del view
 
     def _wait(self, calls, timeout: float, what: str):
         from flce.client import FlceError

@@ -21,7 +21,6 @@ import platform
 import struct
 import threading
 import time
-from typing import Optional
 
 import grpc
 
@@ -90,16 +89,16 @@ class CallChannel:
 
     def __init__(self, client, request_bytes: int = 1 << 20, response_bytes: int = 1 << 20,
                  spin_s: float = 0.25):
-        from multiprocessing import shared_memory
+        from flce.shared_memory import SharedMemoryRegion
 
         if not supported():
             raise RuntimeError("call channels need x86-64 Linux")
-        size = HEADER_BYTES + request_bytes + response_bytes
-        self._shm = shared_memory.SharedMemory(create=True, size=size)
+        # A registered POSIX region of this process's, like any other.
+        self._region = SharedMemoryRegion(client, HEADER_BYTES + request_bytes + response_bytes)
+        self.region_id = self._region.region_id
         self._client = client
         self.request_bytes, self.response_bytes = request_bytes, response_bytes
         self.spin_s = spin_s
-        self.region_id = ""
         self.channel_id = ""
         self.broken = False  # unusable: a call was abandoned, or the server closed it
         self.on_close = []  # run first by close()
@@ -108,7 +107,7 @@ class CallChannel:
         self._watcher = None
         self._closing = False
         self._lock = threading.Lock()
-        buf = self._shm.buf
+        buf = self._region.buffer
         struct.pack_into("<Q", buf, 0, MAGIC)
         self._words = {off: ctypes.c_uint32.from_buffer(buf, off)
                        for off in (_REQUEST_SEQ, _RESPONSE_SEQ, _CLIENT_WAITING, _CANCEL_SEQ,
@@ -119,10 +118,6 @@ class CallChannel:
         self._seq = 0
         self._took = {}  # method → seconds its last call took
         try:
-            self.region_id = client._call(
-                client._stub.RegisterSharedMemory,
-                pb.RegisterSharedMemoryRequest(shm_name="/" + self._shm.name.lstrip("/"),
-                                               bytes=size)).region_id
             opened = client._call(client._stub.OpenCallChannel, pb.OpenCallChannelRequest(
                 region_id=self.region_id, request_bytes=request_bytes,
                 response_bytes=response_bytes))
@@ -154,7 +149,7 @@ class CallChannel:
                 self.broken = True
                 raise ChannelClosed()
             words = self._words
-            self._shm.buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
+            self._region.buffer[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
             words[_REQUEST_METHOD].value = method
             words[_REQUEST_LENGTH].value = len(payload)
             self._timeout_us.value = max(1, int(timeout * 1e6)) if timeout else 0
@@ -192,7 +187,7 @@ class CallChannel:
             code = words[_RESPONSE_CODE].value
             length = min(words[_RESPONSE_LENGTH].value, self.response_bytes)
             start = HEADER_BYTES + self.request_bytes
-            body = bytes(self._shm.buf[start:start + length])
+            body = bytes(self._region.buffer[start:start + length])
         except BaseException:
             self._abandon(call)
             raise
@@ -317,23 +312,17 @@ class CallChannel:
             f()
         self.on_close = []
         client, self._client = self._client, None
-        if client is not None:
-            for stub, request in ((client._stub.CloseCallChannel,
-                                   pb.CloseCallChannelRequest(channel_id=self.channel_id)),
-                                  (client._stub.UnregisterSharedMemory,
-                                   pb.UnregisterSharedMemoryRequest(region_id=self.region_id))):
-                if not request.ListFields():
-                    continue
-                try:
-                    client._call(stub, request)
-                except Exception:  # pragma: no cover - the server went away
-                    pass
-        if self._shm is not None:
-            self._words = {}
-            self._timeout_us = None
-            shm, self._shm = self._shm, None
+        if client is not None and self.channel_id:
             try:
-                shm.close()
-            except BufferError:  # pragma: no cover - a view still alive
+                client._call(client._stub.CloseCallChannel,
+                             pb.CloseCallChannelRequest(channel_id=self.channel_id))
+            except Exception:  # pragma: no cover - the server went away
                 pass
-            shm.unlink()
+        if self._region is not None:
+            self._words = {}  # (their views of the mapping go first)
+            self._timeout_us = None
+            region, self._region = self._region, None
+            try:
+                region.close()
+            except Exception:  # pragma: no cover - the server went away
+                pass
