@@ -41,8 +41,9 @@ std::string Random(size_t n, int seed) {
 
 class RegionTest : public ::testing::Test {
  protected:
-  void Start(int64_t region_memory_bytes = int64_t{64} << 20) {
+  void Start(int64_t region_memory_bytes = int64_t{64} << 20, int64_t max_streams = 64) {
     ServerOptions o;
+    o.requests.max_streams = max_streams;
     o.listen_address = "127.0.0.1:0";
     o.security.insecure = true;
     o.backend = "cpu";
@@ -135,6 +136,25 @@ TEST_F(RegionTest, ServerMemoryNeedsNoFlagAndIsBounded) {
   ASSERT_TRUE(stub_->UnregisterSharedMemory(&unregister_context, unregister, &unregistered).ok());
   EXPECT_EQ(server_->CurrentGauges().region_memory_bytes, 0);
   EXPECT_TRUE(Register(1 << 20).ok());
+}
+
+TEST_F(RegionTest, WriteRegionStreamsCountAmongTheOpenStreams) {
+  Start(int64_t{64} << 20, /*max_streams=*/1);
+  auto region = Register(4096);
+  ASSERT_TRUE(region.ok());
+  grpc::ClientContext held_context;
+  v1::WriteRegionResponse held_response;
+  auto held = stub_->WriteRegion(&held_context, &held_response);
+  ASSERT_TRUE(held->Write(Part(*region, 0, "open")));  // and stays open
+  for (int i = 0; i < 1000 && server_->CurrentGauges().open_streams < 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(server_->CurrentGauges().open_streams, 1);
+  EXPECT_THAT(Write({Part(*region, 8, "second")}),
+              StatusIs(Code::kResourceExhausted, HasSubstr("--max_streams")));
+  held->WritesDone();
+  ASSERT_TRUE(held->Finish().ok());
+  EXPECT_TRUE(Write({Part(*region, 8, "second")}).ok());
 }
 
 TEST_F(RegionTest, PartsWrittenOnSeveralStreamsReadBackChecked) {
