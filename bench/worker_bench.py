@@ -94,7 +94,9 @@ def eager_step(h, w, t):
 def flce_step(module):
     """A step that returns where its time went (ms): the module's forward
     and backward as the worker sees them, their RPCs' wall time, and the
-    server's queue and engine time of each."""
+    server's queue and engine time of each. A registered weight's dW stays
+    summed on the server (gradient accumulation: pulled once per optimizer
+    step, timed apart)."""
     client = module.client
 
     def step(h, w, t):
@@ -105,7 +107,6 @@ def flce_step(module):
         start = time.perf_counter()
         loss.backward()
         backward_rpc = client.last_call_ms
-        module.pull_weight_grads()  # a registered weight's dW, as an optimizer step would
         backward_ms = (time.perf_counter() - start) * 1e3
         fwd, bwd = module.last_stats  # bwd None: the gradients came with Forward
         return {"engine": fwd.engine_ms + (bwd.engine_ms if bwd else 0.0),
@@ -115,6 +116,22 @@ def flce_step(module):
                 "backward_queue": bwd.queue_ms if bwd else 0.0,
                 "backward_engine": bwd.engine_ms if bwd else 0.0}
     return step
+
+
+def time_pull(module, hidden, weight, target):
+    """ms of pulling a registered weight's summed dW (and db) into .grad
+    after one more step, as before an optimizer step; None without one."""
+    if module._registration is None:
+        return None
+    module.pull_weight_grads()
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    module(h, w, target).backward()
+    sync(hidden.device)
+    start = time.perf_counter()
+    module.pull_weight_grads()
+    sync(hidden.device)
+    return (time.perf_counter() - start) * 1e3
 
 
 class Phases:
@@ -260,6 +277,7 @@ def main(argv):
                 try:
                     times, extra, engine = time_steps(step, hidden, weight, target,
                                                       args.warmup, args.iters)
+                    pull_ms = time_pull(module, hidden, weight, target)
                 finally:
                     module.close()
                 if phases is not None:
@@ -279,6 +297,10 @@ def main(argv):
                       f"{worker_ms - engine_ms:>9.2f} {eager_ms:>9.2f} "
                       f"{worker_ms / eager_ms:>9.3f} {extra / 2 ** 30:>10.3f} "
                       f"{eager_extra / 2 ** 30:>12.3f}", flush=True)
+                if pull_ms is not None:
+                    row["pull_ms"] = pull_ms
+                    print(f"  {shape} {transport}: the summed dW pulled into .grad once per "
+                          f"optimizer step (TakeWeightGrad): {pull_ms:.1f} ms", flush=True)
                 if args.breakdown:
                     print_breakdown(shape, transport, times, engine, server)
             del hidden, weight, target

@@ -3,12 +3,14 @@
 # tools/device_bundle.sh packed .devbin/bundle.tar.xz here: the GPU test
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
-# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [worker] [gemms] [latency]
+# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [worker] [gemms] [latency] [bulk]
 # bench reads BENCH_SHAPES, BENCH_DTYPES, BENCH_MODES, BENCH_WARMUP,
 # BENCH_CHUNK_BYTES and BENCH_FLAGS (more flce_bench flags); gemms reads
 # BENCH_SHAPES, GEMM_CHUNK_ROWS, GEMM_ALGOS and GEMM_FLAGS (more gemm_algos
-# flags, e.g. --full=false); worker (bench/worker_bench.py) reads
-# WORKER_TRANSPORTS and WORKER_FLAGS.
+# flags, e.g. --full=false); rpc reads RPC_SHAPE and RPC_FLAGS (e.g.
+# "--transfer_mib=64,1024 --connections=0,1,2,4,8"); worker
+# (bench/worker_bench.py) reads WORKER_TRANSPORTS and WORKER_FLAGS; bulk
+# (bench/bulk_bench.py) reads BULK_FLAGS.
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
@@ -96,8 +98,9 @@ if want gemms && [ -n "$ARGS" ]; then
 fi
 if want rpc && [ -n "$ARGS" ]; then
   echo "== rpc_bench --backend=cuda --shape=${RPC_SHAPE:-8192x4096x128256}"
+  read -r -a rpc_flags <<< "${RPC_FLAGS:-}"
   "$bin/rpc_bench" --backend=cuda --shape="${RPC_SHAPE:-8192x4096x128256}" --dtype=bf16 \
-    --iters=10 2>&1 | tee "$OUT/rpc_bench.txt" || status=1
+    --iters=10 ${rpc_flags[@]+"${rpc_flags[@]}"} 2>&1 | tee "$OUT/rpc_bench.txt" || status=1
 fi
 if want worker && [ -n "$ARGS" ]; then
   echo "== worker_bench --transports=${WORKER_TRANSPORTS:-cuda_ipc}"
@@ -111,5 +114,12 @@ if want latency && [ -n "$ARGS" ]; then
   read -r -a latency_flags <<< "${LATENCY_FLAGS:-}"
   PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/same_host_latency.py "$bin/flce_server" \
     ${latency_flags[@]+"${latency_flags[@]}"} 2>&1 | tee "$OUT/same_host_latency.txt" || status=1
+fi
+if want bulk && [ -n "$ARGS" ]; then
+  echo "== bulk_bench ${BULK_FLAGS:-}"
+  read -r -a bulk_flags <<< "${BULK_FLAGS:-}"
+  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/bulk_bench.py "$bin/flce_server" \
+    --backend=cuda --json="$OUT/bulk_bench.json" ${bulk_flags[@]+"${bulk_flags[@]}"} 2>&1 \
+    | tee "$OUT/bulk_bench.txt" || status=1
 fi
 exit "$status"

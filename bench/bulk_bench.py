@@ -1,0 +1,144 @@
+"""What a remote worker waits for to move bytes: the Python client's bulk transfers.
+
+Starts its own flce_server (``--backend``, loopback TCP) and times, median
+of ``--iters`` after one warm-up each:
+
+- ``region``: raw bytes written into a region of the server's memory and
+  read back (WriteRegion / ReadRegion through :class:`flce.bulk.BulkTransfer`)
+  for each size, connection count and part size: GB/s each way;
+- ``weight``: ``Client.put_weight`` of a bf16 weight of each size and
+  ``take_weight_grad(out=...)`` of its gradient in bf16 (one tiny Backward
+  accumulates into it before each take), for each connection count
+  (0: one stream over the client's one channel): seconds and GB/s.
+
+Usage: bulk_bench.py FLCE_SERVER [--backend cuda] [--sizes_mib 64,1024]
+  [--connections 1,2,4,8] [--part_mib 1,4,16] [--what region,weight]
+  [--iters 3] [--json PATH]
+Needs the flce package (and torch for ``weight``) and server_process.py on
+PYTHONPATH.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import flce
+from server_process import ServerProcess
+
+
+def timed(fn, iters):
+    fn()  # warm-up: regions made, connections up, pages touched
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def region_rows(address, sizes, connections, parts, iters):
+    rows = []
+    for size in sizes:
+        data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+        back = np.empty_like(data)
+        for conns in connections:
+            for part in parts:
+                client = flce.Client(address, bulk_connections=conns,
+                                     stream_chunk_bytes=part, max_message_bytes=part + (1 << 20))
+                try:
+                    bulk = client.bulk(size)
+                    region = bulk.region(size)
+                    put = timed(lambda: bulk.write(region, 0, data, 300.0), iters)
+                    take = timed(lambda: bulk.read(region, 0, back, 300.0), iters)
+                    if not np.array_equal(back, data):
+                        raise AssertionError("the region did not read back what was written")
+                finally:
+                    client.close()
+                rows.append({"what": "region", "bytes": size, "connections": conns,
+                             "part_bytes": part, "write_s": put, "read_s": take,
+                             "write_gbps": size / put / 1e9, "read_gbps": size / take / 1e9})
+                print(f"region {size >> 20:>6} MiB  {conns:>2} conn  part {part >> 20:>3} MiB  "
+                      f"write {put * 1e3:9.1f} ms {size / put / 1e9:6.2f} GB/s  "
+                      f"read {take * 1e3:9.1f} ms {size / take / 1e9:6.2f} GB/s", flush=True)
+    return rows
+
+
+def weight_rows(address, sizes, connections, iters):
+    import torch
+
+    rows = []
+    h = 4096
+    for size in sizes:
+        v = max(1, size // (2 * h))
+        weight = (torch.randn(v, h) / h ** 0.5).to(torch.bfloat16)
+        out = torch.empty_like(weight)
+        x = torch.randn(1, h).to(torch.bfloat16)
+        t = torch.zeros(1, dtype=torch.int64)
+        for conns in connections:
+            client = flce.Client(address, bulk_connections=conns)
+            name = f"bench-{conns}"
+            try:
+                put = timed(lambda: client.put_weight(name, weight), iters)
+
+                def take():
+                    r = client.forward(x, t, weight_name=name, need_backward=True)
+                    client.backward(r.session_id, accumulate_weight_grad=True)
+                    start = time.perf_counter()
+                    client.take_weight_grad(name, float32=False, out=(out, None))
+                    return time.perf_counter() - start
+
+                take()
+                take_s = statistics.median(take() for _ in range(iters))
+                client.delete_weight(name)
+            finally:
+                client.close()
+            nbytes = weight.numel() * 2
+            rows.append({"what": "weight", "bytes": nbytes, "connections": conns,
+                         "put_s": put, "take_s": take_s, "put_gbps": nbytes / put / 1e9,
+                         "take_gbps": nbytes / take_s / 1e9})
+            print(f"weight {nbytes >> 20:>6} MiB  {conns:>2} conn  put {put:7.3f} s "
+                  f"{nbytes / put / 1e9:6.2f} GB/s  take {take_s:7.3f} s "
+                  f"{nbytes / take_s / 1e9:6.2f} GB/s", flush=True)
+    return rows
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("server_binary")
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--sizes_mib", default="64,1024")
+    parser.add_argument("--connections", default="1,2,4,8")
+    parser.add_argument("--part_mib", default="1,4,16")
+    parser.add_argument("--what", default="region,weight")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
+    connections = [int(c) for c in args.connections.split(",")]
+    parts = [int(p) << 20 for p in args.part_mib.split(",")]
+    what = args.what.split(",")
+    server = ServerProcess(args.server_binary, f"--backend={args.backend}",
+                           f"--region_memory_bytes={4 * max(sizes) + (1 << 30)}")
+    rows = []
+    try:
+        print(f"Python client over loopback TCP to a {args.backend} server; median of "
+              f"{args.iters} after one", flush=True)
+        if "region" in what:
+            rows += region_rows(server.address, sizes, [c for c in connections if c > 0], parts,
+                                args.iters)
+        if "weight" in what:
+            rows += weight_rows(server.address, sizes, connections, args.iters)
+    finally:
+        server.kill()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
