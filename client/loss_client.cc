@@ -300,6 +300,7 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
   request.set_keep_session(args.keep_session);
   if (args.grad_dtype) request.set_grad_dtype(ToProto(*args.grad_dtype));
   request.set_accumulate_weight_grad(args.accumulate_weight_grad);
+  request.set_gradients(args.gradients);
   std::optional<SessionShape> shape;
   {
     absl::MutexLock lock(&mu_);
@@ -363,8 +364,10 @@ absl::StatusOr<RemoteGradients> LossClient::Backward(const BackwardArgs& args) {
   out.times.rpc_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   out.times.queue_ms = response.stats().queue_ms();
   out.times.engine_ms = response.stats().engine_ms();
-  FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
-                        MoveFromProto(response.mutable_grad_hidden(), "grad_hidden"));
+  if (response.has_grad_hidden()) {  // absent after GRADIENTS_WEIGHT
+    FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
+                          MoveFromProto(response.mutable_grad_hidden(), "grad_hidden"));
+  }
   if (response.has_grad_weight()) {
     FLCE_ASSIGN_OR_RETURN(out.grad_weight,
                           MoveFromProto(response.mutable_grad_weight(), "grad_weight"));

@@ -94,6 +94,9 @@ struct BackwardArgs {
   // Add dW, db into the registered weight's accumulator instead of returning
   // them (the session's Forward must have used a registered weight).
   bool accumulate_weight_grad = false;
+  // Which gradients to deliver (BackwardRequest.gradients): GRADIENTS_HIDDEN
+  // needs keep_session; after GRADIENTS_WEIGHT grad_hidden is empty.
+  v1::GradientSet gradients = v1::GRADIENTS_ALL;
   // Receive the gradients through this shared-memory region (the session's
   // Forward must have been made by this client).
   SharedMemoryArena* shm = nullptr;

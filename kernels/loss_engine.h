@@ -145,6 +145,9 @@ struct BackwardSpec {
   // Only dX is wanted: grad_weight and grad_bias may come back empty. For a
   // state whose weight gradients were handed over.
   bool hidden_grad_only = false;
+  // dX is not wanted: grad_hidden may come back empty (a STORE_GRADS state
+  // does not scale it).
+  bool weight_grads_only = false;
   // Where given, the engine writes that gradient there; the returned tensor
   // then has its dtype and shape but no bytes.
   std::optional<GradientDestination> grad_hidden_to, grad_weight_to, grad_bias_to;

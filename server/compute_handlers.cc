@@ -283,8 +283,10 @@ void LossServiceImpl::ServeBackward(Call* call, const std::string& principal,
                     const v1::BackwardRequest& request = *request_ptr;
                     v1::BackwardResponse* response = response_ptr;
                     BackwardOutcome& o = *outcome;
-                    EncodeGradient(std::move(o.grad_hidden), o.grad_hidden_in_shm,
-                                   request.grad_hidden_out(), response->mutable_grad_hidden());
+                    if (o.has_grad_hidden) {
+                      EncodeGradient(std::move(o.grad_hidden), o.grad_hidden_in_shm,
+                                     request.grad_hidden_out(), response->mutable_grad_hidden());
+                    }
                     if (o.grad_weight) {
                       EncodeGradient(std::move(*o.grad_weight), o.grad_weight_in_shm,
                                      request.grad_weight_out(), response->mutable_grad_weight());
@@ -367,8 +369,10 @@ class BackwardStreamReactor final : public WriteStream {
       meta->clear_data();
       if (!in_shm) parts_.push_back({field, std::move(data)});
     };
-    add(std::move(outcome.grad_hidden), outcome.grad_hidden_in_shm, request_.grad_hidden_out(),
-        header->mutable_grad_hidden(), v1::TENSOR_FIELD_GRAD_HIDDEN);
+    if (outcome.has_grad_hidden) {
+      add(std::move(outcome.grad_hidden), outcome.grad_hidden_in_shm, request_.grad_hidden_out(),
+          header->mutable_grad_hidden(), v1::TENSOR_FIELD_GRAD_HIDDEN);
+    }
     if (outcome.grad_weight) {
       add(std::move(*outcome.grad_weight), outcome.grad_weight_in_shm, request_.grad_weight_out(),
           header->mutable_grad_weight(), v1::TENSOR_FIELD_GRAD_WEIGHT);

@@ -141,7 +141,7 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
     return absl::OkStatus();
   };
   status = resolve(call.grad_hidden_out, dx_bytes, "grad_hidden_out", &spec.grad_hidden_to);
-  if (!call.accumulate_weight_grad) {
+  if (!call.accumulate_weight_grad && !call.hidden_only) {
     status = resolve(call.grad_weight_out, dw_bytes, "grad_weight_out", &spec.grad_weight_to);
     if (status.ok() && call.grad_bias_out && !lease.info.has_bias) {
       status = absl::InvalidArgumentError("grad_bias_out: the session has no bias");
@@ -149,8 +149,8 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
     status = resolve(call.grad_bias_out, db_bytes, "grad_bias_out", &spec.grad_bias_to);
   }
   if (status.ok() && call.max_response_bytes > 0) {
-    int64_t inline_bytes = spec.grad_hidden_to ? 0 : dx_bytes;
-    if (!call.accumulate_weight_grad) {
+    int64_t inline_bytes = spec.grad_hidden_to || call.weight_only ? 0 : dx_bytes;
+    if (!call.accumulate_weight_grad && !call.hidden_only) {
       inline_bytes += (spec.grad_weight_to ? 0 : dw_bytes) + (spec.grad_bias_to ? 0 : db_bytes);
     }
     // Room for the message's framing and shapes.
@@ -186,7 +186,8 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   // only).
   spec.weight_grads_last_use =
       call.accumulate_weight_grad && !call.keep_session && !retry && !device_grad;
-  spec.hidden_grad_only = retry;
+  spec.hidden_grad_only = retry || call.hidden_only;
+  spec.weight_grads_only = call.weight_only;
   absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
   if (!grads.ok()) {
     // A device accumulation that went wrong leaves the sum undefined only
@@ -211,13 +212,14 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
     }
   }
   outcome.grad_hidden = std::move(grads->grad_hidden);
+  outcome.has_grad_hidden = !call.weight_only;
   outcome.grad_hidden_in_shm = spec.grad_hidden_to.has_value();
   if (call.accumulate_weight_grad) {
     if (!device_grad && !retry) {
       lease.info.weight->AccumulateGrad(std::move(grads->grad_weight), std::move(grads->grad_bias));
       outcome.accumulated = UndeliveredAccumulation{call.grad_output};
     }
-  } else {
+  } else if (!call.hidden_only) {
     outcome.grad_weight = std::move(grads->grad_weight);
     outcome.grad_bias = std::move(grads->grad_bias);
     outcome.grad_weight_in_shm = spec.grad_weight_to.has_value();

@@ -25,6 +25,7 @@ struct ForwardOutcome {
 // whether the gradients reached the client.
 struct BackwardOutcome {
   HostTensor grad_hidden;
+  bool has_grad_hidden = true;  // false: GRADIENTS_WEIGHT, no dX to send
   // Absent when they were added into the registered weight's accumulator.
   std::optional<HostTensor> grad_weight, grad_bias;
   // Gradients written into the caller's shared memory instead (their

@@ -268,6 +268,29 @@ absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& r,
                                       : v1::DType_Name(r.grad_dtype()),
                                   " not supported; leave unset (input dtype) or DTYPE_FLOAT32"));
   }
+  switch (r.gradients()) {
+    case v1::GRADIENTS_ALL:
+      break;
+    case v1::GRADIENTS_HIDDEN:
+      if (!call.keep_session) {
+        return Invalid("gradients: GRADIENTS_HIDDEN leaves dW in the session for a later "
+                       "Backward: set keep_session");
+      }
+      if (call.accumulate_weight_grad || call.grad_weight_out || call.grad_bias_out) {
+        return Invalid("gradients: GRADIENTS_HIDDEN delivers dX only: not with "
+                       "accumulate_weight_grad, grad_weight_out or grad_bias_out");
+      }
+      call.hidden_only = true;
+      break;
+    case v1::GRADIENTS_WEIGHT:
+      if (call.grad_hidden_out) {
+        return Invalid("gradients: GRADIENTS_WEIGHT sends no dX: not with grad_hidden_out");
+      }
+      call.weight_only = true;
+      break;
+    default:
+      return Invalid(absl::StrCat("gradients: unknown value ", r.gradients()));
+  }
   return call;
 }
 

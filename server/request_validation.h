@@ -55,6 +55,10 @@ struct BackwardCall {
   bool keep_session = false;
   std::optional<DType> grad_dtype;
   bool accumulate_weight_grad = false;
+  // BackwardRequest.gradients: dX only (hidden_only), dW and db only
+  // (weight_only), or all (neither).
+  bool hidden_only = false;
+  bool weight_only = false;
   // Shared-memory destinations of the gradients, if asked for.
   std::optional<SliceRef> grad_hidden_out, grad_weight_out, grad_bias_out;
   std::shared_ptr<SliceResolver> shm;

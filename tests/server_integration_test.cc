@@ -636,6 +636,106 @@ TEST_F(ServerTest, AccumulatingMicroBatchesEqualsOneConcatenatedBatch) {
   }
 }
 
+// dX first (GRADIENTS_HIDDEN, the session kept), then the weight's part
+// (GRADIENTS_WEIGHT, returned or accumulated) equal one Backward bit for
+// bit, for both backward modes; the misuses are INVALID_ARGUMENT.
+TEST_F(ServerTest, HiddenThenWeightGradientsEqualOneBackward) {
+  RandomProblemSpec spec;
+  spec.rows = 13;
+  spec.hidden = 9;
+  spec.vocab = 97;
+  spec.bias = true;
+  spec.ignore_fraction = 0.1;
+  spec.options.reduction = Reduction::kSum;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  HostTensor g(DType::kFloat32, {});
+  g.mutable_data<float>()[0] = 0.25f;
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    SCOPED_TRACE(BackwardModeName(mode));
+    const std::string name = std::string("split_") + BackwardModeName(mode);
+    ASSERT_TRUE(client_->PutWeight(name, p.weight.view(), p.bias->view()).ok());
+    for (bool accumulate : {false, true}) {
+      SCOPED_TRACE(accumulate ? "accumulated" : "returned");
+      auto forward = [&] {
+        ForwardArgs args = Args(p);
+        args.weight_name = name;
+        args.mode = mode;
+        auto fwd = client_->Forward(args);
+        EXPECT_TRUE(fwd.ok()) << fwd.status();
+        return fwd.ok() ? fwd->session_id : std::string();
+      };
+      BackwardArgs whole;
+      whole.session_id = forward();
+      whole.grad_output = g.view();
+      whole.accumulate_weight_grad = accumulate;
+      auto one = client_->Backward(whole);
+      ASSERT_TRUE(one.ok()) << one.status();
+      std::optional<WeightGrad> one_sum;
+      if (accumulate) {
+        auto taken = client_->TakeWeightGrad(name);
+        ASSERT_TRUE(taken.ok()) << taken.status();
+        one_sum = *std::move(taken);
+      }
+
+      BackwardArgs hidden;
+      hidden.session_id = forward();
+      hidden.grad_output = g.view();
+      hidden.gradients = v1::GRADIENTS_HIDDEN;
+      hidden.keep_session = true;
+      auto dx = client_->Backward(hidden);
+      ASSERT_TRUE(dx.ok()) << dx.status();
+      EXPECT_EQ(dx->grad_hidden.data, one->grad_hidden.data);
+      EXPECT_FALSE(dx->grad_weight.has_value());
+      EXPECT_FALSE(dx->grad_bias.has_value());
+      BackwardArgs weight = hidden;
+      weight.gradients = v1::GRADIENTS_WEIGHT;
+      weight.keep_session = false;
+      weight.accumulate_weight_grad = accumulate;
+      auto dw = client_->Backward(weight);
+      ASSERT_TRUE(dw.ok()) << dw.status();
+      EXPECT_TRUE(dw->grad_hidden.data.empty());
+      EXPECT_TRUE(dw->grad_hidden.shape.empty());
+      if (accumulate) {
+        EXPECT_FALSE(dw->grad_weight.has_value());
+        auto taken = client_->TakeWeightGrad(name);
+        ASSERT_TRUE(taken.ok()) << taken.status();
+        EXPECT_EQ(taken->accumulated_backwards, 1);
+        EXPECT_EQ(taken->grad_weight.data, one_sum->grad_weight.data);
+        EXPECT_EQ(taken->grad_bias->data, one_sum->grad_bias->data);
+      } else {
+        ASSERT_TRUE(dw->grad_weight.has_value() && dw->grad_bias.has_value());
+        EXPECT_EQ(dw->grad_weight->data, one->grad_weight->data);
+        EXPECT_EQ(dw->grad_bias->data, one->grad_bias->data);
+      }
+      // The weight's part consumed the session.
+      EXPECT_THAT(client_->Backward(weight),
+                  StatusIs(Code::kFailedPrecondition, HasSubstr("already consumed")));
+    }
+  }
+
+  // Misuses, each before any compute (the session stays usable).
+  ForwardArgs args = Args(p);
+  args.weight_name = "split_store_grads";
+  auto fwd = client_->Forward(args);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  auto backward = [&](v1::GradientSet set, bool keep, bool accumulate) {
+    BackwardArgs b;
+    b.session_id = fwd->session_id;
+    b.gradients = set;
+    b.keep_session = keep;
+    b.accumulate_weight_grad = accumulate;
+    return client_->Backward(b).status();
+  };
+  EXPECT_THAT(backward(v1::GRADIENTS_HIDDEN, false, false),
+              StatusIs(Code::kInvalidArgument, HasSubstr("set keep_session")));
+  EXPECT_THAT(backward(v1::GRADIENTS_HIDDEN, true, true),
+              StatusIs(Code::kInvalidArgument, HasSubstr("not with accumulate_weight_grad")));
+  EXPECT_THAT(backward(static_cast<v1::GradientSet>(7), false, false),
+              StatusIs(Code::kInvalidArgument, HasSubstr("gradients: unknown value 7")));
+  EXPECT_TRUE(backward(v1::GRADIENTS_WEIGHT, false, false).ok());
+  ExpectStillServing();
+}
+
 TEST_F(ServerTest, WeightErrorsHaveTheirCodes) {
   OwnedProblem p = Problem(4, 3, 6);
   // Accumulating needs a registered weight.

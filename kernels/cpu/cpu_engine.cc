@@ -540,9 +540,11 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
     if (spec.last_use) {
       // The state is dropped after this call: scale and narrow in place and
       // hand the buffers over instead of allocating new ones.
-      NarrowInPlace(stored->dx, g, dtype);
+      if (!spec.weight_grads_only) {
+        NarrowInPlace(stored->dx, g, dtype);
+        out.grad_hidden = std::move(stored->dx);
+      }
       NarrowInPlace(stored->dw, g, wdtype);
-      out.grad_hidden = std::move(stored->dx);
       out.grad_weight = std::move(stored->dw);
       if (stored->db) {
         NarrowInPlace(*stored->db, g, wdtype);
@@ -550,7 +552,7 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
       }
       return out;
     }
-    out.grad_hidden = ScaledCopy(stored->dx, g, dtype);
+    if (!spec.weight_grads_only) out.grad_hidden = ScaledCopy(stored->dx, g, dtype);
     if (spec.weight_grads_last_use) {
       // dW and db go into an accumulator and are never asked for again.
       NarrowInPlace(stored->dw, g, wdtype);
@@ -592,7 +594,17 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
   absl::Status status =
       RunChunks(q, ChunkRows(n, q.v, q.h), Pass::kGradFromLse, cancelled, *pool_, io);
   if (!status.ok()) return status;
-  NarrowInPlace(out.grad_hidden, 1.0f, spec.hidden_dtype(q.dtype));
+  // Computed together; only what was asked for is kept.
+  if (spec.weight_grads_only) {
+    out.grad_hidden = HostTensor();
+  } else {
+    NarrowInPlace(out.grad_hidden, 1.0f, spec.hidden_dtype(q.dtype));
+  }
+  if (spec.hidden_grad_only) {
+    out.grad_weight = HostTensor();
+    out.grad_bias.reset();
+    return out;
+  }
   NarrowInPlace(out.grad_weight, 1.0f, spec.weight_dtype(q.dtype));
   if (out.grad_bias) NarrowInPlace(*out.grad_bias, 1.0f, spec.weight_dtype(q.dtype));
   return out;

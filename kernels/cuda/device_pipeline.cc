@@ -29,10 +29,13 @@ absl::StatusOr<Gradients> BackwardStored(const CallContext& call, StoredGradient
   const DType dtype = spec.hidden_dtype(stored.dtype);
   const DType wdtype = spec.weight_dtype(stored.dtype);
   Gradients out;
-  FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
-                        DeliverGradient(call.lane, stored.dx.data(), DType::kFloat32,
-                                        {stored.n, stored.h}, dtype, scale, spec.grad_hidden_to));
-  Mark(call.clock, "narrowing dX");
+  if (!spec.weight_grads_only) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
+                          DeliverGradient(call.lane, stored.dx.data(), DType::kFloat32,
+                                          {stored.n, stored.h}, dtype, scale, spec.grad_hidden_to));
+    Mark(call.clock, "narrowing dX");
+  }
+  if (spec.hidden_grad_only) return out;
   FLCE_ASSIGN_OR_RETURN(out.grad_weight,
                         DeliverGradient(call.lane, stored.dw.data(), DType::kFloat32,
                                         {stored.v, stored.h}, wdtype, scale, spec.grad_weight_to));
@@ -85,11 +88,15 @@ absl::StatusOr<Gradients> BackwardRecompute(const CallContext& call, RecomputeSt
   FLCE_RETURN_IF_ERROR(RecomputeGradients(call, in, rows, saved.lse.as<float>(), dx.as<float>(),
                                           dw_out, wdtype,
                                           db.bytes() > 0 ? db.as<float>() : nullptr));
+  // Computed together; only what was asked for is delivered.
   Gradients out;
-  FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
-                        DeliverGradient(lane, dx.data(), DType::kFloat32, {in.n, in.h}, dtype, 1.0f,
-                                        spec.grad_hidden_to));
-  Mark(call.clock, "narrowing dX");
+  if (!spec.weight_grads_only) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
+                          DeliverGradient(lane, dx.data(), DType::kFloat32, {in.n, in.h}, dtype,
+                                          1.0f, spec.grad_hidden_to));
+    Mark(call.clock, "narrowing dX");
+  }
+  if (spec.hidden_grad_only) return out;
   if (spec.grad_weight_to && spec.grad_weight_to->accumulate) {
     FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverGradient(lane, dw.data(), wdtype, {in.v, in.h},
                                                            wdtype, 1.0f, spec.grad_weight_to));
