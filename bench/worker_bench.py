@@ -13,7 +13,9 @@ Transports: ``cuda_ipc`` (GPU tensors read and written in place, the calls
 through a call channel), ``cuda_ipc_grpc`` (the same with the calls through
 gRPC), ``inline`` (bytes in the messages, W with every call),
 ``registered`` (the network path's default: W registered, only X, t and dX
-per call, dW pulled each step), ``shm`` (CPU tensors through a POSIX
+per call, in row pieces over the bulk connections, dW summed on the server
+and pulled once, timed apart), ``registered_one_call`` (the same in one
+Forward and one Backward, X and dX in the messages), ``shm`` (CPU tensors through a POSIX
 shared-memory region, the calls through a call channel), ``shm_grpc`` (the
 same through gRPC). GPU tensors need ``--device=cuda``; ``shm`` takes CPU
 tensors.
@@ -270,7 +272,8 @@ def main(argv):
                     grpc_client if transport.endswith("_grpc") else client,
                     cuda_ipc=transport.startswith("cuda_ipc"),
                     shared_memory=transport.startswith("shm"),
-                    register_weight=transport == "registered")
+                    register_weight=transport.startswith("registered"),
+                    pipeline_pieces=1 if transport == "registered_one_call" else 4)
                 step = flce_step(module)
                 if phases is not None:
                     step = phases.wrap(step)

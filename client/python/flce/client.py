@@ -85,6 +85,22 @@ def check_loss_options(*, reduction: str = "mean", backward_mode: str = "auto",
         raise ValueError(f"z_loss_scale={z_loss_scale!r}: must be >= 0")
 
 
+def set_loss_options(o: "pb.LossOptions", *, ignore_index: int, reduction: str,
+                     label_smoothing: float, logit_softcap: Optional[float],
+                     z_loss_scale: float):
+    """Fills a LossOptions (all but class_weight, a tensor)."""
+    o.ignore_index = ignore_index
+    o.reduction = _REDUCTIONS[reduction]
+    o.label_smoothing = label_smoothing
+    if logit_softcap is not None:
+        o.logit_softcap = logit_softcap
+    o.z_loss_scale = z_loss_scale
+
+
+_GRADIENT_SETS = {"all": pb.GRADIENTS_ALL, "hidden": pb.GRADIENTS_HIDDEN,
+                  "weight": pb.GRADIENTS_WEIGHT}
+
+
 def weight_checksum(payload: bytes) -> dict:
     """The WeightHeader field that checks ``payload``: zlib's CRC-32, which
     every Python computes in C (4.4 GB/s on the development VM, against 1.9
@@ -172,7 +188,7 @@ class ForwardResult:
 
 @dataclasses.dataclass
 class Gradients:
-    grad_hidden: pb.Tensor
+    grad_hidden: Optional[pb.Tensor]  # None after gradients="weight"
     grad_weight: Optional[pb.Tensor]  # None when accumulated on the server
     grad_bias: Optional[pb.Tensor]
     stats: Optional[pb.CallStats] = None
@@ -542,15 +558,11 @@ class Client:
                 if bias is not None:
                     put(bias, r.bias)
             pending.inputs = (hidden, weight)
-            o = r.options
-            o.ignore_index = ignore_index
-            o.reduction = _REDUCTIONS[reduction]
-            o.label_smoothing = label_smoothing
+            set_loss_options(r.options, ignore_index=ignore_index, reduction=reduction,
+                             label_smoothing=label_smoothing, logit_softcap=logit_softcap,
+                             z_loss_scale=z_loss_scale)
             if class_weight is not None:
-                put(class_weight, o.class_weight)
-            if logit_softcap is not None:
-                o.logit_softcap = logit_softcap
-            o.z_loss_scale = z_loss_scale
+                put(class_weight, r.options.class_weight)
             r.need_backward = need_backward
             r.backward_mode = _MODES[backward_mode]
             r.outputs.lse = want_lse
@@ -613,9 +625,12 @@ class Client:
     def backward(self, session_id: str, grad_output=None, *, keep_session: bool = False,
                  float32_grads: bool = False, accumulate_weight_grad: bool = False,
                  shm: Optional[SharedMemoryRegion] = None, into=None,
-                 accumulate_into: bool = False, copy_out: bool = True) -> Gradients:
+                 accumulate_into: bool = False, copy_out: bool = True,
+                 gradients: str = "all") -> Gradients:
         """Backward for a session; grad_output is a scalar (mean/sum) or [N]
-        (none), None meaning 1. With ``shm``, the gradients come back through
+        (none), None meaning 1. ``gradients``: "all", "hidden" (dX only, the
+        session kept for the rest: needs ``keep_session``) or "weight" (dW and
+        db only, returned or accumulated; grad_hidden then is None). With ``shm``, the gradients come back through
         that region (the session must be this client's, with the weight sent).
         With ``into`` = (dX, dW, db), contiguous CUDA tensors of the
         gradients' dtypes and shapes (None for any to return as bytes), the
@@ -628,8 +643,11 @@ class Client:
         ipc = self.cuda_ipc() if targets else None
         token = None
         try:
+            if gradients not in _GRADIENT_SETS:
+                raise ValueError(f"gradients={gradients!r}: choose 'all', 'hidden' or 'weight'")
             r = pb.BackwardRequest(session_id=session_id, keep_session=keep_session,
-                                   accumulate_weight_grad=accumulate_weight_grad)
+                                   accumulate_weight_grad=accumulate_weight_grad,
+                                   gradients=_GRADIENT_SETS[gradients])
             if grad_output is not None:
                 to_wire(grad_output, r.grad_output)
             if float32_grads:
@@ -670,7 +688,7 @@ class Client:
                     if t.HasField("shm"):
                         nbytes = int(np.prod(t.shape)) * _elem_size(t.dtype)
                         t.data = bytes(shm.buffer[t.shm.offset:t.shm.offset + nbytes])
-            return Gradients(resp.grad_hidden,
+            return Gradients(resp.grad_hidden if resp.HasField("grad_hidden") else None,
                              resp.grad_weight if resp.HasField("grad_weight") else None,
                              resp.grad_bias if resp.HasField("grad_bias") else None, resp.stats)
         finally:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from flce.client import Client, PendingForward, check_loss_options, to_torch
+from flce.row_pipeline import RowPipeline
 from flce.weight_registration import WeightRegistration
 
 
@@ -72,6 +73,20 @@ class _RemoteFunction(torch.autograd.Function):
         else:
             weight_name, weight_version = "", 0
             wire_weight, wire_bias = weight, bias
+        ctx.step = None
+        pieces = (module._pipeline.plan(hidden, module.reduction)
+                  if module._pipeline is not None and registration is not None and needs_grad
+                  and not module.retain_graph else 0)
+        if pieces:
+            # Over the network in row pieces: dX comes along (see
+            # flce.row_pipeline), backward adds dW into the server's sum.
+            step = module._pipeline.forward(module, hidden, target, weight_name,
+                                            weight_version, module._expected_grad_output, pieces)
+            if step is not None:
+                ctx.step, ctx.module, ctx.params = step, module, (weight, bias)
+                module._last, module._backward_stats = step, None
+                return torch.full((), float(step.loss), dtype=torch.float32,
+                                  device=hidden.device)
         # With the gradients coming along, the loss too is written into this
         # process's GPU memory, and the call returns once the server has
         # accepted it: this stream waits on the GPU for the server's answer,
@@ -117,6 +132,15 @@ class _RemoteFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        if ctx.step is not None:
+            step, ctx.step = ctx.step, None
+            module = ctx.module
+            value = float(grad_output.detach().float().cpu().reshape(()))
+            dx = step.finish(value)
+            module._expected_grad_output = value
+            for _ in step.sessions:
+                module._registration.added(*ctx.params)
+            return dx, None, None, None, None, None
         session = ctx.session
         if session is None:
             return None, None, None, None, None, None
@@ -241,7 +265,12 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     ``.grad`` is filled by ``pull_weight_grads()`` — call it before gradient
     clipping or the optimizer step, or ``attach(optimizer)`` once to have it
     run before every step. ``register_weight=False`` sends W every call
-    and returns dW to autograd instead.
+    and returns dW to autograd instead. A batch whose X is at least twice
+    ``pipeline_min_piece_bytes`` goes in up to ``pipeline_pieces`` row
+    pieces through the client's bulk connections, each piece's transfer
+    beside the server's work on the others, dX coming with the forward for
+    the upstream gradient the last backward had (see
+    :mod:`flce.row_pipeline`; ``pipeline_pieces=1``: one call).
 
     A server session is kept only when autograd will call backward (grad
     mode on and an input that requires grad); it is consumed by backward, or
@@ -256,7 +285,8 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
                  z_loss_scale: float = 0.0, class_weight=None, backward_mode: str = "auto",
                  shared_memory: bool = False, cuda_ipc: bool = False,
                  retain_graph: bool = False, weight_grad_in_place: bool = False,
-                 register_weight: Optional[bool] = None):
+                 register_weight: Optional[bool] = None, pipeline_pieces: int = 4,
+                 pipeline_min_piece_bytes: int = 8 << 20):
         super().__init__()
         if shared_memory and cuda_ipc:
             raise ValueError("choose shared_memory or cuda_ipc, not both")
@@ -283,6 +313,9 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         # Over the network the weight is registered and its gradients summed
         # on the server (pull_weight_grads / attach).
         self._registration = WeightRegistration(self.client) if register_weight else None
+        # ... and a large batch goes in row pieces, the wire beside the GPU.
+        self._pipeline = (RowPipeline(self.client, pipeline_pieces, pipeline_min_piece_bytes)
+                          if register_weight and pipeline_pieces > 1 else None)
         self._region = None
         # Regions the gradients come back in, each reused once no gradient
         # viewing it is alive (autograd may keep one as .grad for a while).

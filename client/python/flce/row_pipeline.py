@@ -1,0 +1,307 @@
+"""A remote training step in row pieces, so that the wire and the server's GPU work at once.
+
+Over the network a step moves X up and dX back: at a few GB/s, tens of
+milliseconds each for a large batch, as long as the engine's own work. Here
+the batch's rows go in pieces (``pieces``, each at least
+``min_piece_bytes`` of X). Each piece is written into a region of the
+server's memory over all of the client's bulk connections (:mod:`flce.bulk`);
+its Forward starts as soon as it has arrived, while the next piece travels;
+as soon as the Forward is done, a Backward with ``gradients="hidden"``
+writes the piece's dX into the region for the upstream gradient the last
+step had, and the client reads it back while the server works on the
+following pieces. When autograd's backward comes with that same upstream
+gradient, one small Backward per piece (``gradients="weight"``) adds dW and
+db into the registered weight's sum on the server, and dX is already here:
+a step is the engine's time plus one piece's transfer each way. Another
+upstream gradient (the first step of a run with gradient accumulation, say)
+gets the exact gradients the slow way: each piece's full Backward, dX read
+again.
+
+Each piece is a Forward of its own with reduction "sum"; for "mean" the
+client divides by the whole batch's normaliser (its non-ignored rows, or
+the sum of their class weights), computed from the targets here, and scales
+the pieces' gradients by it: the loss and gradients equal one call's up to
+fp32 rounding. Used by :class:`flce.RemoteLinearCrossEntropy` for a
+registered weight over the network (``pipeline_pieces``); reduction "none",
+``retain_graph`` and a batch whose rows are all ignored take one call.
+"""
+
+import concurrent.futures
+import threading
+from typing import List, Optional
+
+import grpc
+import numpy as np
+import torch
+
+from flce.client import FlceError, set_loss_options, to_torch, to_wire
+from flce_pb.v1 import loss_service_pb2 as pb
+
+_MODES = {"auto": pb.BACKWARD_MODE_AUTO, "store_grads": pb.BACKWARD_MODE_STORE_GRADS,
+          "recompute": pb.BACKWARD_MODE_RECOMPUTE}
+
+
+def _align(n: int) -> int:
+    return (n + 4095) // 4096 * 4096
+
+
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, as a NumPy array (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class _Buffers:
+    """Host memory for X's and dX's bytes (pinned when the tensors are on
+    the GPU), kept and grown across steps."""
+
+    def __init__(self):
+        self._x = self._dx = None
+
+    def get(self, nbytes: int, pinned: bool):
+        if self._x is None or self._x.numel() < nbytes or self._x.is_pinned() != pinned:
+            self._x = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            self._dx = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        return self._x[:nbytes], self._dx[:nbytes]
+
+
+class PipelinedStep:
+    """One step's pieces after the forward: the loss, dX (already here, for
+    the expected upstream gradient) and the pieces' sessions, which
+    :meth:`finish` or the garbage collector releases."""
+
+    def __init__(self, pipeline, sessions, rows, denom, expected, dx, loss, z_loss, num_valid,
+                 stats, dx_ready):
+        self._pipeline = pipeline
+        self.sessions = sessions        # one per piece
+        self.rows = rows                # (first, last) row of each piece
+        self.denom = denom              # the batch's normaliser (None: reduction sum)
+        self.expected = expected        # the upstream gradient dX was made for
+        self.dx = dx
+        self.loss = loss
+        self.z_loss = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[],
+                                data=np.float32(z_loss).tobytes())
+        self.num_valid = num_valid
+        self.stats = stats              # summed over the pieces' calls
+        self._dx_ready = dx_ready       # CUDA events of the dX copies (or [])
+        self.consumed = False
+
+    def piece_grad(self, grad_output: float) -> np.float32:
+        """Each piece's grad_output (its Forward summed) for the step's
+        upstream gradient."""
+        return _piece_grad(grad_output, self.denom)
+
+    def finish(self, grad_output: float) -> torch.Tensor:
+        """Adds dW (db) into the registered weight's sum for ``grad_output``
+        and returns dX for it."""
+        self.consumed = True
+        dx = self._pipeline.finish(self, grad_output)
+        for event in self._dx_ready:
+            torch.cuda.current_stream(dx.device).wait_event(event)
+        return dx
+
+    def __del__(self):
+        if not self.consumed:
+            try:
+                for session_id in self.sessions:
+                    self._pipeline.client.release_session_later(session_id)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+
+class RowPipeline:
+    """The row pieces of a remote module's steps (see the module's doc)."""
+
+    def __init__(self, client, pieces: int = 4, min_piece_bytes: int = 4 << 20):
+        self.client = client
+        self.pieces = pieces
+        self.min_piece_bytes = min_piece_bytes
+        self._buffers = _Buffers()
+        self._stream = None  # a side stream for the pieces' host ↔ GPU copies
+
+    def plan(self, hidden, reduction: str) -> int:
+        """How many pieces a step of ``hidden`` takes (0: not through here)."""
+        nbytes = hidden.numel() * hidden.element_size()
+        pieces = min(self.pieces, hidden.shape[0], nbytes // max(1, self.min_piece_bytes))
+        if reduction == "none" or pieces < 2:
+            return 0
+        return pieces if self.client.bulk(nbytes) is not None else 0
+
+    def forward(self, module, hidden, target, weight_name: str, weight_version: int,
+                expected: float, pieces: int) -> Optional[PipelinedStep]:
+        """The forward of one step in ``pieces`` pieces, with dX for the
+        upstream gradient ``expected``; None where the batch has nothing to
+        normalise by (all rows ignored): the caller takes one call."""
+        client = self.client
+        n, h = hidden.shape
+        elem = hidden.element_size()
+        targets = target.detach().to("cpu")
+        valid = targets.numpy() != module.ignore_index
+        if module.reduction == "mean":
+            if module.class_weight is not None:
+                cw = np.asarray(torch.as_tensor(module.class_weight).detach().cpu().double())
+                denom = float(np.sum(cw[targets.numpy()[valid]], dtype=np.float64))
+            else:
+                denom = float(np.count_nonzero(valid))
+            if denom == 0.0:
+                return None
+        else:
+            denom = None
+        bounds = np.linspace(0, n, pieces + 1).astype(int)
+        rows = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        x_bytes = n * h * elem
+        transfer = client.bulk(x_bytes)
+        if transfer is None:
+            raise FlceError(grpc.StatusCode.UNAVAILABLE, "no bulk transfer")
+        region = transfer.region(2 * _align(x_bytes))
+        dx_at = _align(x_bytes)
+        on_gpu = hidden.is_cuda
+        x_host, dx_host = self._buffers.get(x_bytes, pinned=on_gpu)
+        flat = hidden.detach().contiguous().reshape(-1).view(torch.uint8)
+        staged = []
+        if on_gpu:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(hidden.device)
+            self._stream.wait_stream(torch.cuda.current_stream(hidden.device))
+            with torch.cuda.stream(self._stream):
+                for first, last in rows:
+                    x_host[first * h * elem:last * h * elem].copy_(
+                        flat[first * h * elem:last * h * elem], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                    staged.append(event)
+            flat.record_stream(self._stream)
+        else:
+            x_host = flat
+        scale = _piece_grad(expected, denom)
+
+        base = pb.ForwardRequest(need_backward=True, backward_mode=_MODES[module.backward_mode])
+        base.weight_ref.name = weight_name
+        base.weight_ref.version = weight_version
+        set_loss_options(base.options, ignore_index=module.ignore_index, reduction="sum",
+                         label_smoothing=module.label_smoothing,
+                         logit_softcap=module.logit_softcap, z_loss_scale=module.z_loss_scale)
+        if module.class_weight is not None:
+            to_wire(module.class_weight, base.options.class_weight)
+        base.hidden.dtype = to_wire(hidden[:0].detach().cpu()).dtype
+
+        dx = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        dx_flat = dx.reshape(-1).view(torch.uint8)
+        x_view = _byte_view(x_host)
+        # On the CPU dX is read straight into the result.
+        dx_view = _byte_view(dx_host if on_gpu else dx_flat)
+        sessions: List[str] = [""] * len(rows)
+        lock = threading.Lock()
+        dx_ready = []
+
+        def chain(i: int, call):
+            """Piece i after its Forward went out: its answer, its dX
+            written into the region, read back, and copied to dX."""
+            first, last = rows[i]
+            resp = _result(call, client.timeout, "Forward")
+            sessions[i] = resp.session_id
+            r = pb.BackwardRequest(session_id=resp.session_id, keep_session=True,
+                                   gradients=pb.GRADIENTS_HIDDEN)
+            to_wire(np.asarray(scale, dtype=np.float32), r.grad_output)
+            r.grad_hidden_out.region_id = region
+            r.grad_hidden_out.offset = dx_at + first * h * elem
+            back = client._call(client._stub.Backward, r)
+            span = slice(first * h * elem, last * h * elem)
+            transfer.read(region, dx_at + span.start, dx_view[span], client.timeout)
+            if on_gpu:
+                with torch.cuda.stream(self._stream):
+                    dx_flat[span].copy_(dx_host[span], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                with lock:
+                    dx_ready.append(event)
+            return resp, back
+
+        futures = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(rows),
+                                                   thread_name_prefix="flce-rows") as pool:
+            try:
+                for i, (first, last) in enumerate(rows):
+                    if staged:
+                        staged[i].synchronize()
+                    span = slice(first * h * elem, last * h * elem)
+                    transfer.write(region, span.start, x_view[span], client.timeout)
+                    r = pb.ForwardRequest()
+                    r.CopyFrom(base)
+                    r.hidden.shape.extend([last - first, h])
+                    r.hidden.shm.region_id = region
+                    r.hidden.shm.offset = span.start
+                    to_wire(targets[first:last], r.target)
+                    call = client._stub.Forward.future(r, timeout=client.timeout,
+                                                       metadata=client._metadata)
+                    futures.append(pool.submit(chain, i, call))
+                answers = [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                concurrent.futures.wait(futures)
+                for session_id in sessions:
+                    if session_id:
+                        client.release_session_later(session_id)
+                raise
+        if on_gpu:
+            dx.record_stream(self._stream)
+        loss = sum(_scalar(f.loss) for f, _ in answers)
+        z_loss = sum(_scalar(f.z_loss) for f, _ in answers)
+        if denom is not None:
+            loss, z_loss = loss / denom, z_loss / denom
+        stats = pb.CallStats(queue_ms=sum(f.stats.queue_ms + b.stats.queue_ms for f, b in answers),
+                             engine_ms=sum(f.stats.engine_ms + b.stats.engine_ms
+                                           for f, b in answers))
+        return PipelinedStep(self, sessions, rows, denom, expected, dx, np.float32(loss), z_loss,
+                             sum(f.num_valid for f, _ in answers), stats, dx_ready)
+
+    def finish(self, step: PipelinedStep, grad_output: float) -> torch.Tensor:
+        """Backward of a step's pieces (see PipelinedStep.finish)."""
+        client = self.client
+        same = grad_output == step.expected
+        g = step.piece_grad(grad_output)
+        calls = []
+        for session_id in step.sessions:
+            r = pb.BackwardRequest(session_id=session_id, accumulate_weight_grad=True,
+                                   gradients=pb.GRADIENTS_WEIGHT if same else pb.GRADIENTS_ALL)
+            to_wire(np.asarray(g, dtype=np.float32), r.grad_output)
+            calls.append(client._stub.Backward.future(r, timeout=client.timeout,
+                                                      metadata=client._metadata))
+        answers = []
+        failed = None
+        for call in calls:
+            try:
+                answers.append(_result(call, client.timeout, "Backward"))
+            except FlceError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        step.stats.engine_ms += sum(a.stats.engine_ms for a in answers)
+        step.stats.queue_ms += sum(a.stats.queue_ms for a in answers)
+        if same:
+            return step.dx
+        # Another upstream gradient: dX as the full Backwards returned it.
+        for answer, (first, last) in zip(answers, step.rows):
+            step.dx[first:last].copy_(to_torch(answer.grad_hidden, step.dx.device))
+        return step.dx
+
+
+def _piece_grad(grad_output: float, denom: Optional[float]) -> np.float32:
+    """A piece's grad_output: the step's upstream gradient over the batch's
+    normaliser (reduction mean; None: sum), in fp32."""
+    return np.float32(grad_output if denom is None else grad_output / denom)
+
+
+def _scalar(t: "pb.Tensor") -> float:
+    return float(np.frombuffer(t.data, dtype="<f4")[0])
+
+
+def _result(call, timeout: float, what: str):
+    try:
+        return call.result(timeout=timeout + 1.0)
+    except grpc.FutureTimeoutError:
+        call.cancel()
+        raise FlceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"{what} did not finish within {timeout} s") from None
+    except grpc.RpcError as e:
+        raise FlceError(e.code(), e.details()) from None

@@ -1,0 +1,170 @@
+"""The remote drop-in's steps in row pieces (flce/row_pipeline.py) against a
+real flce_server on the CPU: equal to local PyTorch and to one call step for
+step (gradient accumulation included, the first step on the exact path),
+every session released, errors clean, and the cases that take one call.
+
+Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
+"""
+
+import gc
+import sys
+import time
+import unittest
+
+import grpc
+import torch
+import torch.nn.functional as F
+
+import flce
+from flce.row_pipeline import PipelinedStep
+from server_process import ServerProcess, run_tests
+
+SERVER = sys.argv[1]
+
+
+class RowPipelineTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = ServerProcess(SERVER, "--backend=cpu")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.kill()
+
+    def module(self, pieces=3, **options):
+        client = flce.Client(self.server.address, bulk_connections=2, bulk_threshold=1 << 10)
+        self.addCleanup(client.close)
+        m = flce.RemoteLinearCrossEntropy(client, pipeline_pieces=pieces,
+                                          pipeline_min_piece_bytes=1 << 10, **options)
+        self.addCleanup(m.close)
+        return m
+
+    def live_sessions(self, client):
+        # Releases of dropped sessions go out without waiting for an answer.
+        deadline = time.monotonic() + 5
+        while True:
+            live = client.stats().live_sessions
+            if live == 0 or time.monotonic() > deadline:
+                return live
+            time.sleep(0.02)
+
+    def train(self, m, dtype, steps=4, accumulate=2, **torch_options):
+        """Steps of gradient accumulation through `m` and locally; returns
+        the largest differences of the losses, dX and dW."""
+        torch.manual_seed(3)
+        n, h, v = 211, 48, 997
+        w = (torch.randn(v, h) / 7).to(dtype).requires_grad_()
+        w_ref = w.detach().clone().requires_grad_()
+        worst = [0.0, 0.0, 0.0]
+        for _ in range(steps):
+            for _ in range(accumulate):
+                x = torch.randn(n, h).to(dtype).requires_grad_()
+                x_ref = x.detach().clone().requires_grad_()
+                t = torch.randint(0, v, (n,))
+                t[::5] = -100
+                loss = m(x, w, t) / accumulate
+                loss.backward()
+                self.assertIsInstance(m._last, PipelinedStep)
+                ref = F.cross_entropy(F.linear(x_ref.float(), w_ref.float()), t,
+                                      **torch_options) / accumulate
+                ref.backward()
+                worst[0] = max(worst[0], abs(float(loss) - float(ref)))
+                worst[1] = max(worst[1], float((x.grad.float() - x_ref.grad).abs().max()))
+            m.pull_weight_grads()
+            worst[2] = max(worst[2], float((w.grad.float() - w_ref.grad.float()).abs().max()))
+            with torch.no_grad():  # an optimizer step: the weight is put again
+                w -= 0.1 * w.grad
+                w_ref -= 0.1 * w_ref.grad
+            w.grad = None
+            w_ref.grad = None
+        return worst
+
+    def test_pieces_equal_local_torch_step_for_step(self):
+        cw = torch.rand(997) + 0.5
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            for options in ({}, {"label_smoothing": 0.1, "class_weight": cw},
+                            {"reduction": "sum"}):
+                with self.subTest(dtype=dtype, options=sorted(options)):
+                    m = self.module(**options)
+                    torch_options = {"label_smoothing": options.get("label_smoothing", 0.0),
+                                     "weight": options.get("class_weight"),
+                                     "reduction": options.get("reduction", "mean")}
+                    loss, dx, dw = self.train(m, dtype, **torch_options)
+                    scale = 100.0 if options.get("reduction") == "sum" else 1.0
+                    self.assertLess(loss, tol * scale)
+                    self.assertLess(dx, tol)
+                    self.assertLess(dw, tol * scale)
+                    self.assertEqual(self.live_sessions(m.client), 0)
+
+    def test_pieces_equal_one_call_with_every_option(self):
+        options = dict(label_smoothing=0.05, logit_softcap=12.0, z_loss_scale=1e-3,
+                       class_weight=torch.rand(997) + 0.5)
+        torch.manual_seed(5)
+        w = (torch.randn(997, 48) / 7).requires_grad_()
+        x = torch.randn(211, 48)
+        t = torch.randint(0, 997, (211,))
+        t[::4] = -100
+        results = []
+        for pieces in (1, 4):
+            m = self.module(pieces=pieces, **options)
+            for g in (0.5, 0.5, 2.0):  # the exact path, the fast one, the exact one again
+                xi = x.clone().requires_grad_()
+                loss = m(xi, w, t)
+                (loss * g).backward()
+                results.append((pieces, g, float(loss), float(m.last_z_loss), xi.grad.clone()))
+            m.pull_weight_grads()
+            results.append((pieces, "dw", w.grad.clone()))
+            w.grad = None
+        one, four = results[:4], results[4:]
+        for a, b in zip(one[:3], four[:3]):
+            self.assertAlmostEqual(a[2], b[2], places=5)
+            self.assertAlmostEqual(a[3], b[3], places=6)
+            torch.testing.assert_close(a[4], b[4], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(one[3][2], four[3][2], rtol=1e-5, atol=1e-7)
+
+    def test_a_loss_dropped_without_backward_releases_every_piece(self):
+        m = self.module()
+        w = torch.randn(997, 48, requires_grad=True)
+        loss = m(torch.randn(211, 48, requires_grad=True), w, torch.randint(0, 997, (211,)))
+        self.assertIsInstance(m._last, PipelinedStep)
+        self.assertEqual(m.client.stats().live_sessions, 3)
+        del loss
+        m._last = None
+        gc.collect()
+        m.client._flush_releases()
+        self.assertEqual(self.live_sessions(m.client), 0)
+
+    def test_a_bad_piece_fails_the_step_and_leaves_no_session(self):
+        m = self.module()
+        w = torch.randn(997, 48, requires_grad=True)
+        t = torch.randint(0, 997, (211,))
+        t[200] = 5000  # in the last piece
+        with self.assertRaises(flce.FlceError) as e:
+            m(torch.randn(211, 48, requires_grad=True), w, t)
+        self.assertEqual(e.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+        self.assertIn("5000", e.exception.details)
+        self.assertEqual(self.live_sessions(m.client), 0)
+        # The module still serves.
+        t[200] = 5
+        m(torch.randn(211, 48, requires_grad=True), w, t).backward()
+
+    def test_the_cases_that_take_one_call(self):
+        w = torch.randn(997, 48, requires_grad=True)
+        x = torch.randn(211, 48, requires_grad=True)
+        t = torch.randint(0, 997, (211,))
+        # reduction none, evaluation, retain_graph, every row ignored.
+        cases = [(self.module(reduction="none"), t, True),
+                 (self.module(), t, False),
+                 (self.module(retain_graph=True), t, True),
+                 (self.module(), torch.full((211,), -100), True)]
+        for m, targets, grad in cases:
+            with torch.set_grad_enabled(grad):
+                loss = m(x, w, targets)
+            self.assertNotIsInstance(m._last, PipelinedStep)
+            if grad:
+                loss.sum().backward()
+        self.assertTrue(torch.isnan(loss))  # mean over no rows, as in PyTorch
+
+
+if __name__ == "__main__":
+    sys.exit(run_tests(RowPipelineTest, "RowPipelineTest"))
