@@ -1,6 +1,9 @@
 #include "kernels/dtype.h"
 
+#include <algorithm>
 #include <cmath>
+#include <thread>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -175,6 +178,23 @@ void FromFloat(DType dtype, const float* src, int64_t count, void* dst) {
     default:
       return;
   }
+}
+
+void FromFloatInParallel(DType dtype, const float* src, int64_t count, void* dst) {
+  constexpr int64_t kPerThread = int64_t{4} << 20;  // elements: below this, one thread
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t threads = std::min({cores, int64_t{8}, std::max(int64_t{1}, count / kPerThread)});
+  if (threads <= 1) return FromFloat(dtype, src, count, dst);
+  const int64_t per = (count + threads - 1) / threads;
+  char* out = static_cast<char*>(dst);
+  const int64_t elem = DTypeSize(dtype);
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t first = t * per, n = std::min(per, count - first);
+    if (n > 0) workers.emplace_back([=] { FromFloat(dtype, src + first, n, out + first * elem); });
+  }
+  FromFloat(dtype, src, std::min(per, count), dst);
+  for (std::thread& w : workers) w.join();
 }
 
 float RoundTo(DType dtype, float value) {

@@ -48,6 +48,9 @@ void ToFloat(DType dtype, const void* src, int64_t count, float* dst);
 // Converts `count` floats to a floating dtype (rounding once).
 // REQUIRES: IsFloating(dtype).
 void FromFloat(DType dtype, const float* src, int64_t count, void* dst);
+// The same on several threads of its own for large counts (a gigabyte's
+// narrowing is a second on one core): the same bits.
+void FromFloatInParallel(DType dtype, const float* src, int64_t count, void* dst);
 
 // Rounds a float to the nearest value representable in `dtype`.
 float RoundTo(DType dtype, float value);

@@ -91,5 +91,20 @@ TEST(DTypeTest, ConvertsArrays) {
   EXPECT_EQ(RoundTo(DType::kFloat32, 1.00390625f), 1.00390625f);
 }
 
+// On several threads: the same bits as one, for a count that does not
+// split evenly (and the tail piece lands where it belongs).
+TEST(DTypeTest, ParallelNarrowingEqualsOneThread) {
+  const int64_t n = (int64_t{9} << 20) + 12345;
+  std::vector<float> in(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) in[i] = std::sin(static_cast<float>(i)) * 1e3f;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    std::vector<char> one(static_cast<size_t>(n * DTypeSize(dtype)));
+    std::vector<char> many(one.size(), 7);
+    FromFloat(dtype, in.data(), n, one.data());
+    FromFloatInParallel(dtype, in.data(), n, many.data());
+    EXPECT_EQ(one, many) << DTypeName(dtype);
+  }
+}
+
 }  // namespace
 }  // namespace flce

@@ -223,9 +223,10 @@ absl::Status RegisteredWeight::GradBytesInto(const Grad& grad, DType dtype,
                                              absl::string_view field, char* out) const {
   FLCE_RETURN_IF_ERROR(CheckGradDType(dtype, field));
   const int64_t dw = grad.dw.num_elements();
-  FromFloat(dtype, grad.dw.data_as<float>(), dw, out);
+  FromFloatInParallel(dtype, grad.dw.data_as<float>(), dw, out);
   if (grad.db) {
-    FromFloat(dtype, grad.db->data_as<float>(), grad.db->num_elements(), out + dw * DTypeSize(dtype));
+    FromFloatInParallel(dtype, grad.db->data_as<float>(), grad.db->num_elements(),
+                        out + dw * DTypeSize(dtype));
   }
   return absl::OkStatus();
 }

@@ -1,5 +1,5 @@
 """The remote drop-in's steps in row pieces (flce/row_pipeline.py) against a
-real flce_server on the CPU: equal to local PyTorch and to one call step for
+real flce_server (the CPU backend, or $FLCE_TEST_BACKEND): equal to local PyTorch and to one call step for
 step (gradient accumulation included, the first step on the exact path),
 every session released, errors clean, and the cases that take one call.
 
@@ -7,6 +7,7 @@ Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
 """
 
 import gc
+import os
 import sys
 import time
 import unittest
@@ -25,7 +26,9 @@ SERVER = sys.argv[1]
 class RowPipelineTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.server = ServerProcess(SERVER, "--backend=cpu")
+        # CPU in CI; the GPU machine runs it against --backend=cuda too.
+        backend = os.environ.get("FLCE_TEST_BACKEND", "cpu")
+        cls.server = ServerProcess(SERVER, "--backend=" + backend)
 
     @classmethod
     def tearDownClass(cls):

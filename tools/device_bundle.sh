@@ -33,7 +33,8 @@ tools/package.sh "$stage" "${binaries[@]}"
 mkdir -p "$stage/python"
 cp -r client/python/flce client/python/examples/train_tiny_lm.py "$stage/python/"
 cp -r bazel-bin/client/python/flce_pb "$stage/python/"
-cp tests/python_client_test.py tests/call_channel_test.py tests/server_process.py \
+cp tests/python_client_test.py tests/call_channel_test.py tests/row_pipeline_test.py \
+  tests/server_process.py \
   bench/worker_bench.py bench/bulk_bench.py \
   bench/same_host_latency.py "$stage/python/"
 mkdir -p .devbin

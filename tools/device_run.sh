@@ -57,6 +57,9 @@ if [ -z "$ARGS" ] || want python; then
   PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/call_channel_test.py "$bin/flce_server" \
     > "$OUT/call_channel_test.log" 2>&1 || status=1
   grep -E '(FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/call_channel_test.log"
+  FLCE_TEST_BACKEND=cuda PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/row_pipeline_test.py \
+    "$bin/flce_server" > "$OUT/row_pipeline_test.log" 2>&1 || status=1
+  grep -E '(FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/row_pipeline_test.log"
 fi
 
 if [ -z "$ARGS" ] || want smoke; then
