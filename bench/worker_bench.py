@@ -22,7 +22,7 @@ tensors.
 
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
-  [--iters 10] [--warmup 3] [--json PATH] [--breakdown] [--phases]
+  [--iters 10] [--warmup 3] [--json PATH] [--breakdown] [--phases] [--pieces 4]
 Needs PyTorch, the flce package and server_process.py on PYTHONPATH.
 """
 
@@ -229,6 +229,8 @@ def main(argv):
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default="")
+    parser.add_argument("--pieces", type=int, default=4,
+                        help="row pieces of the registered transport (pipeline_pieces)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also print where each transport's step time went")
     parser.add_argument("--phases", action="store_true",
@@ -273,7 +275,7 @@ def main(argv):
                     cuda_ipc=transport.startswith("cuda_ipc"),
                     shared_memory=transport.startswith("shm"),
                     register_weight=transport.startswith("registered"),
-                    pipeline_pieces=1 if transport == "registered_one_call" else 4)
+                    pipeline_pieces=1 if transport == "registered_one_call" else args.pieces)
                 step = flce_step(module)
                 if phases is not None:
                     step = phases.wrap(step)

@@ -65,6 +65,14 @@ class DeviceMemory {
   // Copies `bytes` of host memory into an Allocate block, complete when it
   // returns.
   virtual absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) = 0;
+
+  // Page-locks `bytes` of this process's host memory at `host` (whole
+  // pages) so that copies between it and the device run at the bus's rate
+  // (cudaHostRegister); unlocked when the returned block (data() = host) is
+  // destroyed, which must come before the memory is unmapped. An error
+  // leaves the memory as it was (copies then go through staging).
+  virtual absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host,
+                                                                     int64_t bytes) = 0;
 };
 
 }  // namespace flce

@@ -220,7 +220,8 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
   absl::StatusOr<RegisteredRegion> region;
   if (request.has_server_memory()) {
     call->record().SetDetail(absl::StrCat("server_memory bytes=", request.bytes(), " "));
-    region = shared_memory_->RegisterServerMemory(request.bytes(), *principal);
+    region = shared_memory_->RegisterServerMemory(request.bytes(), *principal,
+                                                  core_->engine().device_memory());
   } else if (request.has_cuda_ipc_handle()) {
     call->record().SetDetail("cuda_ipc ");
     region = shared_memory_->RegisterCudaIpc(request.cuda_ipc_handle(), request.bytes(),

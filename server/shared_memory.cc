@@ -13,6 +13,7 @@
 #include "server/host_memory.h"
 #include "server/random_id.h"
 #include "server/sigbus_guard.h"
+#include "spdlog/spdlog.h"
 
 namespace flce {
 namespace {
@@ -263,7 +264,7 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Register(const std::strin
 }
 
 absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterServerMemory(
-    int64_t bytes, const std::string& principal) {
+    int64_t bytes, const std::string& principal, DeviceMemory* device) {
   if (bytes <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("bytes: ", bytes, "; expected > 0"));
   }
@@ -288,8 +289,19 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterServerMemory(
         absl::StrCat("server_memory: cannot allocate ", bytes, " bytes: ", std::strerror(errno))));
   }
   madvise(base, static_cast<size_t>(bytes), MADV_HUGEPAGE);  // fewer faults when first written
+  std::shared_ptr<DeviceBlock> pinned;
+  if (device != nullptr) {
+    absl::StatusOr<std::unique_ptr<DeviceBlock>> pin = device->PinHostMemory(base, bytes);
+    if (pin.ok()) {
+      pinned = *std::move(pin);
+    } else {
+      SPDLOG_WARN("server_memory: a region of {} bytes serves unlocked: {}", bytes,
+                  pin.status().ToString());
+    }
+  }
   return Add(std::make_shared<SharedRegion>(SharedRegion::ServerMemory{}, base, bytes,
-                                            [this, principal, base, bytes] {
+                                            [this, principal, base, bytes, pinned]() mutable {
+                                              pinned.reset();  // unlocked before unmapped
                                               munmap(base, static_cast<size_t>(bytes));
                                               UnadmitServerBytes(principal, bytes);
                                               Unadmit(principal, bytes);

@@ -140,9 +140,13 @@ class SharedMemoryRegistry {
   // read over gRPC (WriteRegion, ReadRegion). INVALID_ARGUMENT for bytes
   // <= 0; RESOURCE_EXHAUSTED past a bound (the region count, the mapped
   // bytes, --region_memory_bytes and its per-principal form) or past what
-  // the host has available.
+  // the host has available. With `device` (an engine's), the region is
+  // page-locked for it, so that the engine's copies of the tensors and
+  // gradients it holds run at the bus's rate; where that fails it serves
+  // unlocked.
   absl::StatusOr<RegisteredRegion> RegisterServerMemory(int64_t bytes,
-                                                        const std::string& principal);
+                                                        const std::string& principal,
+                                                        DeviceMemory* device = nullptr);
 
   bool Unregister(const std::string& region_id, const std::string& principal);
 

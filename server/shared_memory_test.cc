@@ -52,9 +52,30 @@ TEST(SharedMemoryTest, RegionsAreBoundedInCountAndBytes) {
               StatusIs(Code::kResourceExhausted, HasSubstr("--max_shared_memory_regions)")));
 }
 
-// Device memory whose only power is opening CUDA IPC events (counted).
+// Device memory whose only powers are opening CUDA IPC events and
+// page-locking host memory (both counted; a lock fails while `no_locks`).
 class EventOpener : public DeviceMemory {
  public:
+  class Pin : public DeviceBlock {
+   public:
+    Pin(int* pinned, void* data, int64_t bytes) : pinned_(pinned), data_(data), bytes_(bytes) {
+      ++*pinned_;
+    }
+    ~Pin() override { --*pinned_; }
+    void* data() const override { return data_; }
+    int64_t bytes() const override { return bytes_; }
+
+   private:
+    int* pinned_;
+    void* data_;
+    int64_t bytes_;
+  };
+  int pinned = 0;
+  bool no_locks = false;
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host, int64_t bytes) override {
+    if (no_locks) return absl::ResourceExhaustedError("over the locked-memory limit");
+    return std::unique_ptr<DeviceBlock>(new Pin(&pinned, host, bytes));
+  }
   class Event : public DeviceEvent {
    public:
     explicit Event(int* open) : open_(open) { ++*open_; }
@@ -222,6 +243,30 @@ TEST(SharedMemoryTest, ServerMemoryIsBoundedAndReapedWhenIdle) {
   EXPECT_EQ(registry.server_bytes(), 1 << 20);
   EXPECT_EQ(registry.Find(a->region_id, "a").status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(registry.RegisterServerMemory(2 << 20, "a").ok());
+}
+
+// With an engine's device memory a region of server memory is page-locked
+// for it, and unlocked once unregistered and unused (before it is
+// unmapped); where locking fails it serves unlocked.
+TEST(SharedMemoryTest, ServerMemoryIsPageLockedForTheEngine) {
+  SharedMemoryRegistry registry;
+  EventOpener device;
+  auto locked = registry.RegisterServerMemory(1 << 20, "a", &device);
+  ASSERT_TRUE(locked.ok()) << locked.status();
+  EXPECT_EQ(device.pinned, 1);
+  auto held = registry.Find(locked->region_id, "a");
+  ASSERT_TRUE(held.ok());
+  EXPECT_TRUE(registry.Unregister(locked->region_id, "a"));
+  EXPECT_EQ(device.pinned, 1);  // a call still holds it
+  held->reset();
+  EXPECT_EQ(device.pinned, 0);
+  device.no_locks = true;
+  auto unlocked = registry.RegisterServerMemory(1 << 20, "a", &device);
+  ASSERT_TRUE(unlocked.ok()) << unlocked.status();
+  EXPECT_EQ(device.pinned, 0);
+  auto found = registry.Find(unlocked->region_id, "a");
+  ASSERT_TRUE(found.ok());
+  (*found)->base()[5] = 1;  // usable
 }
 
 }  // namespace

@@ -215,6 +215,9 @@ class FakeDeviceMemory : public DeviceMemory {
     std::memcpy(device, host, static_cast<size_t>(bytes));
     return absl::OkStatus();
   }
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void*, int64_t) override {
+    return absl::UnimplementedError("fake");
+  }
 
  private:
   class Block : public DeviceBlock {

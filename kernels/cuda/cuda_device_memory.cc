@@ -145,6 +145,37 @@ absl::Status CudaDeviceMemory::CopyToDevice(const void* host, void* device, int6
   return health_.Check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device");
 }
 
+namespace {
+
+// Host memory page-locked by cudaHostRegister, unlocked when destroyed.
+class PinnedHostBlock : public DeviceBlock {
+ public:
+  PinnedHostBlock(void* data, int64_t bytes) : data_(data), bytes_(bytes) {}
+  ~PinnedHostBlock() override { cudaHostUnregister(data_); }
+  void* data() const override { return data_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  void* const data_;
+  const int64_t bytes_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::PinHostMemory(void* host,
+                                                                              int64_t bytes) {
+  FLCE_RETURN_IF_ERROR(SetDevice());
+  const cudaError_t error = cudaHostRegister(host, static_cast<size_t>(bytes),
+                                             cudaHostRegisterDefault);
+  if (error != cudaSuccess && !IsStickyError(error)) {
+    cudaGetLastError();  // e.g. over the locked-memory limit: not the device's fault
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot page-lock ", bytes, " bytes of host memory: ", cudaGetErrorName(error)));
+  }
+  FLCE_RETURN_IF_ERROR(health_.Check(error, "cudaHostRegister"));
+  return std::unique_ptr<DeviceBlock>(std::make_unique<PinnedHostBlock>(host, bytes));
+}
+
 absl::Status CudaDeviceMemory::OpenError(cudaError_t error, const char* call, const char* field,
                                          const char* origin) {
   if (IsStickyError(error)) return health_.Check(error, call);

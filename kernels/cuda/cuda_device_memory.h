@@ -33,6 +33,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   // Waits for all of the device's work first (the engine's lanes are
   // non-blocking streams).
   absl::Status CopyToHost(const void* device, void* host, int64_t bytes) override;
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host, int64_t bytes) override;
   absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) override;
 
   // Bytes of Allocate's blocks alive.
