@@ -2,7 +2,8 @@
 a veth pair, real TCP with TLS and a bearer token.
 
 - A short training loop (a tiny LM, gradient accumulation, an optimizer,
-  the head's weight registered and its gradients summed on the server) run
+  the head's weight registered and its gradients summed on the server, each
+  micro-batch in row pieces over the bulk connections) run
   by the worker in its namespace must equal the same loop computed locally,
   step for step.
 - The link dropped in the middle of a 96 MiB PutWeight: the worker gets a
@@ -125,7 +126,8 @@ class NetnsTest(unittest.TestCase):
             import flce
             ca = open({os.path.join(CERTS, 'service_ca.crt')!r}, 'rb').read()
             client = flce.Client({self.server.address!r}, root_certificates=ca,
-                                 server_name="flce.ml.svc", token={TOKEN!r}, timeout=20)
+                                 server_name="flce.ml.svc", token={TOKEN!r}, timeout=20,
+                                 bulk_threshold=1 << 10)
         """) + textwrap.dedent(body)
         process = self.link.worker(script)
         out, _ = process.communicate(timeout=timeout)
@@ -146,7 +148,9 @@ class NetnsTest(unittest.TestCase):
             torch.manual_seed(0)
             local = TinyLM(vocab=61, hidden=24)
             remote = copy.deepcopy(local)
-            loss_fn = flce.RemoteLinearCrossEntropy(client, label_smoothing=0.1)
+            # Row pieces over the bulk connections even for these small batches.
+            loss_fn = flce.RemoteLinearCrossEntropy(client, label_smoothing=0.1,
+                                                    pipeline_min_piece_bytes=256)
             opt_local = torch.optim.AdamW(local.parameters(), lr=1e-2)
             opt_remote = torch.optim.AdamW(remote.parameters(), lr=1e-2)
             loss_fn.attach(opt_remote)
@@ -163,6 +167,7 @@ class NetnsTest(unittest.TestCase):
                     loss = loss_fn(remote.hidden_states(tokens), remote.head.weight, targets,
                                    remote.head.bias) / 2
                     loss.backward()
+                    assert type(loss_fn._last).__name__ == "PipelinedStep"
                     assert rel(loss.detach(), ref.detach()) < 1e-5, (step, micro)
                 opt_local.step()
                 opt_remote.step()
