@@ -110,7 +110,14 @@ def flce_step(module):
         loss.backward()
         backward_rpc = client.last_call_ms
         backward_ms = (time.perf_counter() - start) * 1e3
-        fwd, bwd = module.last_stats  # bwd None: the gradients came with Forward
+        # Read once the step's calls are all answered (a registered weight's
+        # adds into its sum may still be in flight, their times still to
+        # come into these stats): after the steps.
+        stats = module.last_stats
+        return lambda: breakdown(stats, forward_ms, forward_rpc, backward_ms, backward_rpc)
+
+    def breakdown(stats, forward_ms, forward_rpc, backward_ms, backward_rpc):
+        fwd, bwd = stats  # bwd None: the gradients came with Forward
         return {"engine": fwd.engine_ms + (bwd.engine_ms if bwd else 0.0),
                 "forward": forward_ms, "forward_rpc": forward_rpc,
                 "forward_queue": fwd.queue_ms, "forward_engine": fwd.engine_ms,
@@ -283,6 +290,7 @@ def main(argv):
                     times, extra, engine = time_steps(step, hidden, weight, target,
                                                       args.warmup, args.iters)
                     pull_ms = time_pull(module, hidden, weight, target)
+                    engine = [s() for s in engine]  # every call answered now
                 finally:
                     module.close()
                 if phases is not None:

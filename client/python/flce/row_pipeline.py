@@ -11,8 +11,9 @@ writes the piece's dX into the region for the upstream gradient the last
 step had, and the client reads it back while the server works on the
 following pieces. When autograd's backward comes with that same upstream
 gradient, one small Backward per piece (``gradients="weight"``) adds dW and
-db into the registered weight's sum on the server, and dX is already here:
-a step is the engine's time plus one piece's transfer each way. Another
+db into the registered weight's sum on the server — left in flight, waited
+for by the weight's next pull — and dX is already here: a step is the
+engine's time plus one piece's transfer each way. Another
 upstream gradient (the first step of a run with gradient accumulation, say)
 gets the exact gradients the slow way: each piece's full Backward, dX read
 again.
@@ -90,11 +91,13 @@ class PipelinedStep:
         upstream gradient."""
         return _piece_grad(grad_output, self.denom)
 
-    def finish(self, grad_output: float) -> torch.Tensor:
+    def finish(self, grad_output: float, registration) -> torch.Tensor:
         """Adds dW (db) into the registered weight's sum for ``grad_output``
-        and returns dX for it."""
+        and returns dX for it. For the expected upstream gradient the adds
+        are left in flight with ``registration`` (its next pull, weight
+        change or close waits for them): dX is here already."""
         self.consumed = True
-        dx = self._pipeline.finish(self, grad_output)
+        dx = self._pipeline.finish(self, grad_output, registration)
         for event in self._dx_ready:
             torch.cuda.current_stream(dx.device).wait_event(event)
         return dx
@@ -255,7 +258,7 @@ class RowPipeline:
         return PipelinedStep(self, sessions, rows, denom, expected, dx, np.float32(loss), z_loss,
                              sum(f.num_valid for f, _ in answers), stats, dx_ready)
 
-    def finish(self, step: PipelinedStep, grad_output: float) -> torch.Tensor:
+    def finish(self, step: PipelinedStep, grad_output: float, registration) -> torch.Tensor:
         """Backward of a step's pieces (see PipelinedStep.finish)."""
         client = self.client
         same = grad_output == step.expected
@@ -267,19 +270,24 @@ class RowPipeline:
             to_wire(np.asarray(g, dtype=np.float32), r.grad_output)
             calls.append(client._stub.Backward.future(r, timeout=client.timeout,
                                                       metadata=client._metadata))
-        answers = []
-        failed = None
-        for call in calls:
-            try:
-                answers.append(_result(call, client.timeout, "Backward"))
-            except FlceError as e:
-                failed = failed or e
-        if failed is not None:
-            raise failed
-        step.stats.engine_ms += sum(a.stats.engine_ms for a in answers)
-        step.stats.queue_ms += sum(a.stats.queue_ms for a in answers)
+
+        def settle(calls):
+            answers, failed = [], None
+            for call in calls:
+                try:
+                    answers.append(_result(call, client.timeout, "Backward"))
+                except FlceError as e:
+                    failed = failed or e
+            if failed is not None:
+                raise failed
+            step.stats.engine_ms += sum(a.stats.engine_ms for a in answers)
+            step.stats.queue_ms += sum(a.stats.queue_ms for a in answers)
+            return answers
+
         if same:
+            registration.adding(calls, settle)
             return step.dx
+        answers = settle(calls)
         # Another upstream gradient: dX as the full Backwards returned it.
         for answer, (first, last) in zip(answers, step.rows):
             step.dx[first:last].copy_(to_torch(answer.grad_hidden, step.dx.device))

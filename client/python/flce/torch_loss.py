@@ -136,7 +136,7 @@ class _RemoteFunction(torch.autograd.Function):
             step, ctx.step = ctx.step, None
             module = ctx.module
             value = float(grad_output.detach().float().cpu().reshape(()))
-            dx = step.finish(value)
+            dx = step.finish(value, module._registration)
             module._expected_grad_output = value
             for _ in step.sessions:
                 module._registration.added(*ctx.params)

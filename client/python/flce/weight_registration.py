@@ -30,6 +30,7 @@ class WeightRegistration:
         self.puts = 0           # PutWeight calls so far
         self._pending = 0       # Backward calls whose dW waits on the server
         self._params = None     # (weight, bias) of the pending sum
+        self._in_flight = []    # (Backward calls adding into the sum, their settle)
 
     @staticmethod
     def _key_of(weight, bias):
@@ -38,11 +39,34 @@ class WeightRegistration:
                                            t.device)
         return key(weight), key(bias)
 
+    def adding(self, calls, settle):
+        """Backward calls in flight that add into the sum: ``settle(calls)``
+        waits for them (raising their error) before anything reads the sum
+        or replaces the weight. Those already done are settled now."""
+        done = [e for e in self._in_flight if all(c.done() for c in e[0])]
+        self._in_flight = [e for e in self._in_flight if e not in done] + [(calls, settle)]
+        for calls_done, settle_done in done:
+            settle_done(calls_done)
+
+    def settle(self):
+        """Waits for the Backward calls still adding into the sum; the first
+        error among them is raised (their dW is not in the sum)."""
+        in_flight, self._in_flight = self._in_flight, []
+        failed = None
+        for calls, settle in in_flight:
+            try:
+                settle(calls)
+            except Exception as e:  # every call is waited for; the first error raised
+                failed = failed or e
+        if failed is not None:
+            raise failed
+
     def sync(self, weight, bias=None):
         """Registers ``weight`` (and ``bias``) unless the registered version is
         theirs as they are now; returns (name, version) for Forward."""
         key = self._key_of(weight, bias)
         if key != self._key:
+            self.settle()
             if self._pending:
                 warnings.warn(
                     f"flce: the weight changed (e.g. optimizer.step()) while the dW of "
@@ -71,6 +95,7 @@ class WeightRegistration:
         """Takes the server's sum of dW (and db) — rounded once to the weight's
         dtype — and adds it into ``weight.grad`` (``bias.grad``), or sets them
         where they are None. A no-op when nothing waits."""
+        self.settle()
         if not self._pending:
             return
         weight, bias = self._params
@@ -108,6 +133,10 @@ class WeightRegistration:
 
     def close(self):
         """Deletes the registration from the server."""
+        try:
+            self.settle()
+        except Exception:  # pragma: no cover - going away: nothing to add into
+            pass
         if self._key is not None:
             try:
                 self._client.delete_weight(self.name)
