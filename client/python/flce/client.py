@@ -7,6 +7,7 @@ deadline; server errors raise :class:`FlceError` carrying the gRPC code.
 """
 
 import dataclasses
+import struct
 import time
 from typing import Optional, Sequence
 
@@ -95,6 +96,26 @@ def set_loss_options(o: "pb.LossOptions", *, ignore_index: int, reduction: str,
     if logit_softcap is not None:
         o.logit_softcap = logit_softcap
     o.z_loss_scale = z_loss_scale
+
+
+def future_result(call, timeout: float, what: str):
+    """The answer of a gRPC call's future, waited for with the deadline on
+    this side too (the blocking form can stay stuck past its deadline in a
+    write that a dead link never completes, seen with grpcio 1.51); errors
+    as FlceError."""
+    try:
+        return call.result(timeout=timeout + 1.0)
+    except grpc.FutureTimeoutError:
+        call.cancel()
+        raise FlceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"{what} did not finish within {timeout} s") from None
+    except grpc.RpcError as e:
+        raise FlceError(e.code(), e.details()) from None
+
+
+def wire_scalar(tensor: "pb.Tensor") -> float:
+    """The value of a scalar fp32 wire Tensor (exact as a Python float)."""
+    return struct.unpack("<f", tensor.data)[0]
 
 
 _GRADIENT_SETS = {"all": pb.GRADIENTS_ALL, "hidden": pb.GRADIENTS_HIDDEN,
@@ -775,19 +796,9 @@ class Client:
         return info
 
     def _put_weight_stream(self, chunks) -> "pb.WeightInfo":
-        # A future, waited for with the deadline on this side too: the
-        # blocking form can stay stuck past its deadline in a write that a
-        # dead link never completes (seen with grpcio 1.51).
         call = self._stub.PutWeight.future(chunks, timeout=self.timeout,
                                            metadata=self._metadata)
-        try:
-            return call.result(timeout=self.timeout + 1.0).weight
-        except grpc.FutureTimeoutError:
-            call.cancel()
-            raise FlceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"PutWeight did not finish within {self.timeout} s") from None
-        except grpc.RpcError as e:
-            raise FlceError(e.code(), e.details()) from None
+        return future_result(call, self.timeout, "PutWeight").weight
 
     def delete_weight(self, name: str) -> bool:
         return self._call(self._stub.DeleteWeight, pb.DeleteWeightRequest(name=name)).deleted

@@ -35,7 +35,8 @@ import grpc
 import numpy as np
 import torch
 
-from flce.client import FlceError, set_loss_options, to_torch, to_wire
+from flce.client import (FlceError, future_result, set_loss_options, to_torch, to_wire,
+                         wire_scalar)
 from flce_pb.v1 import loss_service_pb2 as pb
 
 _MODES = {"auto": pb.BACKWARD_MODE_AUTO, "store_grads": pb.BACKWARD_MODE_STORE_GRADS,
@@ -200,7 +201,7 @@ class RowPipeline:
             """Piece i after its Forward went out: its answer, its dX
             written into the region, read back, and copied to dX."""
             first, last = rows[i]
-            resp = _result(call, client.timeout, "Forward")
+            resp = future_result(call, client.timeout, "Forward")
             sessions[i] = resp.session_id
             r = pb.BackwardRequest(session_id=resp.session_id, keep_session=True,
                                    gradients=pb.GRADIENTS_HIDDEN)
@@ -248,8 +249,8 @@ class RowPipeline:
                 raise
         if on_gpu:
             dx.record_stream(self._stream)
-        loss = sum(_scalar(f.loss) for f, _ in answers)
-        z_loss = sum(_scalar(f.z_loss) for f, _ in answers)
+        loss = sum(wire_scalar(f.loss) for f, _ in answers)
+        z_loss = sum(wire_scalar(f.z_loss) for f, _ in answers)
         if denom is not None:
             loss, z_loss = loss / denom, z_loss / denom
         stats = pb.CallStats(queue_ms=sum(f.stats.queue_ms + b.stats.queue_ms for f, b in answers),
@@ -275,7 +276,7 @@ class RowPipeline:
             answers, failed = [], None
             for call in calls:
                 try:
-                    answers.append(_result(call, client.timeout, "Backward"))
+                    answers.append(future_result(call, client.timeout, "Backward"))
                 except FlceError as e:
                     failed = failed or e
             if failed is not None:
@@ -299,17 +300,3 @@ def _piece_grad(grad_output: float, denom: Optional[float]) -> np.float32:
     normaliser (reduction mean; None: sum), in fp32."""
     return np.float32(grad_output if denom is None else grad_output / denom)
 
-
-def _scalar(t: "pb.Tensor") -> float:
-    return float(np.frombuffer(t.data, dtype="<f4")[0])
-
-
-def _result(call, timeout: float, what: str):
-    try:
-        return call.result(timeout=timeout + 1.0)
-    except grpc.FutureTimeoutError:
-        call.cancel()
-        raise FlceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"{what} did not finish within {timeout} s") from None
-    except grpc.RpcError as e:
-        raise FlceError(e.code(), e.details()) from None

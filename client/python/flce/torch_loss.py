@@ -8,12 +8,11 @@ Tensors keep their dtype on the wire (bf16 stays bf16); results come back on
 the input's device and in its dtype, the loss in float32.
 """
 
-import struct
 from typing import Optional
 
 import torch
 
-from flce.client import Client, PendingForward, check_loss_options, to_torch
+from flce.client import Client, PendingForward, check_loss_options, to_torch, wire_scalar
 from flce.row_pipeline import RowPipeline
 from flce.weight_registration import WeightRegistration
 
@@ -127,7 +126,8 @@ class _RemoteFunction(torch.autograd.Function):
         module._last = result
         if not result.loss.shape:
             # A scalar: made on the device by a fill (no copy to wait for).
-            return torch.full((), _scalar(result.loss), dtype=torch.float32, device=hidden.device)
+            return torch.full((), wire_scalar(result.loss), dtype=torch.float32,
+                              device=hidden.device)
         return to_torch(result.loss, hidden.device)
 
     @staticmethod
@@ -222,11 +222,6 @@ class _RemoteFunction(torch.autograd.Function):
                 device, dtype, _ = meta
                 result.append(to_torch(wire[i]).to(device=device, dtype=dtype))
         return result[0], result[1], result[2], None, None, None
-
-
-def _scalar(tensor) -> float:
-    """The value of a scalar fp32 wire Tensor (exact as a Python float)."""
-    return struct.unpack("<f", tensor.data)[0]
 
 
 def _can_add_into(grad, like) -> bool:
@@ -352,7 +347,7 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         last = self._last_result()
         if last is None:
             return 0.0
-        return _scalar(last.z_loss) if not last.z_loss.shape else float(
+        return wire_scalar(last.z_loss) if not last.z_loss.shape else float(
             to_torch(last.z_loss).sum())
 
     def _region_for(self, hidden, weight, bias, target):
