@@ -138,7 +138,7 @@ class RowPipelineTest(unittest.TestCase):
         self.assertEqual(self.live_sessions(m.client), 0)
 
     def test_a_bad_piece_fails_the_step_and_leaves_no_session(self):
-        m = self.module()
+        m = self.module(class_weight=torch.rand(997))
         w = torch.randn(997, 48, requires_grad=True)
         t = torch.randint(0, 997, (211,))
         t[200] = 5000  # in the last piece

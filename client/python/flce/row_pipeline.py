@@ -35,13 +35,9 @@ import grpc
 import numpy as np
 import torch
 
-from flce.client import (FlceError, future_result, set_loss_options, to_torch, to_wire,
-                         wire_scalar)
+from flce.client import _MODES, FlceError, future_result, set_loss_options, to_torch, to_wire
+from flce.client import wire_scalar
 from flce_pb.v1 import loss_service_pb2 as pb
-
-_MODES = {"auto": pb.BACKWARD_MODE_AUTO, "store_grads": pb.BACKWARD_MODE_STORE_GRADS,
-          "recompute": pb.BACKWARD_MODE_RECOMPUTE}
-
 
 def _align(n: int) -> int:
     return (n + 4095) // 4096 * 4096
@@ -143,7 +139,10 @@ class RowPipeline:
         if module.reduction == "mean":
             if module.class_weight is not None:
                 cw = np.asarray(torch.as_tensor(module.class_weight).detach().cpu().double())
-                denom = float(np.sum(cw[targets.numpy()[valid]], dtype=np.float64))
+                t = targets.numpy()[valid]
+                # (A target out of range fails its piece on the server, by name.)
+                t = t[(t >= 0) & (t < len(cw))]
+                denom = float(np.sum(cw[t], dtype=np.float64))
             else:
                 denom = float(np.count_nonzero(valid))
             if denom == 0.0:
