@@ -5,14 +5,15 @@ of ``--iters`` after one warm-up each:
 
 - ``region``: raw bytes written into a region of the server's memory and
   read back (WriteRegion / ReadRegion through :class:`flce.bulk.BulkTransfer`)
-  for each size, connection count and part size: GB/s each way;
+  for each size, connection count, read part size and with each part's
+  CRC-32 on or off: GB/s each way;
 - ``weight``: ``Client.put_weight`` of a bf16 weight of each size and
   ``take_weight_grad(out=...)`` of its gradient in bf16 (one tiny Backward
   accumulates into it before each take), for each connection count
   (0: one stream over the client's one channel): seconds and GB/s.
 
 Usage: bulk_bench.py FLCE_SERVER [--backend cuda] [--sizes_mib 64,1024]
-  [--connections 1,2,4,8] [--part_mib 1,4,16] [--what region,weight]
+  [--connections 1,2,4,8] [--part_mib 1,4,16] [--crc 1,0] [--what region,weight]
   [--iters 3] [--json PATH]
 Needs the flce package (and torch for ``weight``) and server_process.py on
 PYTHONPATH.
@@ -27,6 +28,7 @@ import time
 import numpy as np
 
 import flce
+import flce.bulk
 from server_process import ServerProcess
 
 
@@ -40,30 +42,33 @@ def timed(fn, iters):
     return statistics.median(times)
 
 
-def region_rows(address, sizes, connections, parts, iters):
+def region_rows(address, sizes, connections, parts, crcs, iters):
     rows = []
     for size in sizes:
         data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
         back = np.empty_like(data)
-        for conns in connections:
-            for part in parts:
-                client = flce.Client(address, bulk_connections=conns,
-                                     stream_chunk_bytes=part, max_message_bytes=part + (1 << 20))
-                try:
-                    bulk = client.bulk(size)
-                    region = bulk.region(size)
-                    put = timed(lambda: bulk.write(region, 0, data, 300.0), iters)
-                    take = timed(lambda: bulk.read(region, 0, back, 300.0), iters)
-                    if not np.array_equal(back, data):
-                        raise AssertionError("the region did not read back what was written")
-                finally:
-                    client.close()
-                rows.append({"what": "region", "bytes": size, "connections": conns,
-                             "part_bytes": part, "write_s": put, "read_s": take,
-                             "write_gbps": size / put / 1e9, "read_gbps": size / take / 1e9})
-                print(f"region {size >> 20:>6} MiB  {conns:>2} conn  part {part >> 20:>3} MiB  "
-                      f"write {put * 1e3:9.1f} ms {size / put / 1e9:6.2f} GB/s  "
-                      f"read {take * 1e3:9.1f} ms {size / take / 1e9:6.2f} GB/s", flush=True)
+        for conns, part, crc in ((c, p, k) for c in connections for p in parts for k in crcs):
+            client = flce.Client(address, bulk_connections=conns,
+                                 stream_chunk_bytes=part, max_message_bytes=part + (1 << 20))
+            try:
+                bulk = client.bulk(size)
+                bulk.checksums = crc
+                region = bulk.region(size)
+                write_part = min(part, flce.bulk.WRITE_PART_BYTES)
+                put = timed(lambda: bulk.write(region, 0, data, 300.0), iters)
+                take = timed(lambda: bulk.read(region, 0, back, 300.0), iters)
+                if not np.array_equal(back, data):
+                    raise AssertionError("the region did not read back what was written")
+            finally:
+                client.close()
+            rows.append({"what": "region", "bytes": size, "connections": conns,
+                         "write_part_bytes": write_part, "read_part_bytes": part,
+                         "crc32": crc, "write_s": put, "read_s": take,
+                         "write_gbps": size / put / 1e9, "read_gbps": size / take / 1e9})
+            print(f"region {size >> 20:>6} MiB  {conns:>2} conn  parts {write_part >> 20:>2}/"
+                  f"{part >> 20:<2} MiB  crc {'on ' if crc else 'off'}  "
+                  f"write {put * 1e3:9.1f} ms {size / put / 1e9:6.2f} GB/s  "
+                  f"read {take * 1e3:9.1f} ms {size / take / 1e9:6.2f} GB/s", flush=True)
     return rows
 
 
@@ -112,7 +117,9 @@ def main(argv):
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--sizes_mib", default="64,1024")
     parser.add_argument("--connections", default="1,2,4,8")
-    parser.add_argument("--part_mib", default="1,4,16")
+    parser.add_argument("--part_mib", default="1,4,16",
+                        help="parts of the reads (the writes': at most 1 MiB, the client's)")
+    parser.add_argument("--crc", default="1", help="1, 0 or 1,0: each part's CRC-32 on or off")
     parser.add_argument("--what", default="region,weight")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--json", default="")
@@ -129,7 +136,7 @@ def main(argv):
               f"{args.iters} after one", flush=True)
         if "region" in what:
             rows += region_rows(server.address, sizes, [c for c in connections if c > 0], parts,
-                                args.iters)
+                                [c == "1" for c in args.crc.split(",")], args.iters)
         if "weight" in what:
             rows += weight_rows(server.address, sizes, connections, args.iters)
     finally:

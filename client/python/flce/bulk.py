@@ -106,6 +106,9 @@ class BulkTransfer:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=connections,
                                                            thread_name_prefix="flce-bulk")
         self._lock = threading.Lock()
+        # Each part's CRC-32, computed on both ends (a benchmark may switch
+        # it off to see what it costs).
+        self.checksums = True
         self._region: Optional[str] = None
         self._region_bytes = 0
 
@@ -143,7 +146,7 @@ class BulkTransfer:
             first = True
             for at in range(span.start, span.stop, step):
                 chunk = view[at:min(at + step, span.stop)]
-                yield encode_part(region_id if first else "", offset + at, chunk)
+                yield encode_part(region_id if first else "", offset + at, chunk, self.checksums)
                 first = False
 
         calls = [self._writes[i].future(parts(span), timeout=timeout,
@@ -161,7 +164,7 @@ class BulkTransfer:
         def fetch(i: int, span: range):
             request = pb.ReadRegionRequest(region_id=region_id, offset=offset + span.start,
                                            length=len(span), part_bytes=self.part_bytes,
-                                           crc32=True)
+                                           crc32=self.checksums)
             got = 0
             try:
                 for message in self._reads[i](request, timeout=timeout,
