@@ -15,7 +15,7 @@ import concurrent.futures
 import struct
 import threading
 import zlib
-from typing import Optional
+from typing import List, Optional
 
 import grpc
 import numpy as np
@@ -24,7 +24,6 @@ from flce_pb.v1 import loss_service_pb2 as pb
 
 _WRITE = "/flce.v1.LossService/WriteRegion"
 WRITE_PART_BYTES = 1 << 20
-MIN_RANGE_BYTES = 4 << 20
 _READ = "/flce.v1.LossService/ReadRegion"
 
 
@@ -113,7 +112,6 @@ class BulkTransfer:
         self.checksums = True
         self._region: Optional[str] = None
         self._region_bytes = 0
-        self._next = 0  # the connection the next transfer starts on
 
     def region(self, nbytes: int) -> str:
         """The id of this transfer's region of server memory, at least
@@ -130,21 +128,12 @@ class BulkTransfer:
             self._region_bytes = size
             return self._region
 
-    def _ranges(self, total: int):
-        """`total` bytes split in ranges of whole parts, one per connection
-        but none under MIN_RANGE_BYTES (a stream's setup costs more than a
-        few megabytes take), as (connection, range) pairs: consecutive
-        transfers start on the next connection, so that small ones made
-        side by side (a row piece's read beside the next one's write) spread
-        over all of them."""
+    def _ranges(self, total: int) -> List[range]:
+        """`total` bytes split in one range per connection, whole parts each."""
         parts = max(1, -(-total // self.part_bytes))
-        used = min(self.connections, max(1, -(-total // MIN_RANGE_BYTES)))
-        per = -(-parts // used)
-        with self._lock:
-            first, self._next = self._next, (self._next + used) % self.connections
-        return [((first + i) % self.connections,
-                 range(i * per * self.part_bytes, min(total, (i + 1) * per * self.part_bytes)))
-                for i in range(used) if i * per * self.part_bytes < total]
+        per = -(-parts // self.connections)
+        return [range(i * per * self.part_bytes, min(total, (i + 1) * per * self.part_bytes))
+                for i in range(self.connections) if i * per * self.part_bytes < total]
 
     def write(self, region_id: str, offset: int, data, timeout: float):
         """Writes ``data`` (a bytes-like object) at ``offset`` of the region."""
@@ -163,7 +152,7 @@ class BulkTransfer:
 
         calls = [self._writes[i].future(parts(span), timeout=timeout,
                                         metadata=self._client._metadata)
-                 for i, span in self._ranges(len(view))]
+                 for i, span in enumerate(self._ranges(len(view)))]
         self._wait(calls, timeout, "WriteRegion")
 
     def read(self, region_id: str, offset: int, out, timeout: float):
@@ -202,7 +191,8 @@ class BulkTransfer:
                 raise FlceError(grpc.StatusCode.DATA_LOSS,
                                 f"ReadRegion: {got} of {len(span)} bytes arrived")
 
-        futures = [self._pool.submit(fetch, i, span) for i, span in self._ranges(len(view))]
+        futures = [self._pool.submit(fetch, i, span)
+                   for i, span in enumerate(self._ranges(len(view)))]
         try:
             for f in futures:
                 f.result(timeout=timeout + 1.0)
