@@ -94,10 +94,10 @@ class PipelinedStep:
         are left in flight with ``registration`` (its next pull, weight
         change or close waits for them): dX is here already."""
         self.consumed = True
-        dx = self._pipeline.finish(self, grad_output, registration)
+        # The pieces' copies into dX first: the exact path overwrites it.
         for event in self._dx_ready:
-            torch.cuda.current_stream(dx.device).wait_event(event)
-        return dx
+            torch.cuda.current_stream(self.dx.device).wait_event(event)
+        return self._pipeline.finish(self, grad_output, registration)
 
     def __del__(self):
         if not self.consumed:
