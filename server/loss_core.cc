@@ -141,7 +141,7 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
     return absl::OkStatus();
   };
   status = resolve(call.grad_hidden_out, dx_bytes, "grad_hidden_out", &spec.grad_hidden_to);
-  if (!call.accumulate_weight_grad && !call.hidden_only) {
+  if (!call.accumulate_weight_grad) {  // (GRADIENTS_HIDDEN comes without weight destinations)
     status = resolve(call.grad_weight_out, dw_bytes, "grad_weight_out", &spec.grad_weight_to);
     if (status.ok() && call.grad_bias_out && !lease.info.has_bias) {
       status = absl::InvalidArgumentError("grad_bias_out: the session has no bias");

@@ -651,8 +651,9 @@ class Client:
         """Backward for a session; grad_output is a scalar (mean/sum) or [N]
         (none), None meaning 1. ``gradients``: "all", "hidden" (dX only, the
         session kept for the rest: needs ``keep_session``) or "weight" (dW and
-        db only, returned or accumulated; grad_hidden then is None). With ``shm``, the gradients come back through
-        that region (the session must be this client's, with the weight sent).
+        db only, returned or accumulated; grad_hidden then is None). With
+        ``shm``, the gradients come back through that region (the session
+        must be this client's, with the weight sent).
         With ``into`` = (dX, dW, db), contiguous CUDA tensors of the
         gradients' dtypes and shapes (None for any to return as bytes), the
         server writes those gradients straight into them (CUDA IPC), after

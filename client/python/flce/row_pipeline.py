@@ -37,7 +37,9 @@ import torch
 
 from flce.client import _MODES, FlceError, future_result, set_loss_options, to_torch, to_wire
 from flce.client import wire_scalar
+from flce.wire_dtypes import TORCH_TO_WIRE
 from flce_pb.v1 import loss_service_pb2 as pb
+
 
 def _align(n: int) -> int:
     return (n + 4095) // 4096 * 4096
@@ -185,7 +187,7 @@ class RowPipeline:
                          logit_softcap=module.logit_softcap, z_loss_scale=module.z_loss_scale)
         if module.class_weight is not None:
             to_wire(module.class_weight, base.options.class_weight)
-        base.hidden.dtype = to_wire(hidden[:0].detach().cpu()).dtype
+        base.hidden.dtype = TORCH_TO_WIRE[str(hidden.dtype)]
 
         dx = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         dx_flat = dx.reshape(-1).view(torch.uint8)
