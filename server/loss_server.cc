@@ -12,6 +12,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/status_macros.h"
 #include "server/engine_factory.h"
+#include "server/http_listen.h"
 #include "server/sigbus_guard.h"
 #include "common/version.h"
 #include "spdlog/spdlog.h"
@@ -117,6 +118,22 @@ class HealthOnly : public grpc::CallbackGenericService {
   }
 };
 
+// Where the bulk port listens: options.bulk_address, with "auto" made the
+// host of the gRPC address on a free port; empty: no bulk port.
+std::string BulkAddress(const ServerOptions& o) {
+  if (o.bulk_address != "auto") return o.bulk_address;
+  const size_t colon = o.listen_address.rfind(':');
+  std::string host = colon == std::string::npos ? "" : o.listen_address.substr(0, colon);
+  if (host.empty()) host = "0.0.0.0";
+  if (!ParseHttpListenAddress(host + ":0", "", "").ok()) {
+    SPDLOG_WARN("no bulk port: the host of --listen_address ({}) is not an address it can listen "
+                "on; set --bulk_address (remote clients move large tensors over gRPC instead)",
+                o.listen_address);
+    return "";
+  }
+  return host + ":0";
+}
+
 // TLS (and mutual TLS) from the options, or plaintext when asked for.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const SecurityOptions& o) {
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
@@ -196,6 +213,26 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
                                                   s->service_.get(), s->admission_.get(),
                                                   &s->metrics_);
     s->service_->set_call_channels(s->channels_.get());
+  }
+
+  if (const std::string bulk = BulkAddress(options); !bulk.empty()) {
+    BulkHttpOptions bulk_options;
+    bulk_options.address = bulk;
+    bulk_options.max_connections = options.max_bulk_connections;
+    bulk_options.max_connections_per_address = options.max_bulk_connections_per_address;
+    bulk_options.idle_timeout = options.requests.idle_timeout;
+    if (!options.security.tls_cert_file.empty()) {
+      FLCE_ASSIGN_OR_RETURN(bulk_options.tls_cert_pem,
+                            ReadPem(options.security.tls_cert_file, "--tls_cert_file"));
+      FLCE_ASSIGN_OR_RETURN(bulk_options.tls_key_pem,
+                            ReadPem(options.security.tls_key_file, "--tls_key_file"));
+    }
+    FLCE_ASSIGN_OR_RETURN(s->bulk_http_,
+                          BulkHttpServer::Start(bulk_options, s->shared_memory_.get(),
+                                                &s->metrics_));
+    s->service_->set_bulk_port(s->bulk_http_->port());
+    SPDLOG_INFO("bulk transfers over HTTP{} on port {} ({})", s->bulk_http_->tls() ? "S" : "",
+                s->bulk_http_->port(), bulk);
   }
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -305,6 +342,8 @@ int LossServer::metrics_port() const {
   return metrics_http_ ? metrics_http_->port() : 0;
 }
 
+int LossServer::bulk_port() const { return bulk_http_ ? bulk_http_->port() : 0; }
+
 MetricsSnapshot LossServer::Metrics() const { return metrics_.Snapshot(CurrentGauges()); }
 
 Gauges LossServer::CurrentGauges() const {
@@ -377,6 +416,7 @@ void LossServer::Shutdown(absl::Duration grace) {
   // cancels them; their tasks see the cancellation between chunks.
   server_->Shutdown(absl::ToChronoTime(deadline));
   if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
+  bulk_http_.reset();  // transfers in flight fail; the calls that use them are over
   if (channels_ != nullptr) channels_->Shutdown(deadline);
   queue_->Shutdown();
   stop_reaper_.Notify();

@@ -16,6 +16,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kernels/loss_engine.h"
 #include "server/auth.h"
+#include "server/bulk_http.h"
 #include "server/engine_factory.h"
 #include "server/loss_core.h"
 #include "server/loss_service.h"
@@ -74,6 +75,13 @@ struct ServerOptions {
   // host:port of a plaintext port serving only grpc.health.v1 (for probes
   // that cannot speak TLS, like kubelet's); empty: none.
   std::string health_address;
+  // host:port of the bulk HTTP port (server/bulk_http.h), which moves the
+  // bytes of regions of server memory for remote clients; "auto": the
+  // host of listen_address on a free port; empty: none (clients then use
+  // WriteRegion / ReadRegion). TLS and its certificate follow `security`.
+  std::string bulk_address = "auto";
+  int max_bulk_connections = 128;
+  int max_bulk_connections_per_address = 32;
   EngineOptions engine;
 };
 
@@ -90,9 +98,11 @@ class LossServer {
 
   ~LossServer();  // Shutdown(absl::ZeroDuration()) if still running
 
-  // The bound port, and the metrics endpoint's (0 without one).
+  // The bound port, and the metrics endpoint's and the bulk port's (0
+  // without one).
   int port() const { return port_; }
   int metrics_port() const;
+  int bulk_port() const;
   int health_port() const { return health_port_; }
 
   // The counters and the current gauges (what /metrics and GetStats show).
@@ -136,6 +146,7 @@ class LossServer {
   std::unique_ptr<ReflectionV1Service> reflection_v1_;  // absent with tokens
   ServiceMetrics metrics_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
+  std::unique_ptr<BulkHttpServer> bulk_http_;
   std::atomic<bool> serving_{true};
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::CallbackGenericService> health_only_;

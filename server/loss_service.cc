@@ -237,6 +237,10 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
   if (region.ok()) {
     call->response()->set_region_id(region->region_id);
     call->response()->set_bytes(region->bytes);
+    if (!region->ticket.empty() && bulk_port_ != 0) {
+      call->response()->set_bulk_port(bulk_port_);
+      call->response()->set_bulk_ticket(region->ticket);
+    }
     // A region whose id never reached its client would stay mapped for good.
     call->WhenOver([this, id = region->region_id, principal = *principal](bool delivered) {
       if (!delivered) shared_memory_->Unregister(id, principal);

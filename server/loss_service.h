@@ -94,6 +94,10 @@ class LossServiceImpl final : public RawLossService, public CallChannelService {
   // FAILED_PRECONDITION); set before serving, must outlive the service.
   void set_call_channels(CallChannels* channels) { channels_ = channels; }
 
+  // The bulk HTTP port that regions of server memory are registered with
+  // (0: none); set before serving.
+  void set_bulk_port(int port) { bulk_port_ = port; }
+
   using Unary = grpc::ServerUnaryReactor;
   using Bytes = grpc::ByteBuffer;
   using Context = grpc::CallbackServerContext;
@@ -195,6 +199,7 @@ class LossServiceImpl final : public RawLossService, public CallChannelService {
   std::once_flag unhealthy_once_;
   std::atomic<bool> draining_{false};
   CallChannels* channels_ = nullptr;
+  int bulk_port_ = 0;
 };
 
 // The unary calls' start, used by every handler file.

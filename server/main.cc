@@ -121,6 +121,14 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "file of '<principal> <token>' lines: require 'authorization: Bearer <token>'");
 ABSL_FLAG(std::string, metrics_address, "",
           "host:port for Prometheus metrics over HTTP (GET /metrics); empty: off");
+ABSL_FLAG(std::string, bulk_address, flce::ServerOptions().bulk_address,
+          "host:port of the bulk HTTP port, where remote clients move the bytes of regions of "
+          "server memory (large tensors) much faster than over gRPC; TLS like the server; "
+          "'auto': the host of --listen_address on a free port; empty: off");
+ABSL_FLAG(int, max_bulk_connections, flce::ServerOptions().max_bulk_connections,
+          "connections the bulk port holds at once (a thread each)");
+ABSL_FLAG(int, max_bulk_connections_per_address, flce::ServerOptions().max_bulk_connections_per_address,
+          "connections the bulk port holds from one client address");
 ABSL_FLAG(std::string, health_address, "",
           "host:port of a plaintext port with only grpc.health.v1, for probes without TLS");
 ABSL_FLAG(bool, insecure, false,
@@ -198,6 +206,9 @@ int main(int argc, char** argv) {
   options.security.insecure = absl::GetFlag(FLAGS_insecure);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.health_address = absl::GetFlag(FLAGS_health_address);
+  options.bulk_address = absl::GetFlag(FLAGS_bulk_address);
+  options.max_bulk_connections = absl::GetFlag(FLAGS_max_bulk_connections);
+  options.max_bulk_connections_per_address = absl::GetFlag(FLAGS_max_bulk_connections_per_address);
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_session_memory_bytes).bytes;
   options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl).value;

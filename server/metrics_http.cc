@@ -1,14 +1,13 @@
 #include "server/metrics_http.h"
 
-#include <arpa/inet.h>
 #include <microhttpd.h>
-#include <netinet/in.h>
 
 #include <cerrno>
 #include <cstring>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "server/http_listen.h"
 
 namespace flce {
 namespace {
@@ -54,22 +53,14 @@ MHD_Result Answer(void* cls, MHD_Connection* connection, const char* url, const 
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& address, std::function<std::string()> render) {
-  const size_t colon = address.rfind(':');
-  int port = -1;
-  sockaddr_in bind_to{};
-  bind_to.sin_family = AF_INET;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
-      port < 0 || port > 65535 ||
-      inet_pton(AF_INET, address.substr(0, colon).c_str(), &bind_to.sin_addr) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--metrics_address: '", address, "' is not IPv4-host:port (e.g. 0.0.0.0:9090)"));
-  }
-  bind_to.sin_port = htons(static_cast<uint16_t>(port));
+  FLCE_ASSIGN_OR_RETURN(const HttpListenAddress listen,
+                        ParseHttpListenAddress(address, "--metrics_address", "0.0.0.0:9090"));
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
   server->render_ = std::move(render);
   server->daemon_ = MHD_start_daemon(
-      MHD_USE_AUTO_INTERNAL_THREAD, static_cast<uint16_t>(port), nullptr, nullptr, &Answer,
-      server.get(), MHD_OPTION_SOCK_ADDR, reinterpret_cast<sockaddr*>(&bind_to),
+      MHD_USE_AUTO_INTERNAL_THREAD | (listen.ipv6 ? MHD_USE_IPv6 : 0),
+      static_cast<uint16_t>(listen.port), nullptr, nullptr, &Answer, server.get(),
+      MHD_OPTION_SOCK_ADDR, listen.sockaddr_ptr(),
       MHD_OPTION_THREAD_POOL_SIZE, kThreads, MHD_OPTION_CONNECTION_TIMEOUT, kTimeoutSeconds,
       MHD_OPTION_CONNECTION_LIMIT, kMaxConnections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
       kMaxConnectionsPerAddress, MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemory,
@@ -79,7 +70,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
                                                ": ", std::strerror(errno)));
   }
   const MHD_DaemonInfo* info = MHD_get_daemon_info(server->daemon_, MHD_DAEMON_INFO_BIND_PORT);
-  server->port_ = info != nullptr ? info->port : port;
+  server->port_ = info != nullptr ? info->port : listen.port;
   return server;
 }
 

@@ -26,8 +26,8 @@ namespace flce {
 
 class MetricsHttpServer {
  public:
-  // Listens on `address` ("host:port"; an IPv4 host or "0.0.0.0"; port 0
-  // picks a free one). INVALID_ARGUMENT for a malformed address,
+  // Listens on `address` (ParseHttpListenAddress's forms, e.g.
+  // "0.0.0.0:9090"). INVALID_ARGUMENT for a malformed address,
   // UNAVAILABLE if it cannot listen there.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
       const std::string& address, std::function<std::string()> render);

@@ -306,7 +306,7 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterServerMemory(
                                               UnadmitServerBytes(principal, bytes);
                                               Unadmit(principal, bytes);
                                             }),
-             principal);
+             principal, /*with_ticket=*/true);
 }
 
 absl::Status SharedMemoryRegistry::AdmitServerBytes(const std::string& principal, int64_t bytes) {
@@ -415,12 +415,14 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpcEvent(
 }
 
 absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::Add(std::shared_ptr<SharedRegion> region,
-                                                           const std::string& principal) {
+                                                           const std::string& principal,
+                                                           bool with_ticket) {
   RegisteredRegion out;
   out.region_id = RandomId();
   out.bytes = region->bytes();
+  if (with_ticket) out.ticket = RandomId();
   absl::MutexLock lock(&mu_);
-  regions_[out.region_id] = Entry{std::move(region), principal};
+  regions_[out.region_id] = Entry{std::move(region), principal, out.ticket};
   return out;
 }
 
@@ -474,6 +476,23 @@ absl::StatusOr<std::shared_ptr<SharedRegion>> SharedMemoryRegistry::Find(
   std::shared_ptr<SharedRegion> region = Lookup(region_id, principal);
   if (region == nullptr) return absl::NotFoundError(UnknownRegion(region_id));
   return region;
+}
+
+absl::StatusOr<TicketedRegion> SharedMemoryRegistry::FindByTicket(
+    const std::string& region_id, const std::string& ticket) const {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(region_id);
+  const std::string& expected = it == regions_.end() ? std::string() : it->second.ticket;
+  // Every byte compared, so the time tells nothing of how close a guess was.
+  unsigned char differ = expected.empty() || expected.size() != ticket.size();
+  for (size_t i = 0; i < ticket.size() && i < expected.size(); ++i) {
+    differ |= static_cast<unsigned char>(expected[i] ^ ticket[i]);
+  }
+  if (differ != 0) {
+    return absl::NotFoundError(absl::StrCat(UnknownRegion(region_id), " or a wrong ticket"));
+  }
+  it->second.region->Touch();
+  return TicketedRegion{it->second.region, it->second.principal};
 }
 
 std::shared_ptr<SliceResolver> SharedMemoryRegistry::ResolverFor(

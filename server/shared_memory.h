@@ -105,6 +105,16 @@ class SharedRegion {
 struct RegisteredRegion {
   std::string region_id;
   int64_t bytes = 0;
+  // A region of server memory's: the secret that lets its bytes move over
+  // the bulk HTTP port (server/bulk_http.h) without the principal's
+  // credentials, like a presigned URL; empty for other regions.
+  std::string ticket;
+};
+
+// A region of server memory named by its ticket, and whose it is.
+struct TicketedRegion {
+  std::shared_ptr<SharedRegion> region;
+  std::string principal;
 };
 
 class SharedMemoryRegistry {
@@ -168,6 +178,12 @@ class SharedMemoryRegistry {
   absl::StatusOr<std::shared_ptr<SharedRegion>> Find(const std::string& region_id,
                                                      const std::string& principal) const;
 
+  // The region of server memory `region_id` whose ticket is `ticket`
+  // (compared in constant time), as a call naming it: it counts as used
+  // now. NOT_FOUND alike for an unknown region and a wrong ticket.
+  absl::StatusOr<TicketedRegion> FindByTicket(const std::string& region_id,
+                                              const std::string& ticket) const;
+
  private:
   // Null when unknown or another principal's.
   std::shared_ptr<SharedRegion> Lookup(const std::string& region_id,
@@ -176,6 +192,7 @@ class SharedMemoryRegistry {
   struct Entry {
     std::shared_ptr<SharedRegion> region;
     std::string principal;
+    std::string ticket;  // regions of server memory only
   };
   struct Usage {
     int64_t regions = 0, bytes = 0, server_bytes = 0;
@@ -187,7 +204,7 @@ class SharedMemoryRegistry {
   absl::Status AdmitServerBytes(const std::string& principal, int64_t bytes);
   void UnadmitServerBytes(const std::string& principal, int64_t bytes);
   absl::StatusOr<RegisteredRegion> Add(std::shared_ptr<SharedRegion> region,
-                                       const std::string& principal);
+                                       const std::string& principal, bool with_ticket = false);
 
   const SharedMemoryLimits limits_;
   mutable absl::Mutex mu_;
