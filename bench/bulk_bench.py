@@ -4,17 +4,19 @@ Starts its own flce_server (``--backend``, loopback TCP) and times, median
 of ``--iters`` after one warm-up each:
 
 - ``region``: raw bytes written into a region of the server's memory and
-  read back (WriteRegion / ReadRegion through :class:`flce.bulk.BulkTransfer`)
-  for each size, connection count, read part size and with each part's
-  CRC-32 on or off: GB/s each way;
+  read back through :class:`flce.bulk.BulkTransfer`, for each transport
+  (``http``: the server's bulk port; ``grpc``: WriteRegion / ReadRegion
+  streams, for each read part size and with each part's CRC-32 on or
+  off), size and connection count: GB/s each way;
 - ``weight``: ``Client.put_weight`` of a bf16 weight of each size and
   ``take_weight_grad(out=...)`` of its gradient in bf16 (one tiny Backward
-  accumulates into it before each take), for each connection count
-  (0: one stream over the client's one channel): seconds and GB/s.
+  accumulates into it before each take), for each transport and
+  connection count (0: one stream over the client's one channel): seconds
+  and GB/s.
 
 Usage: bulk_bench.py FLCE_SERVER [--backend cuda] [--sizes_mib 64,1024]
-  [--connections 1,2,4,8] [--part_mib 1,4,16] [--crc 1,0] [--what region,weight]
-  [--iters 3] [--json PATH]
+  [--transports http,grpc] [--connections 1,2,4,8] [--part_mib 1,4,16]
+  [--crc 1,0] [--what region,weight] [--iters 3] [--json PATH]
 Needs the flce package (and torch for ``weight``) and server_process.py on
 PYTHONPATH.
 """
@@ -42,18 +44,24 @@ def timed(fn, iters):
     return statistics.median(times)
 
 
-def region_rows(address, sizes, connections, parts, crcs, iters):
+def region_rows(address, transports, sizes, connections, parts, crcs, iters):
     rows = []
     for size in sizes:
         data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
         back = np.empty_like(data)
-        for conns, part, crc in ((c, p, k) for c in connections for p in parts for k in crcs):
-            client = flce.Client(address, bulk_connections=conns,
-                                 stream_chunk_bytes=part, max_message_bytes=part + (1 << 20))
+        configs = [("http", c, 0, False) for c in connections if "http" in transports]
+        configs += [("grpc", c, p, k) for c in connections for p in parts for k in crcs
+                    if "grpc" in transports]
+        for transport, conns, part, crc in configs:
+            client = flce.Client(address, bulk_connections=conns, bulk_http=transport == "http",
+                                 stream_chunk_bytes=part or (4 << 20),
+                                 max_message_bytes=(part or (4 << 20)) + (1 << 20))
             try:
                 bulk = client.bulk(size)
                 bulk.checksums = crc
                 region = bulk.region(size)
+                if bulk.over_http != (transport == "http"):
+                    raise AssertionError(f"asked for {transport}, got the other transport")
                 write_part = min(part, flce.bulk.WRITE_PART_BYTES)
                 put = timed(lambda: bulk.write(region, 0, data, 300.0), iters)
                 take = timed(lambda: bulk.read(region, 0, back, 300.0), iters)
@@ -61,18 +69,19 @@ def region_rows(address, sizes, connections, parts, crcs, iters):
                     raise AssertionError("the region did not read back what was written")
             finally:
                 client.close()
-            rows.append({"what": "region", "bytes": size, "connections": conns,
-                         "write_part_bytes": write_part, "read_part_bytes": part,
-                         "crc32": crc, "write_s": put, "read_s": take,
+            rows.append({"what": "region", "transport": transport, "bytes": size,
+                         "connections": conns, "write_part_bytes": write_part,
+                         "read_part_bytes": part, "crc32": crc, "write_s": put, "read_s": take,
                          "write_gbps": size / put / 1e9, "read_gbps": size / take / 1e9})
-            print(f"region {size >> 20:>6} MiB  {conns:>2} conn  parts {write_part >> 20:>2}/"
-                  f"{part >> 20:<2} MiB  crc {'on ' if crc else 'off'}  "
+            how = ("" if transport == "http" else
+                   f"parts {write_part >> 20:>2}/{part >> 20:<2} MiB  crc {'on ' if crc else 'off'}")
+            print(f"region {transport:<4} {size >> 20:>6} MiB  {conns:>2} conn  {how:<26} "
                   f"write {put * 1e3:9.1f} ms {size / put / 1e9:6.2f} GB/s  "
                   f"read {take * 1e3:9.1f} ms {size / take / 1e9:6.2f} GB/s", flush=True)
     return rows
 
 
-def weight_rows(address, sizes, connections, iters):
+def weight_rows(address, transports, sizes, connections, iters):
     import torch
 
     rows = []
@@ -83,9 +92,10 @@ def weight_rows(address, sizes, connections, iters):
         out = torch.empty_like(weight)
         x = torch.randn(1, h).to(torch.bfloat16)
         t = torch.zeros(1, dtype=torch.int64)
-        for conns in connections:
-            client = flce.Client(address, bulk_connections=conns)
-            name = f"bench-{conns}"
+        for transport, conns in ((t, c) for t in transports for c in connections
+                                 if c > 0 or t == transports[0]):
+            client = flce.Client(address, bulk_connections=conns, bulk_http=transport == "http")
+            name = f"bench-{transport}-{conns}"
             try:
                 put = timed(lambda: client.put_weight(name, weight), iters)
 
@@ -102,10 +112,12 @@ def weight_rows(address, sizes, connections, iters):
             finally:
                 client.close()
             nbytes = weight.numel() * 2
-            rows.append({"what": "weight", "bytes": nbytes, "connections": conns,
+            transport = transport if conns else "one stream"
+            rows.append({"what": "weight", "transport": transport, "bytes": nbytes,
+                         "connections": conns,
                          "put_s": put, "take_s": take_s, "put_gbps": nbytes / put / 1e9,
                          "take_gbps": nbytes / take_s / 1e9})
-            print(f"weight {nbytes >> 20:>6} MiB  {conns:>2} conn  put {put:7.3f} s "
+            print(f"weight {transport:<10} {nbytes >> 20:>6} MiB  {conns:>2} conn  put {put:7.3f} s "
                   f"{nbytes / put / 1e9:6.2f} GB/s  take {take_s:7.3f} s "
                   f"{nbytes / take_s / 1e9:6.2f} GB/s", flush=True)
     return rows
@@ -116,6 +128,7 @@ def main(argv):
     parser.add_argument("server_binary")
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--sizes_mib", default="64,1024")
+    parser.add_argument("--transports", default="http,grpc")
     parser.add_argument("--connections", default="1,2,4,8")
     parser.add_argument("--part_mib", default="1,4,16",
                         help="parts of the reads (the writes': at most 1 MiB, the client's)")
@@ -128,6 +141,7 @@ def main(argv):
     connections = [int(c) for c in args.connections.split(",")]
     parts = [int(p) << 20 for p in args.part_mib.split(",")]
     what = args.what.split(",")
+    transports = args.transports.split(",")
     server = ServerProcess(args.server_binary, f"--backend={args.backend}",
                            f"--region_memory_bytes={4 * max(sizes) + (1 << 30)}")
     rows = []
@@ -135,10 +149,11 @@ def main(argv):
         print(f"Python client over loopback TCP to a {args.backend} server; median of "
               f"{args.iters} after one", flush=True)
         if "region" in what:
-            rows += region_rows(server.address, sizes, [c for c in connections if c > 0], parts,
+            rows += region_rows(server.address, transports, sizes,
+                                [c for c in connections if c > 0], parts,
                                 [c == "1" for c in args.crc.split(",")], args.iters)
         if "weight" in what:
-            rows += weight_rows(server.address, sizes, connections, args.iters)
+            rows += weight_rows(server.address, transports, sizes, connections, args.iters)
     finally:
         server.kill()
     if args.json:

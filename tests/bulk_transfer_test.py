@@ -51,21 +51,24 @@ class BulkTransferTest(unittest.TestCase):
         x = r.standard_normal((37, 333)).astype(np.float32)
         t = r.integers(0, 6001, 37)
         results = []
-        for connections in (0, 3):
-            c = self.client(bulk_connections=connections, bulk_threshold=1 << 20)
-            writes, reads = count_streams(self.server, "WriteRegion"), count_streams(
-                self.server, "ReadRegion")
-            info = c.put_weight(f"w{connections}", w, b)
+        rpcs = ("WriteRegion", "ReadRegion", "BulkWrite", "BulkRead")
+        for connections, http in ((0, True), (3, True), (3, False)):
+            c = self.client(bulk_connections=connections, bulk_threshold=1 << 20, bulk_http=http)
+            before = [count_streams(self.server, rpc) for rpc in rpcs]
+            name = f"w{connections}{http}"
+            info = c.put_weight(name, w, b)
             self.assertEqual(info.bytes, w.nbytes + b.nbytes)
-            loss = self.accumulate(c, f"w{connections}", x, t)
-            dw, db, count = c.take_weight_grad(f"w{connections}")
+            loss = self.accumulate(c, name, x, t)
+            dw, db, count = c.take_weight_grad(name)
             self.assertEqual(count, 1)
-            used = (count_streams(self.server, "WriteRegion") - writes,
-                    count_streams(self.server, "ReadRegion") - reads)
-            # Over 3 connections: W's two parts on two, b on one; the same back.
-            self.assertEqual(used, (0, 0) if connections == 0 else (3, 3))
+            used = tuple(count_streams(self.server, rpc) - n for rpc, n in zip(rpcs, before))
+            # Over 3 gRPC connections: W's two parts on two, b on one; the
+            # same back. Over the bulk port: W's 8 MB in 3 ranges, b in one.
+            self.assertEqual(used, {0: (0, 0, 0, 0), 3: (0, 0, 4, 4) if http else (3, 3, 0, 0)}[
+                connections])
             results.append((loss.tobytes(), dw.data, db.data))
         self.assertEqual(results[0], results[1])
+        self.assertEqual(results[0], results[2])
 
     def test_gradients_land_in_the_callers_buffers(self):
         torch.manual_seed(2)

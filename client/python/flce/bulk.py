@@ -1,26 +1,33 @@
 """Large tensors over several connections at once.
 
-One gRPC connection carries about 1 GB/s, less from Python; a 1 GiB weight
-or gradient is seconds on one. Here such bytes travel through a region of
-the server's own memory (RegisterSharedMemory with server_memory): written
-by WriteRegion streams and read by ReadRegion streams, one per connection,
-each over its own range, in parts that carry their CRC-32; the calls that
-use them (PutWeight, TakeWeightGrad) then name a slice of the region instead
-of carrying the bytes. The parts are encoded and decoded here without
-protobuf's copies (one copy into each outgoing message, one out of each
-incoming one).
+Such bytes travel through a region of the server's own memory
+(RegisterSharedMemory with server_memory), which the calls that use them
+(PutWeight, TakeWeightGrad, the row pieces' Forward and Backward) then name
+as a slice instead of carrying the bytes. They go into and out of the
+region over the server's bulk HTTP port (:mod:`flce.bulk_http`), several
+ranges at once on connections of their own. Where the server offers no
+bulk port or it cannot be reached, they go as WriteRegion and ReadRegion
+streams instead, one per connection, in parts that carry their CRC-32,
+encoded and decoded here without protobuf's copies (one copy into each
+outgoing message, one out of each incoming one): about 1 GB/s a
+connection, less from Python.
 """
 
 import concurrent.futures
+import logging
 import struct
 import threading
+import time
 import zlib
 from typing import List, Optional
 
 import grpc
 import numpy as np
 
+from flce import bulk_http
 from flce_pb.v1 import loss_service_pb2 as pb
+
+_log = logging.getLogger("flce")
 
 _WRITE = "/flce.v1.LossService/WriteRegion"
 WRITE_PART_BYTES = 1 << 20
@@ -92,26 +99,33 @@ def decode_part(message: bytes):
 
 class BulkTransfer:
     """Moves byte ranges to and from a region of the server's memory over
-    ``connections`` connections at once (their own TCP connections, made by
-    ``make_channel``), in parts of ``part_bytes``. ``region(n)`` gives a
+    ``connections`` connections at once: the server's bulk port where
+    ``http`` gives its host, TLS context and server name and the server
+    offers one, else gRPC streams on channels of their own (made by
+    ``make_channel``) in parts of ``part_bytes``. ``region(n)`` gives a
     region of at least n bytes, made once and grown as needed."""
 
-    def __init__(self, client, make_channel, connections: int = 4, part_bytes: int = 4 << 20):
+    def __init__(self, client, make_channel, connections: int = 4, part_bytes: int = 4 << 20,
+                 http: Optional[tuple] = None):
         self._client = client
         self.connections = connections
         self.part_bytes = part_bytes
-        self._channels = [make_channel(i) for i in range(connections)]
-        self._writes = [c.stream_unary(_WRITE) for c in self._channels]
-        self._reads = [c.unary_stream(_READ, request_serializer=pb.ReadRegionRequest.SerializeToString)
-                       for c in self._channels]
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=connections,
+        self._make_channel = make_channel
+        self._grpc = None  # (channels, write and read callables), made on first use
+        # Callers' threads run one range each; the rest run here (a read and
+        # a write at once, from several threads, may all be in flight).
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4 * connections,
                                                            thread_name_prefix="flce-bulk")
         self._lock = threading.Lock()
-        # Each part's CRC-32, computed on both ends (a benchmark may switch
-        # it off to see what it costs).
+        # Each gRPC part's CRC-32, computed on both ends (a benchmark may
+        # switch it off to see what it costs).
         self.checksums = True
         self._region: Optional[str] = None
         self._region_bytes = 0
+        self._http_where = http  # (host, ssl context or None, server name) or None
+        self._http: Optional[bulk_http.BulkHttp] = None
+        self._ticket = ""
+        self._http_off_until = 0.0  # after an unreachable port: gRPC until then
 
     def region(self, nbytes: int) -> str:
         """The id of this transfer's region of server memory, at least
@@ -122,11 +136,76 @@ class BulkTransfer:
             if self._region is not None:
                 self._unregister()
             size = max(nbytes, 1 << 20)
-            self._region = self._client._call(
+            response = self._client._call(
                 self._client._stub.RegisterSharedMemory,
-                pb.RegisterSharedMemoryRequest(server_memory=True, bytes=size)).region_id
-            self._region_bytes = size
+                pb.RegisterSharedMemoryRequest(server_memory=True, bytes=size))
+            self._region, self._region_bytes = response.region_id, size
+            self._ticket = response.bulk_ticket
+            if response.bulk_port and self._http_where is not None and (
+                    self._http is None or self._http.port != response.bulk_port):
+                host, tls, server_name = self._http_where
+                if self._http is not None:
+                    self._http.close()
+                self._http = bulk_http.BulkHttp(host, response.bulk_port,
+                                                timeout=self._client.timeout,
+                                                max_connections=2 * self.connections,
+                                                tls=tls, server_name=server_name)
             return self._region
+
+    @property
+    def over_http(self) -> bool:
+        """Whether transfers go over the server's bulk port now."""
+        return (self._http is not None and bool(self._ticket)
+                and time.monotonic() >= self._http_off_until)
+
+    def _http_ranges(self, total: int) -> List[range]:
+        """`total` bytes in up to one range per connection, each at least
+        1 MiB and 4 KiB-aligned."""
+        n = max(1, min(self.connections, total >> 20))
+        per = -(-(-(-total // n)) // 4096) * 4096
+        return [range(a, min(total, a + per)) for a in range(0, total, per)]
+
+    def _over_http(self, write: bool, region_id: str, offset: int, view: memoryview) -> bool:
+        """Writes ``view`` at ``offset`` of the region (or reads into it)
+        over the bulk port, one range per connection; False (and gRPC for a
+        minute) where the port cannot be reached."""
+        if region_id != self._region or not self.over_http:
+            return False
+        ticket = self._ticket
+        move = self._http.put if write else self._http.get
+        spans = self._http_ranges(len(view))
+
+        def one(span: range):
+            move(region_id, ticket, offset + span.start, view[span.start:span.stop])
+
+        futures = [self._pool.submit(one, span) for span in spans[1:]]
+        error = None
+        try:
+            one(spans[0])
+        except BaseException as e:  # the others finish first: they use `view`
+            error = e
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:
+                error = error or e
+        if isinstance(error, bulk_http.Unreachable):
+            self._http_off_until = time.monotonic() + 60.0
+            _log.warning("flce: %s; large tensors go over gRPC streams instead (slower)", error)
+            return False
+        if error is not None:
+            raise error
+        return True
+
+    def _streams(self):
+        """The gRPC fallback's channels and calls, made on first use."""
+        with self._lock:
+            if self._grpc is None:
+                channels = [self._make_channel(i) for i in range(self.connections)]
+                self._grpc = (channels, [c.stream_unary(_WRITE) for c in channels],
+                              [c.unary_stream(_READ, request_serializer=pb.ReadRegionRequest.
+                                              SerializeToString) for c in channels])
+            return self._grpc
 
     def _ranges(self, total: int) -> List[range]:
         """`total` bytes split in one range per connection, whole parts each."""
@@ -138,6 +217,9 @@ class BulkTransfer:
     def write(self, region_id: str, offset: int, data, timeout: float):
         """Writes ``data`` (a bytes-like object) at ``offset`` of the region."""
         view = memoryview(data).cast("B")
+        if self._over_http(True, region_id, offset, view):
+            return
+        _, writes, _ = self._streams()
         # Smaller parts going up: 2.4–2.9 GB/s over 4 connections with 1 MiB
         # against 1.6–2.5 with 4 MiB on the H200 host (bench/RESULTS.md); the
         # reads are as fast with either.
@@ -150,17 +232,21 @@ class BulkTransfer:
                 yield encode_part(region_id if first else "", offset + at, chunk, self.checksums)
                 first = False
 
-        calls = [self._writes[i].future(parts(span), timeout=timeout,
+        calls = [writes[i].future(parts(span), timeout=timeout,
                                         metadata=self._client._metadata)
                  for i, span in enumerate(self._ranges(len(view)))]
         self._wait(calls, timeout, "WriteRegion")
 
     def read(self, region_id: str, offset: int, out, timeout: float):
         """Reads ``len(out)`` bytes at ``offset`` of the region into ``out``
-        (a writable bytes-like object), checking each part's CRC-32."""
+        (a writable bytes-like object); over gRPC each part's CRC-32 is
+        checked."""
         from flce.client import FlceError
 
         view = memoryview(out).cast("B")
+        if self._over_http(False, region_id, offset, view):
+            return
+        _, _, reads = self._streams()
         # NumPy copies without the interpreter lock: the connections' threads
         # land their parts side by side.
         dest = np.frombuffer(view, dtype=np.uint8)
@@ -171,7 +257,7 @@ class BulkTransfer:
                                            crc32=self.checksums)
             got = 0
             try:
-                for message in self._reads[i](request, timeout=timeout,
+                for message in reads[i](request, timeout=timeout,
                                               metadata=self._client._metadata):
                     at, crc, data = decode_part(message)
                     if crc is not None and zlib.crc32(data) != crc:
@@ -229,5 +315,7 @@ class BulkTransfer:
             if self._region is not None:
                 self._unregister()
         self._pool.shutdown(wait=False)
-        for channel in self._channels:
+        if self._http is not None:
+            self._http.close()
+        for channel in self._grpc[0] if self._grpc else ():
             channel.close()

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import grpc
 import numpy as np
 
+from flce import bulk_http as _bulk_http
 from flce import call_channel as _call_channel
 from flce.shared_memory import SharedMemoryRegion
 from flce.wire_dtypes import NP_DTYPES as _NP_DTYPES
@@ -65,6 +66,18 @@ def with_default_port(target: str) -> str:
     if colons > 1:
         return f"{prefix}[{host}]:{DEFAULT_PORT}"
     return target
+
+
+def target_host(target: str) -> Optional[str]:
+    """The host a gRPC target dials ("10.0.0.7", "::1", "flce.svc"), or
+    None for a target that is not a host and port (unix: and the like)."""
+    target = with_default_port(target)
+    if target.startswith("dns:///"):
+        target = target[len("dns:///"):]
+    elif ":/" in target or target.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return None
+    host = target.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host or None
 
 
 def check_loss_options(*, reduction: str = "mean", backward_mode: str = "auto",
@@ -324,7 +337,10 @@ class Client:
     before it sleeps. Weights and their gradients of at least
     ``bulk_threshold`` bytes travel over ``bulk_connections`` connections at
     once, through a region of the server's memory (see :mod:`flce.bulk`;
-    0 connections: over the one channel, as chunks of one stream)."""
+    0 connections: over the one channel, as chunks of one stream): over the
+    server's bulk HTTP port where it offers one and ``bulk_http`` (TLS like
+    the channel, without a client certificate: a region's ticket is its
+    credential), else as gRPC streams."""
 
     def __init__(self, target: str, timeout: float = 300.0,
                  max_message_bytes: int = 256 << 20, stream_chunk_bytes: int = 4 << 20, *,
@@ -333,7 +349,7 @@ class Client:
                  server_name: Optional[str] = None, token: Optional[str] = None,
                  cuda_ipc_keep_registrations: bool = True, call_channel="auto",
                  call_channel_spin: float = 0.25, bulk_connections: int = 4,
-                 bulk_threshold: int = 8 << 20):
+                 bulk_threshold: int = 8 << 20, bulk_http: bool = True):
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         target = with_default_port(target)
@@ -354,6 +370,10 @@ class Client:
             return grpc.insecure_channel(target, options=options + extra)
 
         self._make_channel = make_channel
+        host = target_host(target) if bulk_http else None
+        self._bulk_http_where = None if host is None else (
+            host, None if credentials is None else _bulk_http.tls_context(root_certificates),
+            server_name or host)
         self._channel = make_channel()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.LossServiceStub(self._channel)
@@ -402,7 +422,8 @@ class Client:
 
             self._bulk = BulkTransfer(self, self._make_channel, self._bulk_connections,
                                       part_bytes=min(self.stream_chunk_bytes,
-                                                     self.max_message_bytes - (64 << 10)))
+                                                     self.max_message_bytes - (64 << 10)),
+                                      http=self._bulk_http_where)
         return self._bulk
 
     def _bulk_region(self, nbytes: int):
