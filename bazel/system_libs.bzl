@@ -55,7 +55,7 @@ system_library = repository_rule(
 )
 
 def flce_system_libs():
-    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas, @microhttpd, @zlib and @openssl."""
+    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas, @microhttpd, @curl, @zlib and @openssl."""
     system_library(
         name = "protobuf",
         target = "protobuf",
@@ -116,6 +116,13 @@ def flce_system_libs():
         modules = ["libmicrohttpd"],
         headers = ["microhttpd.h"],
         packages = ["libmicrohttpd-dev"],
+    )
+    system_library(
+        name = "curl",
+        target = "curl",
+        modules = ["libcurl"],
+        headers = ["x86_64-linux-gnu/curl/curl.h"],
+        packages = ["libcurl4-openssl-dev"],
     )
     system_library(
         name = "zlib",

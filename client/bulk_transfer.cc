@@ -32,12 +32,13 @@ absl::Status First(const std::vector<absl::Status>& statuses) {
 
 BulkTransfer::BulkTransfer(std::vector<std::shared_ptr<grpc::Channel>> connections,
                            v1::LossService::Stub* control, absl::Duration timeout,
-                           std::string token, int64_t part_bytes)
+                           std::string token, int64_t part_bytes, BulkHttpEndpoint http)
     : channels_(std::move(connections)),
       control_(control),
       timeout_(timeout),
       token_(std::move(token)),
-      part_bytes_(part_bytes) {
+      part_bytes_(part_bytes),
+      http_where_(std::move(http)) {
   for (const auto& channel : channels_) stubs_.push_back(v1::LossService::NewStub(channel));
 }
 
@@ -77,22 +78,30 @@ absl::StatusOr<std::string> BulkTransfer::Region(int64_t bytes) {
       FromGrpcStatus(control_->RegisterSharedMemory(&context, request, &response)));
   region_ = response.region_id();
   region_bytes_ = response.bytes();
+  ticket_ = response.bulk_ticket();
+  if (response.bulk_port() == 0 || http_where_.host.empty()) {
+    http_.reset();
+  } else if (http_ == nullptr || http_->endpoint().port != response.bulk_port()) {
+    BulkHttpEndpoint where = http_where_;
+    where.port = response.bulk_port();
+    http_ = std::make_shared<BulkHttpClient>(std::move(where), timeout_);
+  }
   return region_;
 }
 
-std::pair<int64_t, int64_t> BulkTransfer::Range(int i, int64_t bytes) const {
-  const int64_t parts = std::max<int64_t>(1, (bytes + part_bytes_ - 1) / part_bytes_);
-  const int64_t per = (parts + connections() - 1) / connections();
-  const int64_t begin = std::min(bytes, i * per * part_bytes_);
-  return {begin, std::min(bytes, (i + 1) * per * part_bytes_)};
+std::pair<int64_t, int64_t> BulkTransfer::Range(int i, int64_t bytes, int64_t unit) const {
+  const int64_t units = std::max<int64_t>(1, (bytes + unit - 1) / unit);
+  const int64_t per = (units + connections() - 1) / connections();
+  const int64_t begin = std::min(bytes, i * per * unit);
+  return {begin, std::min(bytes, (i + 1) * per * unit)};
 }
 
 absl::Status BulkTransfer::ForEachRange(
-    int64_t bytes, const std::function<absl::Status(int, int64_t, int64_t)>& f) {
+    int64_t bytes, int64_t unit, const std::function<absl::Status(int, int64_t, int64_t)>& f) {
   std::vector<absl::Status> statuses(stubs_.size());
   std::vector<std::thread> threads;
   for (int i = 0; i < connections(); ++i) {
-    const auto [begin, end] = Range(i, bytes);
+    const auto [begin, end] = Range(i, bytes, unit);
     if (begin >= end) continue;
     threads.emplace_back([&, i, begin = begin, end = end] { statuses[i] = f(i, begin, end); });
   }
@@ -100,9 +109,52 @@ absl::Status BulkTransfer::ForEachRange(
   return First(statuses);
 }
 
+bool BulkTransfer::over_http() const {
+  absl::MutexLock lock(&mu_);
+  return http_ != nullptr && !ticket_.empty() && absl::Now() >= http_off_until_;
+}
+
+absl::StatusOr<bool> BulkTransfer::OverHttp(
+    const std::string& region, int64_t bytes,
+    const std::function<absl::Status(BulkHttpClient&, const std::string&, int64_t, int64_t)>&
+        f) {
+  std::string ticket;
+  std::shared_ptr<BulkHttpClient> http;
+  {
+    absl::MutexLock lock(&mu_);
+    if (http_ == nullptr || region != region_ || ticket_.empty() ||
+        absl::Now() < http_off_until_) {
+      return false;
+    }
+    ticket = ticket_;
+    http = http_;
+  }
+  // Ranges of at least 1 MiB, 4 KiB-aligned.
+  const int64_t unit = 4096;
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(connections(), bytes >> 20));
+  const int64_t per = ((bytes + ranges - 1) / ranges + unit - 1) / unit * unit;
+  absl::Status status = ForEachRange(bytes, per, [&](int, int64_t begin, int64_t end) {
+    return f(*http, ticket, begin, end);
+  });
+  if (BulkHttpClient::IsUnreachable(status)) {
+    absl::MutexLock lock(&mu_);
+    http_off_until_ = absl::Now() + absl::Minutes(1);
+    return false;
+  }
+  FLCE_RETURN_IF_ERROR(status);
+  return true;
+}
+
 absl::Status BulkTransfer::Write(const std::string& region, int64_t offset, const char* data,
                                  int64_t bytes) {
-  return ForEachRange(bytes, [&](int i, int64_t begin, int64_t end) {
+  FLCE_ASSIGN_OR_RETURN(
+      const bool done,
+      OverHttp(region, bytes,
+               [&](BulkHttpClient& http, const std::string& ticket, int64_t begin, int64_t end) {
+                 return http.Put(region, ticket, offset + begin, data + begin, end - begin);
+               }));
+  if (done) return absl::OkStatus();
+  return ForEachRange(bytes, part_bytes_, [&](int i, int64_t begin, int64_t end) {
     grpc::ClientContext context;
     Prepare(context);
     v1::WriteRegionResponse response;
@@ -124,7 +176,14 @@ absl::Status BulkTransfer::Write(const std::string& region, int64_t offset, cons
 
 absl::Status BulkTransfer::Read(const std::string& region, int64_t offset, char* out,
                                 int64_t bytes) {
-  return ForEachRange(bytes, [&](int i, int64_t begin, int64_t end) {
+  FLCE_ASSIGN_OR_RETURN(
+      const bool done,
+      OverHttp(region, bytes,
+               [&](BulkHttpClient& http, const std::string& ticket, int64_t begin, int64_t end) {
+                 return http.Get(region, ticket, offset + begin, out + begin, end - begin);
+               }));
+  if (done) return absl::OkStatus();
+  return ForEachRange(bytes, part_bytes_, [&](int i, int64_t begin, int64_t end) {
     grpc::ClientContext context;
     Prepare(context);
     v1::ReadRegionRequest request;

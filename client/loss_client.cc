@@ -40,6 +40,21 @@ std::string WithDefaultPort(const std::string& target) {
   return target;
 }
 
+std::string TargetHost(const std::string& target) {
+  std::string address = WithDefaultPort(target);
+  if (absl::StartsWith(address, "dns:///")) {
+    address = address.substr(7);
+  } else if (absl::StrContains(address, ":/") || absl::StartsWith(address, "unix:") ||
+             absl::StartsWith(address, "unix-abstract:") || absl::StartsWith(address, "vsock:")) {
+    return "";
+  }
+  std::string host = address.substr(0, address.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host;
+}
+
 std::unique_ptr<LossClient> LossClient::Create(const std::string& target,
                                                ClientOptions options) {
   grpc::ChannelArguments args;
@@ -68,12 +83,13 @@ std::unique_ptr<LossClient> LossClient::Create(const std::string& target,
     }
     return grpc::CreateCustomChannel(address, credentials, own);
   };
-  return std::unique_ptr<LossClient>(new LossClient(make_channel, options));
+  return std::unique_ptr<LossClient>(new LossClient(make_channel, options, TargetHost(target)));
 }
 
-LossClient::LossClient(ChannelFactory channels, ClientOptions options)
+LossClient::LossClient(ChannelFactory channels, ClientOptions options, std::string host)
     : options_(options),
       make_channel_(std::move(channels)),
+      host_(std::move(host)),
       channel_(make_channel_(-1)),
       stub_(v1::LossService::NewStub(channel_)),
       health_(grpc::health::v1::Health::NewStub(channel_)) {}
@@ -87,8 +103,15 @@ BulkTransfer* LossClient::Bulk(int64_t bytes) {
   if (bulk_ == nullptr) {
     std::vector<std::shared_ptr<grpc::Channel>> connections;
     for (int i = 0; i < options_.bulk_connections; ++i) connections.push_back(make_channel_(i));
+    BulkHttpEndpoint http;
+    if (options_.bulk_http) {
+      http.host = host_;
+      http.tls = options_.tls;
+      http.tls_root_certs = options_.tls_root_certs;
+      http.tls_server_name = options_.tls_server_name;
+    }
     bulk_ = std::make_unique<BulkTransfer>(std::move(connections), stub_.get(), options_.timeout,
-                                           options_.token, ChunkBytes());
+                                           options_.token, ChunkBytes(), std::move(http));
   }
   absl::StatusOr<std::string> region = bulk_->Region(bytes);
   if (!region.ok()) {

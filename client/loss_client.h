@@ -47,8 +47,12 @@ struct ClientOptions {
   // A weight or its gradient of at least bulk_threshold_bytes travels over
   // this many connections of its own at once, through a region of the
   // server's memory (client/bulk_transfer.h); 0: over the one channel.
+  // Over the server's bulk HTTP port where it offers one and `bulk_http`
+  // (TLS like the channel, without a client certificate: the region's
+  // ticket is the credential), else as gRPC streams.
   int bulk_connections = 4;
   int64_t bulk_threshold_bytes = int64_t{8} << 20;
+  bool bulk_http = true;
 };
 
 class BulkTransfer;
@@ -153,6 +157,10 @@ inline constexpr int kDefaultPort = 50051;
 // are returned as they are.
 std::string WithDefaultPort(const std::string& target);
 
+// The host a gRPC target dials ("10.0.0.7", "::1", "flce.svc"); empty for a
+// target that is not a host and port (unix: and the like).
+std::string TargetHost(const std::string& target);
+
 class LossClient {
  public:
   // A client of the server at `target` ("host:port"; a host alone means
@@ -194,7 +202,7 @@ class LossClient {
 
  private:
   using ChannelFactory = std::function<std::shared_ptr<grpc::Channel>(int connection)>;
-  LossClient(ChannelFactory channels, ClientOptions options);
+  LossClient(ChannelFactory channels, ClientOptions options, std::string host = "");
   // The bulk transfer and its region for `bytes`, or null where they go
   // over the one channel (small, disabled, or a server without regions).
   BulkTransfer* Bulk(int64_t bytes);
@@ -230,6 +238,7 @@ class LossClient {
 
   ClientOptions options_;
   ChannelFactory make_channel_;
+  const std::string host_;  // for the bulk port
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::LossService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;

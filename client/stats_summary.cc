@@ -143,6 +143,8 @@ std::string StatsSummary(const v1::GetStatsResponse& s) {
       absl::StrFormat("shared mem  %d regions mapping %s; %d call channels\n",
                       s.shared_memory_regions(), HumanBytes(s.shared_memory_bytes()),
                       s.call_channels()),
+      absl::StrFormat("bulk port   %d connections; regions of server memory hold %s\n",
+                      s.bulk_connections(), HumanBytes(s.region_memory_bytes())),
       "device mem  ", HumanBytes(s.device_memory_bytes()),
       " held by the engine (pool, weights, gradient sums)\n",
       absl::StrFormat("reruns      %d Forward calls recomputed on the exact path\n",

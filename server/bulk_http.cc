@@ -286,6 +286,12 @@ absl::StatusOr<std::unique_ptr<BulkHttpServer>> BulkHttpServer::Start(
   return server;
 }
 
+int BulkHttpServer::connections() const {
+  const MHD_DaemonInfo* info =
+      MHD_get_daemon_info(daemon_, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+  return info != nullptr ? static_cast<int>(info->num_connections) : 0;
+}
+
 BulkHttpServer::~BulkHttpServer() {
   if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
 }

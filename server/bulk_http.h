@@ -68,6 +68,8 @@ class BulkHttpServer {
 
   int port() const { return port_; }
   bool tls() const { return tls_; }
+  // Connections open now.
+  int connections() const;
 
   // For the library's callbacks.
   const SharedMemoryRegistry* regions() const { return regions_; }

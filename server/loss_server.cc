@@ -359,6 +359,7 @@ Gauges LossServer::CurrentGauges() const {
   g.shared_memory_bytes = shared_memory_->bytes();
   g.region_memory_bytes = shared_memory_->server_bytes();
   g.call_channels = channels_ ? channels_->size() : 0;
+  g.bulk_connections = bulk_http_ ? bulk_http_->connections() : 0;
   g.open_streams = admission_->open_streams();
   g.request_memory_bytes = admission_->bytes_in_use();
   g.stream_idle_timeouts = admission_->idle_timeouts();

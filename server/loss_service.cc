@@ -193,6 +193,7 @@ LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes*
   response->set_shared_memory_regions(g.shared_memory_regions);
   response->set_call_channels(g.call_channels);
   response->set_region_memory_bytes(g.region_memory_bytes);
+  response->set_bulk_connections(g.bulk_connections);
   response->set_shared_memory_bytes(g.shared_memory_bytes);
   response->set_device_memory_bytes(g.device_memory_bytes);
   response->set_weight_device_memory_bytes(g.weight_device_memory_bytes);

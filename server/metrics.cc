@@ -179,6 +179,9 @@ std::string PrometheusText(const MetricsSnapshot& s) {
               g.shared_memory_regions);
   AppendGauge(&out, "flce_call_channels", "Open call channels (a server thread each).",
               g.call_channels);
+  AppendGauge(&out, "flce_bulk_connections",
+              "Connections open on the bulk HTTP port (a server thread each).",
+              g.bulk_connections);
   AppendGauge(&out, "flce_region_memory_bytes",
               "Bytes of the server's own memory held by registered regions (server_memory).",
               g.region_memory_bytes);

@@ -49,6 +49,7 @@ struct Gauges {
   int64_t shared_memory_bytes = 0;
   int64_t call_channels = 0;  // open (server/call_channel.h)
   int64_t region_memory_bytes = 0;  // regions of server memory
+  int64_t bulk_connections = 0;     // open on the bulk port (server/bulk_http.h)
 };
 
 struct MetricsSnapshot {

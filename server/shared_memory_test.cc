@@ -245,6 +245,40 @@ TEST(SharedMemoryTest, ServerMemoryIsBoundedAndReapedWhenIdle) {
   EXPECT_TRUE(registry.RegisterServerMemory(2 << 20, "a").ok());
 }
 
+// A region of server memory has a ticket that names it to anyone (the bulk
+// port has no principal) and counts as a use; other regions have none.
+TEST(SharedMemoryTest, ServerMemoryIsFoundByItsTicketAlone) {
+  SharedMemoryLimits limits;
+  limits.server_region_ttl = absl::Milliseconds(200);
+  SharedMemoryRegistry registry(limits);
+  auto a = registry.RegisterServerMemory(4096, "a");
+  auto b = registry.RegisterServerMemory(4096, "b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->ticket.size(), 32u);
+  EXPECT_NE(a->ticket, b->ticket);
+  auto found = registry.FindByTicket(a->region_id, a->ticket);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->principal, "a");
+  EXPECT_EQ(found->region->bytes(), 4096);
+  for (const std::string& wrong : {b->ticket, std::string(), a->ticket.substr(1),
+                                   a->ticket + "0", a->region_id}) {
+    EXPECT_THAT(registry.FindByTicket(a->region_id, wrong),
+                StatusIs(Code::kNotFound, HasSubstr("or a wrong ticket")));
+  }
+  ShmObject object(4096);
+  auto posix = registry.Register(object.name(), 4096, "a");
+  ASSERT_TRUE(posix.ok());
+  EXPECT_TRUE(posix->ticket.empty());
+  EXPECT_EQ(registry.FindByTicket(posix->region_id, "").status().code(), Code::kNotFound);
+  // Named by its ticket again and again, a stays; b goes idle.
+  for (int i = 0; i < 6; ++i) {
+    absl::SleepFor(absl::Milliseconds(60));
+    ASSERT_TRUE(registry.FindByTicket(a->region_id, a->ticket).ok());
+  }
+  EXPECT_EQ(registry.ReapIdle(), 1);
+  EXPECT_TRUE(registry.FindByTicket(a->region_id, a->ticket).ok());
+}
+
 // With an engine's device memory a region of server memory is page-locked
 // for it, and unlocked once unregistered and unused (before it is
 // unmapped); where locking fails it serves unlocked.

@@ -15,6 +15,7 @@ Needs root (ip netns, tc from iproute2); skips without. Run by Bazel
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,6 +181,11 @@ class NetnsTest(unittest.TestCase):
         """)
         self.assertEqual(code, 0, out)
         self.assertIn("OK", out)
+        # X, dX and the weights moved over the bulk port, with TLS.
+        log = self.server.read_log()
+        self.assertIn("bulk transfers over HTTPS", log)
+        self.assertRegex(log, r"rpc=BulkWrite via=http .*code=OK")
+        self.assertRegex(log, r"rpc=BulkRead via=http .*code=OK")
 
     def test_a_link_dropped_mid_upload_keeps_nothing_and_the_retry_succeeds(self):
         self.link.throttle("80mbit")  # 96 MiB take ~10 s: the drop lands mid-upload
@@ -209,6 +215,9 @@ class NetnsTest(unittest.TestCase):
         self.link.set_up(False)
         out, _ = process.communicate(timeout=60)
         self.assertRegex(out, r"error (UNAVAILABLE|DEADLINE_EXCEEDED)", out)
+        # The server gave the cut transfer up (its idle timeout) and says so.
+        wait_for(lambda: re.search(r"rpc=BulkWrite via=http .*code=CANCELLED",
+                                   self.server.read_log()), "the cut BulkWrite")
         self.link.set_up(True)
         self.link.throttle(None)
         # Nothing half-applied: once the server has given the stalled upload

@@ -337,12 +337,20 @@ TEST_F(RegionTest, TheCppClientMovesLargeWeightsOverSeveralConnections) {
   for (int64_t i = 0; i < 5 * h; ++i) x.mutable_data<float>()[i] = normal(gen);
   for (int64_t i = 0; i < 5; ++i) t.mutable_data<int64_t>()[i] = i * 577;
   std::vector<WeightGrad> grads;
-  for (int connections : {0, 3}) {
+  auto count = [&](const char* rpc) {
+    const MetricsSnapshot m = server_->Metrics();
+    auto it = m.requests.find({rpc, "OK"});
+    return it == m.requests.end() ? int64_t{0} : it->second;
+  };
+  for (auto [connections, http] : {std::pair{0, true}, {3, true}, {3, false}}) {
     ClientOptions options;
     options.bulk_connections = connections;
     options.bulk_threshold_bytes = 1 << 20;
+    options.bulk_http = http;
     auto client = LossClient::Create("127.0.0.1:" + std::to_string(server_->port()), options);
-    const std::string name = "w" + std::to_string(connections);
+    const std::string name = "w" + std::to_string(connections) + (http ? "http" : "grpc");
+    const int64_t puts = count("BulkWrite"), gets = count("BulkRead"),
+                  writes = count("WriteRegion"), reads = count("ReadRegion");
     auto info = client->PutWeight(name, w.view(), b.view());
     ASSERT_TRUE(info.ok()) << info.status();
     ForwardArgs args;
@@ -359,11 +367,20 @@ TEST_F(RegionTest, TheCppClientMovesLargeWeightsOverSeveralConnections) {
     auto grad = client->TakeWeightGrad(name);
     ASSERT_TRUE(grad.ok()) << grad.status();
     grads.push_back(*std::move(grad));
-    // The bulk client's weight and gradient went through a region of its own.
+    // The bulk client's weight and gradient went through a region of its
+    // own: W and b written apart (3 ranges or streams for W's 8.4 MB, one
+    // for b) and read at once (3), over the bulk port or as gRPC streams.
     EXPECT_EQ(server_->CurrentGauges().region_memory_bytes > 0, connections > 0);
+    const bool bulk = connections > 0;
+    EXPECT_EQ(count("BulkWrite") - puts, bulk && http ? 4 : 0);
+    EXPECT_EQ(count("BulkRead") - gets, bulk && http ? 3 : 0);
+    EXPECT_EQ(count("WriteRegion") - writes, bulk && !http ? 4 : 0);
+    EXPECT_EQ(count("ReadRegion") - reads, bulk && !http ? 3 : 0);
   }
-  EXPECT_EQ(grads[0].grad_weight.data, grads[1].grad_weight.data);
-  EXPECT_EQ(grads[0].grad_bias->data, grads[1].grad_bias->data);
+  for (int i : {1, 2}) {
+    EXPECT_EQ(grads[0].grad_weight.data, grads[i].grad_weight.data);
+    EXPECT_EQ(grads[0].grad_bias->data, grads[i].grad_bias->data);
+  }
   EXPECT_EQ(server_->CurrentGauges().region_memory_bytes, 0);  // gone with its client
 }
 

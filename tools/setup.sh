@@ -10,7 +10,7 @@ PACKAGES=(
   bazel-bootstrap g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libopenblas-dev
-  libssl-dev libmicrohttpd-dev
+  libssl-dev libmicrohttpd-dev libcurl4-openssl-dev
 )
 if [ "${1:-}" != "--build" ]; then
   PACKAGES+=(

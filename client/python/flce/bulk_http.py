@@ -107,6 +107,12 @@ class BulkHttp:
                 conn = self._connect()
                 try:
                     resp = self._exchange(conn, method, path, headers, body)
+                except http.client.RemoteDisconnected as e:
+                    # A new connection closed without a word: a server at
+                    # its connection limit.
+                    conn.close()
+                    raise Unreachable(f"the bulk port {self.host}:{self.port} closed a new "
+                                      f"connection: {e}") from None
                 except (OSError, http.client.HTTPException) as e:
                     conn.close()
                     raise _failure(method, f"the connection broke: {e}") from None
