@@ -11,7 +11,8 @@
 // With --transfer_mib (a list), instead: a weight of each size (fp32) put
 // (PutWeight) and its gradient taken (TakeWeightGrad, after one
 // accumulating Backward), over one stream and over 1, 2, 4 and 8 bulk
-// connections (--connections): the median time and GB/s each way.
+// connections (--connections) of each transport (--transports: the
+// server's bulk HTTP port, gRPC streams): the median time and GB/s each way.
 
 #include <algorithm>
 #include <cstdio>
@@ -39,6 +40,8 @@ ABSL_FLAG(std::string, transfer_mib, "",
           "weight sizes in MiB (e.g. 64,1024): time PutWeight and TakeWeightGrad instead");
 ABSL_FLAG(std::string, connections, "0,1,2,4,8",
           "bulk connections to time with --transfer_mib (0: one stream, no region)");
+ABSL_FLAG(std::string, transports, "http,grpc",
+          "bulk transports to time with --transfer_mib: http (the bulk port), grpc (streams)");
 
 namespace flce {
 namespace {
@@ -58,8 +61,9 @@ double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
 // PutWeight and TakeWeightGrad of fp32 weights of the given sizes, over one
 // stream and over bulk connections.
 int Transfers(const std::string& address) {
-  std::printf("%-10s %-12s %12s %10s %12s %10s\n", "weight", "connections", "put ms", "GB/s",
-              "take ms", "GB/s");
+  std::printf("%-10s %-10s %-12s %12s %10s %12s %10s\n", "weight", "transport", "connections",
+              "put ms", "GB/s", "take ms", "GB/s");
+  const std::vector<std::string> transports = absl::StrSplit(absl::GetFlag(FLAGS_transports), ',');
   for (absl::string_view mib_text : absl::StrSplit(absl::GetFlag(FLAGS_transfer_mib), ',')) {
     int64_t mib = 0;
     if (!absl::SimpleAtoi(mib_text, &mib) || mib < 1) {
@@ -73,15 +77,24 @@ int Transfers(const std::string& address) {
     for (int64_t i = 0; i < h; ++i) x.mutable_data<float>()[i] = 0.01f * static_cast<float>(i % 13);
     t.mutable_data<int64_t>()[0] = 3;
     const double bytes = static_cast<double>(v * h * 4);
-    for (absl::string_view c_text : absl::StrSplit(absl::GetFlag(FLAGS_connections), ',')) {
-      int connections = 0;
-      if (!absl::SimpleAtoi(c_text, &connections)) return 2;
+    std::vector<std::pair<std::string, int>> runs;
+    for (const std::string& transport : transports) {
+      for (absl::string_view c_text : absl::StrSplit(absl::GetFlag(FLAGS_connections), ',')) {
+        int connections = 0;
+        if (!absl::SimpleAtoi(c_text, &connections)) return 2;
+        if (connections > 0 || transport == transports.front()) {
+          runs.push_back({connections > 0 ? transport : "one stream", connections});
+        }
+      }
+    }
+    for (const auto& [transport, connections] : runs) {
       ClientOptions options;
       options.max_message_bytes = int64_t{64} << 20;
       options.bulk_connections = connections;
       options.bulk_threshold_bytes = 1;
+      options.bulk_http = transport == "http";
       auto client = LossClient::Create(address, options);
-      const std::string name = absl::StrCat("transfer_", mib, "_", connections);
+      const std::string name = absl::StrCat("transfer_", mib, "_", connections > 0 ? transport : "one", connections);
       std::vector<double> put_ms, take_ms;
       for (int i = 0; i < 1 + absl::GetFlag(FLAGS_iters); ++i) {
         const absl::Time start = absl::Now();
@@ -115,8 +128,8 @@ int Transfers(const std::string& address) {
       }
       (void)client->DeleteWeight(name);
       const double put = Median(put_ms), take = Median(take_ms);
-      std::printf("%-10s %-12s %12.1f %10.2f %12.1f %10.2f\n", absl::StrCat(mib, " MiB").c_str(),
-                  connections == 0 ? "one stream" : absl::StrCat(connections).c_str(), put,
+      std::printf("%-10s %-10s %-12d %12.1f %10.2f %12.1f %10.2f\n",
+                  absl::StrCat(mib, " MiB").c_str(), transport.c_str(), connections, put,
                   bytes / (put * 1e6), take, bytes / (take * 1e6));
     }
   }

@@ -553,15 +553,19 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
   DType got = dtype;
   uint64_t take_id = 0;
   absl::Status status = ReadTake(request, &out, &bytes, &got, &take_id);
-  if (status.ok() && bulk != nullptr) {
-    const int64_t v = out.weight.shape(0), h = out.weight.shape(1);
-    bytes.resize(static_cast<size_t>((v * h + (out.weight.has_bias() ? v : 0)) * DTypeSize(got)));
-    status = bulk->Read(region, 0, &bytes[0], static_cast<int64_t>(bytes.size()));
-  }
   const int64_t v = status.ok() ? out.weight.shape(0) : 0;
   const int64_t h = status.ok() ? out.weight.shape(1) : 0;
   const int64_t elem = DTypeSize(got);
-  const int64_t expected = (v * h + (out.weight.has_bias() ? v : 0)) * elem;
+  if (status.ok() && bulk != nullptr) {
+    // Straight from the region into the results.
+    out.grad_weight = HostTensor(got, {v, h});
+    status = bulk->Read(region, 0, &out.grad_weight.data[0], v * h * elem);
+    if (status.ok() && out.weight.has_bias()) {
+      out.grad_bias = HostTensor(got, {v});
+      status = bulk->Read(region, v * h * elem, &out.grad_bias->data[0], v * elem);
+    }
+  }
+  const int64_t expected = bulk != nullptr ? 0 : (v * h + (out.weight.has_bias() ? v : 0)) * elem;
   if (status.ok() && static_cast<int64_t>(bytes.size()) != expected) {
     status = absl::DataLossError(absl::StrCat("TakeWeightGrad: received ", bytes.size(),
                                               " bytes, expected ", expected));
@@ -576,6 +580,7 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
     }
   }
   FLCE_RETURN_IF_ERROR(status);
+  if (bulk != nullptr) return out;
   out.grad_weight = HostTensor(got, {v, h});
   std::memcpy(&out.grad_weight.data[0], bytes.data(), static_cast<size_t>(v * h * elem));
   if (out.weight.has_bias()) {
