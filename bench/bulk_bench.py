@@ -12,7 +12,9 @@ of ``--iters`` after one warm-up each:
   ``take_weight_grad(out=...)`` of its gradient in bf16 (one tiny Backward
   accumulates into it before each take), for each transport and
   connection count (0: one stream over the client's one channel): seconds
-  and GB/s.
+  and GB/s, and the server's own part of each (its access lines' ms: the
+  PutWeight after the bytes are in the region, the TakeWeightGrad before
+  they are read out of it).
 
 Usage: bulk_bench.py FLCE_SERVER [--backend cuda] [--sizes_mib 64,1024]
   [--transports http,grpc] [--connections 1,2,4,8] [--part_mib 1,4,16]
@@ -23,6 +25,7 @@ PYTHONPATH.
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -81,7 +84,16 @@ def region_rows(address, transports, sizes, connections, parts, crcs, iters):
     return rows
 
 
-def weight_rows(address, transports, sizes, connections, iters):
+def server_ms(server, rpc, name, last):
+    """The median ms of the server's last `last` access lines of `rpc` on
+    weight `name`."""
+    found = re.findall(rf"rpc={rpc} weight={re.escape(name)} .*? ms=([0-9.]+)",
+                       server.read_log())
+    return statistics.median(float(ms) for ms in found[-last:]) if found else float("nan")
+
+
+def weight_rows(server, transports, sizes, connections, iters):
+    address = server.address
     import torch
 
     rows = []
@@ -113,13 +125,17 @@ def weight_rows(address, transports, sizes, connections, iters):
                 client.close()
             nbytes = weight.numel() * 2
             transport = transport if conns else "one stream"
+            put_server = server_ms(server, "PutWeight", name, iters)
+            take_server = server_ms(server, "TakeWeightGrad", name, iters)
             rows.append({"what": "weight", "transport": transport, "bytes": nbytes,
+                         "put_server_ms": put_server, "take_server_ms": take_server,
                          "connections": conns,
                          "put_s": put, "take_s": take_s, "put_gbps": nbytes / put / 1e9,
                          "take_gbps": nbytes / take_s / 1e9})
             print(f"weight {transport:<10} {nbytes >> 20:>6} MiB  {conns:>2} conn  put {put:7.3f} s "
-                  f"{nbytes / put / 1e9:6.2f} GB/s  take {take_s:7.3f} s "
-                  f"{nbytes / take_s / 1e9:6.2f} GB/s", flush=True)
+                  f"{nbytes / put / 1e9:6.2f} GB/s (server {put_server:6.1f} ms)  take "
+                  f"{take_s:7.3f} s {nbytes / take_s / 1e9:6.2f} GB/s (server "
+                  f"{take_server:6.1f} ms)", flush=True)
     return rows
 
 
@@ -153,7 +169,7 @@ def main(argv):
                                 [c for c in connections if c > 0], parts,
                                 [c == "1" for c in args.crc.split(",")], args.iters)
         if "weight" in what:
-            rows += weight_rows(server.address, transports, sizes, connections, args.iters)
+            rows += weight_rows(server, transports, sizes, connections, args.iters)
     finally:
         server.kill()
     if args.json:
