@@ -222,10 +222,8 @@ class TakeGradReactor final : public WriteStream {
     WhenOver([this, hold = r.hold_until_acknowledged()](bool delivered) {
       if (!delivered) {
         weight_->RestoreGrad(*std::move(grad_));
-      } else if (hold) {
-        weight_->ConfirmTake(std::move(grad_));
       } else {
-        weight_->ConfirmTake();
+        weight_->ConfirmTake(*std::move(grad_), hold);
       }
     });
     if (r.has_into()) {

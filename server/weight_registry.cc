@@ -43,6 +43,13 @@ void AddInto(HostTensor& sum, const HostTensor& term) {
   }
 }
 
+// slot = value, the old value destroyed first (whole: its page lock before
+// its memory, which a member-wise assignment would free first).
+void Replace(std::optional<RegisteredWeight::Grad>& slot, RegisteredWeight::Grad value) {
+  slot.reset();
+  slot = std::move(value);
+}
+
 // Keyed by principal and name, so principals never see each other's names.
 std::string Key(const std::string& principal, const std::string& name) {
   return absl::StrCat(principal.size(), ":", principal, name);
@@ -109,7 +116,11 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending,
   auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !take_pending_; };
   mu_.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(2));
   if (held_) {
-    if (resume != 0 && held_->take_id == resume) MergeGrad(*std::move(held_));
+    if (resume != 0 && held_->take_id == resume) {
+      MergeGrad(*std::move(held_));
+    } else {
+      Replace(spare_, *std::move(held_));
+    }
     held_.reset();
   }
   const int64_t device_backwards = device_backwards_.load();
@@ -119,7 +130,18 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending,
         ": no gradient accumulated (Backward with accumulate_weight_grad adds one)"));
   }
   if (device_backwards > 0) {
-    Grad device{HostTensor(DType::kFloat32, weight_.shape), std::nullopt, device_backwards};
+    Grad device;
+    if (spare_ && spare_->dw.shape == weight_.shape) {
+      device = *std::move(spare_);  // touched and page-locked already
+    } else {
+      device.dw = HostTensor(DType::kFloat32, weight_.shape);
+      absl::StatusOr<std::unique_ptr<DeviceBlock>> locked = device_memory_->PinHostMemory(
+          device.dw.data.data(), static_cast<int64_t>(device.dw.data.size()));
+      if (locked.ok()) device.dw_locked = *std::move(locked);  // else: through staging
+    }
+    spare_.reset();
+    device.db.reset();
+    device.backwards = device_backwards;
     FLCE_RETURN_IF_ERROR(device_memory_->CopyToHost(
         device_dw_->data(), device.dw.data.data(), static_cast<int64_t>(device.dw.data.size())));
     if (device_db_ != nullptr) {
@@ -139,10 +161,10 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending,
   return grad;
 }
 
-void RegisteredWeight::ConfirmTake(std::optional<Grad> hold) {
+void RegisteredWeight::ConfirmTake(Grad taken, bool hold) {
   absl::MutexLock lock(&mu_);
   take_pending_ = false;
-  held_ = std::move(hold);
+  Replace(hold ? held_ : spare_, std::move(taken));
 }
 
 const void* RegisteredWeight::DeviceWeight(DeviceMemory* memory) {

@@ -108,6 +108,10 @@ class RegisteredWeight {
     std::optional<HostTensor> db;  // fp32 [V]
     int64_t backwards = 0;         // calls summed
     uint64_t take_id = 0;          // from TakeGrad, to acknowledge a held take
+    // dW's page lock for the engine's device (a take's copy from the device
+    // sum runs at the bus's rate into it); declared last, so it is unlocked
+    // before dW's memory is freed. Null: not locked.
+    std::shared_ptr<DeviceBlock> dw_locked;
   };
   // The accumulated gradient, leaving the accumulator empty.
   // FAILED_PRECONDITION when nothing was accumulated. With `pending`, the
@@ -119,8 +123,11 @@ class RegisteredWeight {
   absl::StatusOr<Grad> TakeGrad(bool pending = false, uint64_t resume = 0);
 
   // A pending take was delivered. With `hold` (the take itself), it is kept
-  // until the next TakeGrad, which may resume it by its take_id.
-  void ConfirmTake(std::optional<Grad> hold = std::nullopt);
+  // until the next TakeGrad, which may resume it by its take_id; a take not
+  // held, or a held one not resumed, gives its memory to the next take from
+  // the device sum (already touched and page-locked: the copy runs at the
+  // bus's rate instead of faulting in fresh pages through staging buffers).
+  void ConfirmTake(Grad taken, bool hold);
 
   // Puts a taken gradient back (its delivery failed), so nothing is lost.
   void RestoreGrad(Grad grad);
@@ -181,6 +188,8 @@ class RegisteredWeight {
   bool take_pending_ ABSL_GUARDED_BY(mu_) = false;
   // A delivered take kept until the next TakeGrad.
   std::optional<Grad> held_ ABSL_GUARDED_BY(mu_);
+  // A delivered take's memory, for the next take from the device sum.
+  std::optional<Grad> spare_ ABSL_GUARDED_BY(mu_);
   // grad_ += grad (or grad_ = grad when empty: no copy).
   void MergeGrad(Grad grad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const std::shared_ptr<ByteBudget> device_budget_;

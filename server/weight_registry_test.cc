@@ -195,6 +195,7 @@ class FakeDeviceMemory : public DeviceMemory {
  public:
   bool exhausted = false;
   int allocations = 0;
+  int locks = 0, unlocks = 0;  // PinHostMemory's
 
   absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(const std::string&) override {
     return absl::UnimplementedError("fake");
@@ -215,11 +216,27 @@ class FakeDeviceMemory : public DeviceMemory {
     std::memcpy(device, host, static_cast<size_t>(bytes));
     return absl::OkStatus();
   }
-  absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void*, int64_t) override {
-    return absl::UnimplementedError("fake");
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host, int64_t bytes) override {
+    if (!lock_host) return absl::UnimplementedError("fake");
+    ++locks;
+    return std::unique_ptr<DeviceBlock>(new Locked(host, bytes, &unlocks));
   }
+  bool lock_host = false;
 
  private:
+  class Locked : public DeviceBlock {
+   public:
+    Locked(void* host, int64_t bytes, int* unlocks) : host_(host), bytes_(bytes), unlocks_(unlocks) {}
+    ~Locked() override { ++*unlocks_; }
+    void* data() const override { return host_; }
+    int64_t bytes() const override { return bytes_; }
+
+   private:
+    void* host_;
+    int64_t bytes_;
+    int* unlocks_;
+  };
+
   class Block : public DeviceBlock {
    public:
     explicit Block(int64_t bytes) : bytes_(static_cast<size_t>(bytes), '\0') {}
@@ -275,6 +292,55 @@ TEST(WeightRegistryTest, DeviceSumsMergeWithTheHostOnTake) {
   }
   EXPECT_EQ(w->TakeGrad()->dw.data_as<float>()[5], 4.0f);
   EXPECT_EQ(memory.allocations, 2);  // dW and db, once
+}
+
+// A take from the device sum lands in memory page-locked once and reused:
+// the last take's, once it is no longer held for a resume.
+TEST(WeightRegistryTest, TakesFromTheDeviceReuseTheLastTakesLockedMemory) {
+  FakeDeviceMemory memory;
+  memory.lock_host = true;
+  WeightRegistry registry(1 << 20);
+  auto w = *registry.Put("w", "", Weight(3, 2, 0), std::nullopt);
+  const void* first = nullptr;
+  for (int step = 0; step < 4; ++step) {
+    {
+      auto grad = w->LeaseDeviceGrad(&memory);
+      AddOnDevice(*grad, 3, 2, 1.0f + step);
+      grad->Added();
+    }
+    auto taken = w->TakeGrad(/*pending=*/true, /*resume=*/0);
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    EXPECT_EQ(taken->dw.data_as<float>()[4], 1.0f + step);
+    EXPECT_NE(taken->dw_locked, nullptr);
+    if (step == 0) first = taken->dw.data.data();
+    EXPECT_EQ(taken->dw.data.data(), first) << step;  // the same memory every time
+    w->ConfirmTake(*std::move(taken), /*hold=*/step % 2 == 0);
+  }
+  EXPECT_EQ(memory.locks, 1);
+  EXPECT_EQ(memory.unlocks, 0);
+  // A held take that is resumed goes back into the sum, exactly.
+  {
+    auto grad = w->LeaseDeviceGrad(&memory);
+    AddOnDevice(*grad, 3, 2, 10.0f);
+    grad->Added();
+  }
+  auto held = w->TakeGrad(true, 0);
+  const uint64_t id = held->take_id;
+  w->ConfirmTake(*std::move(held), /*hold=*/true);
+  {
+    auto grad = w->LeaseDeviceGrad(&memory);
+    AddOnDevice(*grad, 3, 2, 0.5f);
+    grad->Added();
+  }
+  auto resumed = w->TakeGrad(true, id);
+  ASSERT_TRUE(resumed.ok());
+  EXPECT_EQ(resumed->dw.data_as<float>()[0], 10.5f);
+  EXPECT_EQ(resumed->backwards, 2);
+  // (The resumed take's memory holds the sum; the device's came into new
+  // memory, added and freed.) Every lock ends with its memory.
+  EXPECT_EQ(memory.locks, 2);
+  resumed = absl::InternalError("dropped");
+  EXPECT_EQ(memory.unlocks, 2);
 }
 
 // A lease that never reports success (the Backward failed) adds no count,
