@@ -1,6 +1,9 @@
 #include "client/bulk_http_client.h"
 
+#include <arpa/inet.h>
 #include <curl/curl.h>
+#include <netdb.h>
+#include <netinet/in.h>
 
 #include <algorithm>
 #include <cstring>
@@ -82,17 +85,58 @@ struct BulkHttpClient::Exchange {
 BulkHttpClient::BulkHttpClient(BulkHttpEndpoint endpoint, absl::Duration timeout)
     : endpoint_(std::move(endpoint)),
       timeout_(timeout),
-      // With a server name, the URL (and so the certificate check and the
-      // Host header) names it, and CURLOPT_CONNECT_TO dials the host.
-      base_url_(absl::StrCat(endpoint_.tls ? "https://" : "http://",
-                             UrlHost(endpoint_.tls_server_name.empty() ? endpoint_.host
-                                                                       : endpoint_.tls_server_name),
-                             ":", endpoint_.port, "/v1/regions/")),
-      connect_to_(endpoint_.tls_server_name.empty()
-                      ? std::string()
-                      : absl::StrCat(UrlHost(endpoint_.tls_server_name), ":", endpoint_.port, ":",
-                                     UrlHost(endpoint_.host), ":", endpoint_.port)) {
+      // The URL (and so the certificate check and the Host header) names
+      // the server name, or the host; CURLOPT_CONNECT_TO dials the address.
+      url_host_(UrlHost(endpoint_.tls_server_name.empty() ? endpoint_.host
+                                                          : endpoint_.tls_server_name)),
+      base_url_(absl::StrCat(endpoint_.tls ? "https://" : "http://", url_host_, ":",
+                             endpoint_.port, "/v1/regions/")),
+      pinned_(endpoint_.host) {
   GlobalInit();
+}
+
+absl::Status BulkHttpClient::Pin(const std::string& region, const std::string& ticket) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int error = getaddrinfo(endpoint_.host.c_str(), nullptr, &hints, &found);
+  std::vector<std::string> addresses;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    char text[INET6_ADDRSTRLEN] = "";
+    const void* in = a->ai_family == AF_INET6
+                         ? static_cast<const void*>(
+                               &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr)
+                         : &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr;
+    if (inet_ntop(a->ai_family, in, text, sizeof(text)) != nullptr &&
+        std::find(addresses.begin(), addresses.end(), text) == addresses.end()) {
+      addresses.push_back(text);
+    }
+  }
+  if (found != nullptr) freeaddrinfo(found);
+  if (error != 0 || addresses.empty()) {
+    absl::Status status = absl::UnavailableError(
+        absl::StrCat("bulk: cannot resolve ", endpoint_.host, ": ", gai_strerror(error)));
+    status.SetPayload(kUnreachable, absl::Cord("1"));
+    return status;
+  }
+  std::string holder = addresses.size() == 1 ? addresses[0] : "";
+  for (size_t i = 0; holder.empty() && i < addresses.size(); ++i) {
+    if (Run(false, region, ticket, 0, nullptr, 0, addresses[i]).ok()) holder = addresses[i];
+  }
+  if (holder.empty()) {
+    absl::Status status = absl::UnavailableError(absl::StrCat(
+        "bulk: none of ", endpoint_.host, "'s ", addresses.size(),
+        " addresses holds the region on port ", endpoint_.port));
+    status.SetPayload(kUnreachable, absl::Cord("1"));
+    return status;
+  }
+  absl::MutexLock lock(&mu_);
+  if (holder != pinned_) {
+    for (void* handle : idle_) curl_easy_cleanup(static_cast<CURL*>(handle));
+    idle_.clear();  // their connections go elsewhere
+    pinned_ = holder;
+  }
+  return absl::OkStatus();
 }
 
 BulkHttpClient::~BulkHttpClient() {
@@ -132,7 +176,8 @@ absl::Status BulkHttpClient::Get(const std::string& region, const std::string& t
 }
 
 absl::Status BulkHttpClient::Run(bool put, const std::string& region, const std::string& ticket,
-                                 int64_t offset, char* buffer, int64_t bytes) {
+                                 int64_t offset, char* buffer, int64_t bytes,
+                                 const std::string& address) {
   CURL* curl = static_cast<CURL*>(TakeHandle());
   if (curl == nullptr) return absl::ResourceExhaustedError("bulk: curl_easy_init failed");
   Exchange e;
@@ -143,8 +188,14 @@ absl::Status BulkHttpClient::Run(bool put, const std::string& region, const std:
       absl::StrCat(base_url_, region, "?offset=", offset, put ? "" : absl::StrCat("&length=", bytes));
   const std::string authorization = absl::StrCat("Authorization: Bearer ", ticket);
   curl_slist* headers = curl_slist_append(nullptr, authorization.c_str());
-  curl_slist* connect_to =
-      connect_to_.empty() ? nullptr : curl_slist_append(nullptr, connect_to_.c_str());
+  std::string to = address;
+  if (to.empty()) {
+    absl::MutexLock lock(&mu_);
+    to = pinned_;
+  }
+  const std::string connect_to =
+      absl::StrCat(url_host_, ":", endpoint_.port, ":", UrlHost(to), ":", endpoint_.port);
+  curl_slist* connect_list = curl_slist_append(nullptr, connect_to.c_str());
   curl_easy_reset(curl);  // keeps the connection, forgets the last request
   curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
   curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
@@ -156,7 +207,7 @@ absl::Status BulkHttpClient::Run(bool put, const std::string& region, const std:
   curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, &Exchange::Write);
   curl_easy_setopt(curl, CURLOPT_WRITEDATA, &e);
   curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, 512L << 10);
-  if (connect_to != nullptr) curl_easy_setopt(curl, CURLOPT_CONNECT_TO, connect_to);
+  curl_easy_setopt(curl, CURLOPT_CONNECT_TO, connect_list);
   if (endpoint_.tls && !endpoint_.tls_root_certs.empty()) {
     curl_blob ca{const_cast<char*>(endpoint_.tls_root_certs.data()),
                  endpoint_.tls_root_certs.size(), CURL_BLOB_COPY};
@@ -171,7 +222,7 @@ absl::Status BulkHttpClient::Run(bool put, const std::string& region, const std:
   }
   const CURLcode result = curl_easy_perform(curl);
   curl_slist_free_all(headers);
-  curl_slist_free_all(connect_to);
+  curl_slist_free_all(connect_list);
   const char* what = put ? "bulk PUT" : "bulk GET";
   absl::Status status;
   if (result != CURLE_OK && e.status == 0) {

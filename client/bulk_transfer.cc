@@ -86,6 +86,10 @@ absl::StatusOr<std::string> BulkTransfer::Region(int64_t bytes) {
     where.port = response.bulk_port();
     http_ = std::make_shared<BulkHttpClient>(std::move(where), timeout_);
   }
+  if (http_ != nullptr && !ticket_.empty() && absl::Now() >= http_off_until_ &&
+      !http_->Pin(region_, ticket_).ok()) {
+    http_off_until_ = absl::Now() + absl::Minutes(1);  // over gRPC for now
+  }
   return region_;
 }
 

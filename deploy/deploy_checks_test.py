@@ -148,6 +148,11 @@ class DeployChecksTest(unittest.TestCase):
         self.assertGreater(grace, seconds(flag_value(args, "drain_timeout")) +
                            seconds(flag_value(args, "shutdown_grace")))
         self.assertEqual(self.container["resources"]["requests"]["nvidia.com/gpu"], 1)
+        # The bulk port is fixed (not "auto"'s free port), declared and served.
+        bulk_port = int(flag_value(args, "bulk_address").rsplit(":", 1)[1])
+        ports = {p["name"]: p["containerPort"] for p in self.container["ports"]}
+        self.assertEqual(ports["bulk"], bulk_port)
+        self.assertIn("bulk", [p["targetPort"] for p in self.base["Service"]["spec"]["ports"]])
         metrics_port = flag_value(args, "metrics_address").rsplit(":", 1)[1]
         self.assertEqual(spec["metadata"]["annotations"]["prometheus.io/port"], metrics_port)
         self.assertEqual(spec["metadata"]["annotations"]["prometheus.io/scrape"], "true")

@@ -6,9 +6,11 @@ the parts' encoding.
 Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
 """
 
+import socket
 import sys
 import unittest
 import zlib
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -104,6 +106,37 @@ class BulkTransferTest(unittest.TestCase):
         self.assertEqual(c.put_weight("w", w).version, 1)
         self.assertNotIn("rpc=WriteRegion", server.read_log())
         self.assertIn("--region_memory_bytes", server.read_log())
+
+    def test_a_name_of_several_servers_is_pinned_to_the_one_holding_the_region(self):
+        # A headless Service's name resolves to every pod; the region lives
+        # on the pod the gRPC channel reached. Here: two servers whose bulk
+        # ports share a number on two loopback addresses, and a name that
+        # resolves to the other one first.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mine = ServerProcess(SERVER, "--backend=cpu", f"--bulk_address=127.0.0.1:{port}")
+        self.addCleanup(mine.kill)
+        other = ServerProcess(SERVER, "--backend=cpu", f"--bulk_address=127.0.0.2:{port}")
+        self.addCleanup(other.kill)
+        c = flce.Client(mine.address, bulk_threshold=1 << 10)
+        self.addCleanup(c.close)
+        c._bulk_http_where = ("flce.pods.test", None, "flce.pods.test")
+        resolve = socket.getaddrinfo
+
+        def pods(host, *args, **kwargs):
+            if host != "flce.pods.test":
+                return resolve(host, *args, **kwargs)
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port))
+                    for ip in ("127.0.0.2", "127.0.0.1")]
+
+        w = np.random.default_rng(3).standard_normal((700, 64)).astype(np.float32)
+        with mock.patch("socket.getaddrinfo", pods):
+            c.put_weight("w", w)
+            self.assertTrue(c.bulk(w.nbytes).over_http)
+        self.assertRegex(mine.read_log(), r"rpc=BulkWrite via=http .*code=OK")
+        self.assertNotRegex(other.read_log(), r"rpc=Bulk\w+ via=http .*code=OK")
+        self.assertRegex(other.read_log(), r"rpc=BulkRead via=http .*code=NOT_FOUND")
 
     def test_parts_round_trip_and_a_bad_crc_is_refused(self):
         data = bytes(range(256)) * 300

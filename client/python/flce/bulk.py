@@ -150,7 +150,17 @@ class BulkTransfer:
                                                 timeout=self._client.timeout,
                                                 max_connections=2 * self.connections,
                                                 tls=tls, server_name=server_name)
+            if self._http is not None and self._ticket and self.over_http:
+                try:
+                    self._http.pin(self._region, self._ticket)
+                except bulk_http.Unreachable as e:
+                    self._off_http(e)
             return self._region
+
+    def _off_http(self, why):
+        """Transfers go over gRPC for a minute: the bulk port is out of reach."""
+        self._http_off_until = time.monotonic() + 60.0
+        _log.warning("flce: %s; large tensors go over gRPC streams instead (slower)", why)
 
     @property
     def over_http(self) -> bool:
@@ -190,8 +200,7 @@ class BulkTransfer:
             except BaseException as e:
                 error = error or e
         if isinstance(error, bulk_http.Unreachable):
-            self._http_off_until = time.monotonic() + 60.0
-            _log.warning("flce: %s; large tensors go over gRPC streams instead (slower)", error)
+            self._off_http(error)
             return False
         if error is not None:
             raise error

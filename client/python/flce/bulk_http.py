@@ -14,6 +14,9 @@ Connections are kept alive and reused, at most ``max_connections`` busy at
 once (a transfer beyond that waits for one). TLS exactly when the gRPC
 channel has it, with its CAs and server name; TCP and TLS carry the
 integrity of the bytes (no checksum of our own, as for any gRPC message).
+A name that resolves to several servers (a headless Service's, one address
+per pod) is pinned to the address that holds the region (:meth:`pin`): the
+gRPC channel reached one of them, and the region lives there.
 """
 
 import http.client
@@ -35,18 +38,20 @@ class Unreachable(Exception):
 
 
 class _Connection(http.client.HTTPConnection):
-    """A keep-alive connection that connects within CONNECT_TIMEOUT, then
-    allows ``timeout`` for a whole request; TLS with ``tls`` (an
-    ssl.SSLContext), checking the certificate against ``server_name``."""
+    """A keep-alive connection to ``address`` (``host``'s, or host itself)
+    that connects within CONNECT_TIMEOUT, then allows ``timeout`` for a
+    whole request; TLS with ``tls`` (an ssl.SSLContext), checking the
+    certificate against ``server_name``."""
 
-    def __init__(self, host: str, port: int, timeout: float,
+    def __init__(self, host: str, address: str, port: int, timeout: float,
                  tls: Optional[ssl.SSLContext], server_name: str):
         super().__init__(host, port, timeout=timeout)
+        self._address = address
         self._tls = tls
         self._server_name = server_name
 
     def connect(self):
-        sock = socket.create_connection((self.host, self.port), CONNECT_TIMEOUT)
+        sock = socket.create_connection((self._address, self.port), CONNECT_TIMEOUT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self.timeout)
         if self._tls is not None:
@@ -66,15 +71,50 @@ class BulkHttp:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._idle = []
         self._lock = threading.Lock()
+        self._address = host  # the address connections go to (see pin)
 
-    def _connect(self) -> _Connection:
-        conn = _Connection(self.host, self.port, self._timeout, self._tls, self._server_name)
+    def _connect(self, address: Optional[str] = None) -> _Connection:
+        conn = _Connection(self.host, address or self._address, self.port, self._timeout,
+                           self._tls, self._server_name)
         try:
             conn.connect()
         except (OSError, ssl.SSLError) as e:
             conn.close()
             raise Unreachable(f"the bulk port {self.host}:{self.port}: {e}") from None
         return conn
+
+    def pin(self, region_id: str, ticket: str):
+        """Connects from now on to the address of the host that holds the
+        region: where the name resolves to one address, that one; else the
+        first that answers for the ticket. Unreachable where none does."""
+        try:
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            raise Unreachable(f"the bulk port's host {self.host}: {e}") from None
+        addresses = list(dict.fromkeys(info[4][0] for info in infos))
+        found = addresses[0] if len(addresses) == 1 else None
+        for address in addresses if found is None else ():
+            try:
+                conn = self._connect(address)
+            except Unreachable:
+                continue
+            try:
+                resp = self._exchange(conn, "GET", f"/v1/regions/{region_id}?length=0",
+                                      {"Authorization": f"Bearer {ticket}"}, None)
+                resp.read()
+                if resp.status == 200:
+                    found = address
+                    break
+            except (OSError, http.client.HTTPException):
+                pass
+            finally:
+                conn.close()
+        if found is None:
+            raise Unreachable(f"none of {self.host}'s addresses {addresses} holds the region on "
+                              f"its bulk port {self.port}")
+        if found != self._address:
+            self.close()  # kept connections go elsewhere
+            self._address = found
 
     def put(self, region_id: str, ticket: str, offset: int, data: memoryview):
         """Writes ``data`` at ``offset`` of the region."""
