@@ -175,6 +175,64 @@ TEST(SecurityTest, MutualTlsNeedsACertificateTheServerTrusts) {
               StatusIs(Code::kUnavailable, ::testing::_));
 }
 
+// The bulk port speaks TLS with the server's certificate (checked against
+// the server name the client gives), and its ticket is the credential: with
+// mutual TLS and tokens on the gRPC port, a weight and its gradient still
+// move over it.
+TEST(SecurityTest, TheBulkPortSpeaksTlsAndNeedsOnlyTheRegionsTicket) {
+  ServerOptions o = Options();
+  o.security.tls_cert_file = std::string(kCerts) + "service_server.crt";
+  o.security.tls_key_file = std::string(kCerts) + "service_server.key";
+  o.security.tls_client_ca_file = std::string(kCerts) + "ca.crt";
+  o.security.auth_tokens_file = TokensFile();
+  auto server = StartOrDie(o);
+  ASSERT_NE(server, nullptr);
+  ASSERT_GT(server->bulk_port(), 0);
+  ClientOptions c = Tls("service_ca.crt");
+  c.tls_server_name = "flce.ml.svc";
+  c.tls_client_cert = Read("client.crt");
+  c.tls_client_key = Read("client.key");
+  c.token = "secret-alice";
+  c.bulk_threshold_bytes = 1 << 16;
+  auto client = Client(*server, c);
+  HostTensor w(DType::kFloat32, {300, 128});
+  for (int64_t i = 0; i < w.num_elements(); ++i) {
+    w.mutable_data<float>()[i] = 0.001f * static_cast<float>(i % 101);
+  }
+  auto info = client->PutWeight("w", w.view(), std::nullopt);
+  ASSERT_TRUE(info.ok()) << info.status();
+  HostTensor x(DType::kFloat32, {2, 128}), t(DType::kInt64, {2});
+  for (int64_t i = 0; i < 256; ++i) x.mutable_data<float>()[i] = 0.01f * static_cast<float>(i % 7);
+  t.mutable_data<int64_t>()[0] = 3;
+  t.mutable_data<int64_t>()[1] = 299;
+  ForwardArgs args;
+  args.problem.hidden = x.view();
+  args.problem.target = t.view();
+  args.weight_name = "w";
+  args.need_backward = true;
+  auto fwd = client->Forward(args);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  BackwardArgs back;
+  back.session_id = fwd->session_id;
+  back.accumulate_weight_grad = true;
+  ASSERT_TRUE(client->Backward(back).ok());
+  auto grad = client->TakeWeightGrad("w");
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_EQ(grad->grad_weight.num_elements(), 300 * 128);
+  // (Counted once the server is done with the request: maybe a moment later.)
+  auto ok = [&](const char* rpc) {
+    for (int i = 0; i < 500; ++i) {
+      const MetricsSnapshot m = server->Metrics();
+      auto it = m.requests.find({rpc, "OK"});
+      if (it != m.requests.end() && it->second > 0) return true;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return false;
+  };
+  EXPECT_TRUE(ok("BulkWrite"));
+  EXPECT_TRUE(ok("BulkRead"));
+}
+
 class TokenTest : public ::testing::Test {
  protected:
   void SetUp() override {
