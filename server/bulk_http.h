@@ -48,8 +48,8 @@ struct BulkHttpOptions {
   std::string address;
   // PEM certificate chain and key: TLS. Both or neither.
   std::string tls_cert_pem, tls_key_pem;
-  int max_connections = 256;
-  int max_connections_per_address = 64;
+  int max_connections = 512;
+  int max_connections_per_address = 128;
   absl::Duration idle_timeout = absl::Seconds(30);
 };
 

@@ -80,8 +80,8 @@ struct ServerOptions {
   // host of listen_address on a free port; empty: none (clients then use
   // WriteRegion / ReadRegion). TLS and its certificate follow `security`.
   std::string bulk_address = "auto";
-  int max_bulk_connections = 256;
-  int max_bulk_connections_per_address = 64;
+  int max_bulk_connections = 512;
+  int max_bulk_connections_per_address = 128;
   EngineOptions engine;
 };
 
