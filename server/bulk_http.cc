@@ -2,6 +2,7 @@
 
 #include <microhttpd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdarg>
 #include <cstdio>
@@ -240,12 +241,11 @@ absl::StatusOr<std::unique_ptr<BulkHttpServer>> BulkHttpServer::Start(
   if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
     return absl::InvalidArgumentError("bulk port: a TLS certificate and key go together");
   }
-  if (options.max_connections < 1 || options.max_connections_per_address < 1 ||
-      options.idle_timeout < absl::Seconds(1)) {
+  if (options.max_connections < 1 || options.max_connections_per_address < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_bulk_connections (", options.max_connections,
         ") and --max_bulk_connections_per_address (", options.max_connections_per_address,
-        ") must be >= 1 and the idle timeout >= 1s"));
+        ") must be >= 1"));
   }
   std::unique_ptr<BulkHttpServer> server(new BulkHttpServer());
   server->regions_ = regions;
@@ -262,8 +262,9 @@ absl::StatusOr<std::unique_ptr<BulkHttpServer>> BulkHttpServer::Start(
                    MHD_USE_ERROR_LOG;
   if (listen.ipv6) flags |= MHD_USE_IPv6;
   if (server->tls_) flags |= MHD_USE_TLS;
-  const unsigned timeout_s =
-      static_cast<unsigned>(absl::ToInt64Seconds(absl::Ceil(options.idle_timeout, absl::Seconds(1))));
+  // libmicrohttpd counts whole seconds: at least one.
+  const unsigned timeout_s = static_cast<unsigned>(std::max<int64_t>(
+      1, absl::ToInt64Seconds(absl::Ceil(options.idle_timeout, absl::Seconds(1)))));
   // The TLS options last: libmicrohttpd refuses them on a plaintext daemon.
   server->daemon_ = MHD_start_daemon(
       flags, static_cast<uint16_t>(listen.port), nullptr, nullptr, &Handle, server.get(),

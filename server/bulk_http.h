@@ -27,7 +27,8 @@
 //
 // Bounds (libmicrohttpd): a thread per connection, at most
 // `max_connections` (`max_connections_per_address` from one address), each
-// closed after `idle_timeout` without progress, with 1 MiB for a request's
+// closed after `idle_timeout` (in whole seconds, at least one) without
+// progress, with 1 MiB for a request's
 // headers and buffers; the bytes go straight into the region, which the
 // region budget already bounds.
 
