@@ -7,6 +7,7 @@ Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
 """
 
 import copy
+import os
 import sys
 import time
 import unittest
@@ -555,6 +556,13 @@ class PythonClientTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             self.client.forward(np.ones((2, 3), np.float32), np.array([0, 1]),
                                 np.ones((4, 3), np.float32), reduction="avg")
+
+    def test_the_package_is_the_installed_wheel_of_the_servers_version(self):
+        self.assertEqual(flce.__version__, self.client.info().version)
+        if os.environ.get("FLCE_FROM_WHEEL"):
+            # Installed like a user's: from the wheel, not the source tree.
+            self.assertIn("site-packages", flce.__file__)
+            self.assertIn("site-packages", flce.client.pb.__file__)
 
     def test_a_host_without_a_port_means_50051(self):
         for target, want in [("localhost", "localhost:50051"), ("10.0.0.7", "10.0.0.7:50051"),

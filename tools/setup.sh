@@ -16,6 +16,7 @@ if [ "${1:-}" != "--build" ]; then
   PACKAGES+=(
     clang libclang-rt-dev shellcheck yamllint python3-yaml openssl
     python3 python3-numpy python3-grpcio python3-protobuf python3-torch
+    python3-venv python3-pip python3-setuptools python3-wheel
     podman buildah debootstrap runc
   )
 fi

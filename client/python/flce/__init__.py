@@ -1,10 +1,14 @@
 """flce: the fused linear + cross-entropy loss as a service, for Python workers."""
 
+# The server's version (common/version.h); tools/build_wheel.sh refuses to
+# build a wheel where they differ.
+__version__ = "0.1.0"
+
 from flce.client import (DEFAULT_PORT, Client, FlceError, ForwardResult, Gradients,
                          SharedMemoryRegion, check_loss_options, from_wire, to_torch, to_wire,
                          with_default_port)
 
-__all__ = ["Client", "DEFAULT_PORT", "FlceError", "ForwardResult", "Gradients",
+__all__ = ["__version__", "Client", "DEFAULT_PORT", "FlceError", "ForwardResult", "Gradients",
            "SharedMemoryRegion", "check_loss_options", "from_wire", "to_torch", "to_wire",
            "with_default_port", "RemoteLinearCrossEntropy"]
 
