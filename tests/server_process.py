@@ -85,8 +85,8 @@ def write_junit(result, path, suite_name):
 
 
 def run_tests(test_case_class, suite_name):
-    """Runs a unittest.TestCase class verbosely, writes $XML_OUTPUT_FILE, and
-    returns the exit status."""
+    """Runs a unittest.TestCase class (or a list of them) verbosely, writes
+    $XML_OUTPUT_FILE, and returns the exit status."""
     import unittest
 
     class RecordingResult(unittest.TextTestResult):
@@ -94,7 +94,9 @@ def run_tests(test_case_class, suite_name):
             super().startTest(test)
             self.ran = getattr(self, "ran", []) + [test.id()]
 
-    suite = unittest.defaultTestLoader.loadTestsFromTestCase(test_case_class)
+    classes = test_case_class if isinstance(test_case_class, (list, tuple)) else [test_case_class]
+    suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(c)
+                               for c in classes)
     result = unittest.TextTestRunner(verbosity=2, resultclass=RecordingResult).run(suite)
     if os.environ.get("XML_OUTPUT_FILE"):
         write_junit(result, os.environ["XML_OUTPUT_FILE"], suite_name)

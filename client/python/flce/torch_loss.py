@@ -17,6 +17,17 @@ from flce.row_pipeline import RowPipeline
 from flce.weight_registration import WeightRegistration
 
 
+def _graph_break(fn):
+    """``fn`` run eagerly under torch.compile: a clean graph break around a
+    call to the server (its own autograd Function, gRPC, host tensors), the
+    graph compiled on either side. Unchanged where torch has no compiler."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    if disable is None:
+        disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 class _Session:
     """A server session owned by one autograd graph: released when the graph
     goes away without having consumed it (a loss dropped without backward(),
@@ -267,6 +278,9 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     the upstream gradient the last backward had (see
     :mod:`flce.row_pipeline`; ``pipeline_pieces=1``: one call).
 
+    Under ``torch.compile`` the module is a graph break: the model compiles
+    around it, and the loss is the eager one.
+
     A server session is kept only when autograd will call backward (grad
     mode on and an input that requires grad); it is consumed by backward, or
     released when the loss is dropped without one. ``retain_graph=True``
@@ -411,6 +425,7 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self._region = None
         self._grad_regions = []
 
+    @_graph_break
     def forward(self, hidden, weight, target, bias=None):
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         flat_target = target.reshape(-1)
