@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TARGETS=(
-  //client/python:flce_pb
+  //client/python:wheel
   //server:flce_server
   //client:flce
   //bench:flce_bench
@@ -29,12 +29,12 @@ for target in "${TARGETS[@]:1}"; do
   binaries+=("bazel-bin/$(echo "${target#//}" | tr ':' '/')")
 done
 tools/package.sh "$stage" "${binaries[@]}"
-# The Python client (sources, generated stubs, example) and its tests.
+# The Python client as its wheel (device_run.sh installs it), the example,
+# and the tests.
 mkdir -p "$stage/python"
-cp -r client/python/flce client/python/examples/train_tiny_lm.py "$stage/python/"
-cp -r bazel-bin/client/python/flce_pb "$stage/python/"
+cp bazel-bin/client/python/flce-*-py3-none-any.whl client/python/examples/*.py "$stage/python/"
 cp tests/python_client_test.py tests/call_channel_test.py tests/row_pipeline_test.py \
-  tests/server_process.py \
+  tests/integrations_test.py tests/server_process.py \
   bench/worker_bench.py bench/bulk_bench.py \
   bench/same_host_latency.py "$stage/python/"
 mkdir -p .devbin

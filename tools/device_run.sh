@@ -20,6 +20,11 @@ cublas_dir="$(dirname "${cublas:-/usr/local/cuda/lib64/x}")"
 export LD_LIBRARY_PATH="/tmp/flce/lib:${cublas_dir}:/usr/local/cuda/lib64"
 export GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 bin=/tmp/flce/bin
+# The Python client installed from its wheel, as a user would (no index;
+# torch, grpcio, protobuf and numpy are the machine's).
+python3 -m pip install --quiet --no-index --no-deps --no-cache-dir --target /tmp/flce/site \
+  /tmp/flce/python/flce-*-py3-none-any.whl
+export PYTHONPATH=/tmp/flce/site:/tmp/flce/python
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 status=0
 want() { [ "$#" -eq 0 ] || [[ " ${ARGS} " == *" $1 "* ]]; }
@@ -51,15 +56,20 @@ fi
 if [ -z "$ARGS" ] || want python; then
   echo "== Python client and PyTorch training loop against --backend=auto (CUDA here)"
   python3 -c 'import torch, grpc, google.protobuf as p; print("torch", torch.__version__, "grpcio", grpc.__version__, "protobuf", p.__version__)'
-  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/python_client_test.py "$bin/flce_server" \
+  python3 /tmp/flce/python/python_client_test.py "$bin/flce_server" \
     > "$OUT/python_client_test.log" 2>&1 || status=1
   grep -E '(ok|FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/python_client_test.log"
-  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/call_channel_test.py "$bin/flce_server" \
+  python3 /tmp/flce/python/call_channel_test.py "$bin/flce_server" \
     > "$OUT/call_channel_test.log" 2>&1 || status=1
   grep -E '(FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/call_channel_test.log"
-  FLCE_TEST_BACKEND=cuda PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/row_pipeline_test.py \
+  FLCE_TEST_BACKEND=cuda python3 /tmp/flce/python/row_pipeline_test.py \
     "$bin/flce_server" > "$OUT/row_pipeline_test.log" 2>&1 || status=1
   grep -E '(FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/row_pipeline_test.log"
+  python3 -c 'import transformers; print("transformers", transformers.__version__)'
+  FLCE_TEST_BACKEND=cuda REQUIRE_TRANSFORMERS=1 python3 /tmp/flce/python/integrations_test.py \
+    "$bin/flce_server" > "$OUT/integrations_test.log" 2>&1 || status=1
+  grep -E '(FAIL|ERROR|skipped.*)$|^Ran|^OK|^FAILED|largest|^torch.compile|^Trainer' \
+    "$OUT/integrations_test.log"
 fi
 
 if [ -z "$ARGS" ] || want smoke; then
@@ -108,20 +118,20 @@ fi
 if want worker && [ -n "$ARGS" ]; then
   echo "== worker_bench --transports=${WORKER_TRANSPORTS:-cuda_ipc}"
   read -r -a worker_flags <<< "${WORKER_FLAGS:-}"
-  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/worker_bench.py "$bin/flce_server" \
+  python3 /tmp/flce/python/worker_bench.py "$bin/flce_server" \
     --transports="${WORKER_TRANSPORTS:-cuda_ipc}" --json="$OUT/worker_bench.json" \
     ${worker_flags[@]+"${worker_flags[@]}"} 2>&1 | tee "$OUT/worker_bench.txt" || status=1
 fi
 if want latency && [ -n "$ARGS" ]; then
   echo "== same_host_latency ${LATENCY_FLAGS:-}"
   read -r -a latency_flags <<< "${LATENCY_FLAGS:-}"
-  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/same_host_latency.py "$bin/flce_server" \
+  python3 /tmp/flce/python/same_host_latency.py "$bin/flce_server" \
     ${latency_flags[@]+"${latency_flags[@]}"} 2>&1 | tee "$OUT/same_host_latency.txt" || status=1
 fi
 if want bulk && [ -n "$ARGS" ]; then
   echo "== bulk_bench ${BULK_FLAGS:-}"
   read -r -a bulk_flags <<< "${BULK_FLAGS:-}"
-  PYTHONPATH=/tmp/flce/python python3 /tmp/flce/python/bulk_bench.py "$bin/flce_server" \
+  python3 /tmp/flce/python/bulk_bench.py "$bin/flce_server" \
     --backend=cuda --json="$OUT/bulk_bench.json" ${bulk_flags[@]+"${bulk_flags[@]}"} 2>&1 \
     | tee "$OUT/bulk_bench.txt" || status=1
 fi
