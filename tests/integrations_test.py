@@ -100,6 +100,23 @@ class IntegrationsTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             causal_lm_loss(flce.RemoteLinearCrossEntropy(self.client), hidden, weight, ignored)
 
+    def test_a_model_holding_the_module_deep_copies(self):
+        # (EMA copies, ref/policy pairs): the copy's module shares the client
+        # and has its own registration; both compute the same loss.
+        model = torch.nn.Module()
+        model.head = torch.nn.Linear(8, 50, bias=False)
+        model.loss_fn = flce.RemoteLinearCrossEntropy(self.client, label_smoothing=0.1)
+        self.addCleanup(model.loss_fn.close)
+        twin = copy.deepcopy(model)
+        self.addCleanup(twin.loss_fn.close)
+        self.assertIs(twin.loss_fn.client, model.loss_fn.client)
+        self.assertEqual(twin.loss_fn.label_smoothing, 0.1)
+        self.assertIsNot(twin.loss_fn._registration, model.loss_fn._registration)
+        x, t = torch.randn(5, 8), torch.randint(0, 50, (5,))
+        with torch.no_grad():
+            self.assertEqual(float(model.loss_fn(x, model.head.weight, t)),
+                             float(twin.loss_fn(x, twin.head.weight, t)))
+
     @unittest.skipIf(not hasattr(torch, "compile"), "torch.compile needs torch >= 2.0")
     def test_a_compiled_model_trains_like_the_eager_one(self):
         torch.manual_seed(1)
@@ -118,8 +135,9 @@ class IntegrationsTest(unittest.TestCase):
                 return self.loss_fn(x.reshape(-1, h), self.head.weight, targets.reshape(-1))
 
         eager = TinyLM(flce.RemoteLinearCrossEntropy(self.client, register_weight=False)).to(DEVICE)
-        compiled_model = copy.deepcopy(eager)
-        compiled_model.loss_fn = flce.RemoteLinearCrossEntropy(self.client, register_weight=False)
+        compiled_model = copy.deepcopy(eager)  # its own loss module, on the same client
+        self.assertIsNot(compiled_model.loss_fn, eager.loss_fn)
+        self.assertIs(compiled_model.loss_fn.client, eager.loss_fn.client)
         compiled = torch.compile(compiled_model)
         opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, compiled_model)]
         gen = torch.Generator().manual_seed(2)

@@ -8,6 +8,7 @@ Tensors keep their dtype on the wire (bf16 stays bf16); results come back on
 the input's device and in its dtype, the loss in float32.
 """
 
+import copy
 from typing import Optional
 
 import torch
@@ -308,6 +309,14 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
                            label_smoothing=label_smoothing, logit_softcap=logit_softcap,
                            z_loss_scale=z_loss_scale)
         self.client = Client(client) if isinstance(client, str) else client
+        # For copies (copy.deepcopy of a model that holds the module).
+        self._options = dict(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            logit_softcap=logit_softcap, z_loss_scale=z_loss_scale, class_weight=class_weight,
+            backward_mode=backward_mode, shared_memory=shared_memory, cuda_ipc=cuda_ipc,
+            retain_graph=retain_graph, weight_grad_in_place=weight_grad_in_place,
+            register_weight=register_weight, pipeline_pieces=pipeline_pieces,
+            pipeline_min_piece_bytes=pipeline_min_piece_bytes)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -337,6 +346,14 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         # The upstream gradient the last backward had: through CUDA IPC the
         # next Forward computes the gradients for it.
         self._expected_grad_output = 1.0
+
+    def __deepcopy__(self, memo):
+        """A module with the same options on the same client (its connection
+        is shared, not copied) and state of its own: its own registered
+        weight, sessions and regions."""
+        options = dict(self._options)
+        options["class_weight"] = copy.deepcopy(options["class_weight"], memo)
+        return RemoteLinearCrossEntropy(self.client, **options)
 
     def _last_result(self):
         last = self._last
