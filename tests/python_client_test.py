@@ -580,6 +580,11 @@ class PythonClientTest(unittest.TestCase):
                                      "--vocab", "50", "--hidden", "16", "--device", "cpu"])
         self.assertEqual(len(losses), 8)
         self.assertLess(losses[-1], losses[0])
+        # --compare: a copy trained with PyTorch's loss stays equal.
+        losses, drift = train_tiny_lm.main(["--server", self.server.address, "--steps", "3",
+                                            "--vocab", "50", "--hidden", "16", "--device", "cpu",
+                                            "--compare"])
+        self.assertLess(drift, 1e-4)
 
     def test_put_weight_is_checked_with_zlibs_crc32(self):
         self.assertEqual(flce_client.weight_checksum(b"123456789"), {"crc32": 0xCBF43926})

@@ -3,7 +3,8 @@
 # tools/device_bundle.sh packed .devbin/bundle.tar.xz here: the GPU test
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
-# Usage: tools/device_run.sh [tests] [smoke] [python] [bench] [rpc] [worker] [gemms] [latency] [bulk]
+# Usage: tools/device_run.sh [tests] [smoke] [python] [examples] [bench] [rpc] [worker] [gemms]
+#   [latency] [bulk]
 # bench reads BENCH_SHAPES, BENCH_DTYPES, BENCH_MODES, BENCH_WARMUP,
 # BENCH_CHUNK_BYTES and BENCH_FLAGS (more flce_bench flags); gemms reads
 # BENCH_SHAPES, GEMM_CHUNK_ROWS, GEMM_ALGOS and GEMM_FLAGS (more gemm_algos
@@ -70,6 +71,22 @@ if [ -z "$ARGS" ] || want python; then
     "$bin/flce_server" > "$OUT/integrations_test.log" 2>&1 || status=1
   grep -E '(FAIL|ERROR|skipped.*)$|^Ran|^OK|^FAILED|largest|^torch.compile|^Trainer' \
     "$OUT/integrations_test.log"
+fi
+
+if [ -z "$ARGS" ] || want examples; then
+  echo "== the Python examples as a user runs them, against --backend=cuda"
+  "$bin/flce_server" --backend=cuda --insecure --listen_address=127.0.0.1:50061 \
+    > "$OUT/examples_server.log" 2>&1 &
+  examples_server=$!
+  for _ in $(seq 100); do "$bin/flce" --server=127.0.0.1:50061 health > /dev/null 2>&1 && break; sleep 0.1; done
+  python3 /tmp/flce/python/train_tiny_lm.py --server=127.0.0.1:50061 --steps=5 --compare || status=1
+  for arch in llama gemma2; do
+    python3 /tmp/flce/python/hf_trainer.py --server=127.0.0.1:50061 --arch=$arch --steps=3 \
+      2> "$OUT/hf_trainer_$arch.log" || status=1
+  done
+  python3 /tmp/flce/python/ddp_train.py --server=127.0.0.1:50061 --world=2 --recipe=registered \
+    || status=1
+  kill -TERM "$examples_server"; wait "$examples_server"
 fi
 
 if [ -z "$ARGS" ] || want smoke; then
