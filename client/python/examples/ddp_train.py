@@ -135,7 +135,7 @@ def main(argv=None):
             logits = model.head(model(tokens))
             loss = F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
             (loss / args.micro_batches).backward()
-            total += float(loss) / args.micro_batches
+            total += float(loss.detach()) / args.micro_batches
         optimizer.step()
         print(f"step {step}  loss: {args.world} DDP ranks on flce ({args.recipe}) "
               f"{ddp['losses'][step]:.6f}, "

@@ -8,8 +8,11 @@ gemma2, phi3), patches a copy with ``apply_flce`` — one line — and trains bo
 copies ``--steps`` optimizer steps with ``transformers.Trainer`` (gradient
 accumulation 2, so the Trainer passes ``num_items_in_batch``) on the same
 synthetic data. Prints each step's loss from both runs ("step 1  loss flce
-5.711235  transformers 5.711235") and the largest difference of any
-parameter at the end, then "OK" when the runs agree to fp32 rounding.
+6.926042  transformers 6.926042") and the largest difference of any
+parameter at the end, then "OK" when it is below 1e-4: AdamW's step
+divides each gradient by its own magnitude, so the fp32 rounding of
+near-zero gradients moves a parameter by up to ~1e-5 (2.5e-5 seen for
+gemma2, bench/RESULTS.md).
 """
 
 import argparse
@@ -76,10 +79,10 @@ def main(argv=None):
     drift = max(float((a - b).abs().max()) for a, b in zip(patched.parameters(),
                                                             plain.parameters()))
     print(f"{args.arch}: largest parameter difference after {args.steps} steps: {drift:.2e}")
-    print("OK" if drift < 1e-5 else "DIFFERENT")
+    print("OK" if drift < 1e-4 else "DIFFERENT")
     loss_fn.close()
     return drift
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() < 1e-5 else 1)
+    sys.exit(0 if main() < 1e-4 else 1)

@@ -72,13 +72,13 @@ def main(argv=None):
             hidden = model.hidden_states(tokens)
             loss = loss_fn(hidden, model.head.weight, targets, model.head.bias)
             (loss / args.micro_batches).backward()
-            total += float(loss) / args.micro_batches
+            total += float(loss.detach()) / args.micro_batches
             if twin is not None:
                 logits = F.linear(twin.hidden_states(tokens), twin.head.weight, twin.head.bias)
                 ref = F.cross_entropy(logits.float().reshape(-1, args.vocab), targets.reshape(-1),
                                       label_smoothing=0.05)
                 (ref / args.micro_batches).backward()
-                twin_total += float(ref) / args.micro_batches
+                twin_total += float(ref.detach()) / args.micro_batches
         optimizer.step()
         losses.append(total)
         line = f"step {step:3d}  loss {total:.4f}"
