@@ -1,7 +1,5 @@
 #include "server/bulk_http.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -13,24 +11,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/loopback_socket.h"
 
 namespace flce {
 namespace {
 
-int Connect(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in to{};
-  to.sin_family = AF_INET;
-  to.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
-    close(fd);
-    return -1;
-  }
-  timeval timeout{20, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  return fd;
-}
+int Connect(int port) { return ConnectLoopback(port, 20); }
 
 void SendAll(int fd, const std::string& bytes) {
   size_t sent = 0;

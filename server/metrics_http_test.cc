@@ -1,7 +1,5 @@
 #include "server/metrics_http.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -11,28 +9,16 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "tests/loopback_socket.h"
 
 namespace flce {
 namespace {
 
-int Connect(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in to{};
-  to.sin_family = AF_INET;
-  to.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
+int Connect(int port) { return ConnectLoopback(port); }
 
 std::string Get(int port, const std::string& request) {
   const int fd = Connect(port);
   if (fd < 0) return "";
-  timeval timeout{10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) < 0) {}
   std::string reply;
   char buffer[4096];

@@ -43,7 +43,9 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-class IntegrationsTest(unittest.TestCase):
+class WithServer(unittest.TestCase):
+    """A server and a client for the test class."""
+
     @classmethod
     def setUpClass(cls):
         cls.server = ServerProcess(SERVER, "--backend=" + os.environ.get("FLCE_TEST_BACKEND",
@@ -55,6 +57,8 @@ class IntegrationsTest(unittest.TestCase):
         cls.client.close()
         cls.server.kill()
 
+
+class IntegrationsTest(WithServer):
     def loss_fn(self, **options):
         m = flce.RemoteLinearCrossEntropy(self.client, reduction="sum", register_weight=False,
                                           **options)
@@ -160,33 +164,13 @@ class IntegrationsTest(unittest.TestCase):
         print(f"\ntorch.compile: largest relative loss difference {worst:.2e}")
 
 
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-               {"final_logit_softcapping": 5.0, "head_dim": 16, "query_pre_attn_scalar": 16}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
-}
-
-
 @unittest.skipIf(transformers is None and not os.environ.get("REQUIRE_TRANSFORMERS"),
                  "transformers is not installed (the GPU machine runs these)")
-class TransformersTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.server = ServerProcess(SERVER, "--backend=" + os.environ.get("FLCE_TEST_BACKEND",
-                                                                         "cpu"))
-        cls.client = flce.Client(cls.server.address)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.kill()
-
+class TransformersTest(WithServer):
     def model(self, arch, tie=False):
-        config_name, model_name, extra = ARCHITECTURES[arch]
+        from hf_trainer import CONFIGS  # the example's architectures
+
+        config_name, model_name, extra = CONFIGS[arch]
         config = getattr(transformers, config_name)(
             vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -231,7 +215,9 @@ class TransformersTest(unittest.TestCase):
         return ref, patched
 
     def test_each_architecture_trains_like_the_unpatched_model(self):
-        for arch in ARCHITECTURES:
+        from hf_trainer import CONFIGS
+
+        for arch in CONFIGS:
             with self.subTest(arch=arch):
                 self.train_both(arch)
 
