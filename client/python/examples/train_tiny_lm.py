@@ -86,7 +86,7 @@ def main(argv=None):
         line = f"step {step:3d}  loss {total:.4f}"
         if twin is not None:
             twin_optimizer.step()
-            drift = max(drift, max(float((a - b).abs().max())
+            drift = max(drift, max(float((a - b).detach().abs().max())
                                    for a, b in zip(model.parameters(), twin.parameters())))
             line += f"  torch {twin_total:.4f}  max |Δparam| {drift:.1e}"
         print(line, flush=True)
