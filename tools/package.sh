@@ -9,7 +9,7 @@ set -euo pipefail
 dest="$1"
 shift
 mkdir -p "$dest/bin" "$dest/lib"
-skip='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libcublas|libcublasLt|libcuda\.)'
+skip='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread\.|libdl\.|librt\.|libgcc_s\.|libstdc\+\+\.|libcublas\.|libcublasLt\.|libcuda\.)'
 for binary in "$@"; do
   install -m 755 "$binary" "$dest/bin/"
   strip --strip-debug "$dest/bin/$(basename "$binary")"
