@@ -86,10 +86,6 @@ absl::StatusOr<std::string> BulkTransfer::Region(int64_t bytes) {
     where.port = response.bulk_port();
     http_ = std::make_shared<BulkHttpClient>(std::move(where), timeout_);
   }
-  if (http_ != nullptr && !ticket_.empty() && absl::Now() >= http_off_until_ &&
-      !http_->Pin(region_, ticket_).ok()) {
-    http_off_until_ = absl::Now() + absl::Minutes(1);  // over gRPC for now
-  }
   return region_;
 }
 
@@ -124,6 +120,7 @@ absl::StatusOr<bool> BulkTransfer::OverHttp(
         f) {
   std::string ticket;
   std::shared_ptr<BulkHttpClient> http;
+  bool pinned = false;
   {
     absl::MutexLock lock(&mu_);
     if (http_ == nullptr || region != region_ || ticket_.empty() ||
@@ -132,6 +129,19 @@ absl::StatusOr<bool> BulkTransfer::OverHttp(
     }
     ticket = ticket_;
     http = http_;
+    pinned = pinned_region_ == region;
+  }
+  if (bytes == 0) return true;
+  if (!pinned) {
+    // Which of the host's addresses holds the region (a name may resolve
+    // to several servers).
+    if (!http->Pin(region, ticket).ok()) {
+      absl::MutexLock lock(&mu_);
+      http_off_until_ = absl::Now() + absl::Minutes(1);  // over gRPC for now
+      return false;
+    }
+    absl::MutexLock lock(&mu_);
+    pinned_region_ = region;
   }
   // Ranges of at least 1 MiB, 4 KiB-aligned.
   const int64_t unit = 4096;

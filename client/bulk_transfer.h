@@ -81,6 +81,7 @@ class BulkTransfer {
   // The bulk port of the region (null: none), and its ticket.
   std::shared_ptr<BulkHttpClient> http_ ABSL_GUARDED_BY(mu_);
   std::string ticket_ ABSL_GUARDED_BY(mu_);
+  std::string pinned_region_ ABSL_GUARDED_BY(mu_);  // the region the port was pinned for
   absl::Time http_off_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 

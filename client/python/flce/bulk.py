@@ -125,6 +125,7 @@ class BulkTransfer:
         self._http_where = http  # (host, ssl context or None, server name) or None
         self._http: Optional[bulk_http.BulkHttp] = None
         self._ticket = ""
+        self._pinned = None  # the region the port's address was pinned for
         self._http_off_until = 0.0  # after an unreachable port: gRPC until then
 
     def region(self, nbytes: int) -> str:
@@ -150,11 +151,6 @@ class BulkTransfer:
                                                 timeout=self._client.timeout,
                                                 max_connections=2 * self.connections,
                                                 tls=tls, server_name=server_name)
-            if self._http is not None and self._ticket and self.over_http:
-                try:
-                    self._http.pin(self._region, self._ticket)
-                except bulk_http.Unreachable as e:
-                    self._off_http(e)
             return self._region
 
     def _off_http(self, why):
@@ -172,7 +168,8 @@ class BulkTransfer:
         """`total` bytes in up to one range per connection, each at least
         1 MiB and 4 KiB-aligned."""
         n = max(1, min(self.connections, total >> 20))
-        per = -(-(-(-total // n)) // 4096) * 4096
+        per = -(-total // n)                # ceil(total / n)
+        per = -(-per // 4096) * 4096        # up to whole 4 KiB
         return [range(a, min(total, a + per)) for a in range(0, total, per)]
 
     def _over_http(self, write: bool, region_id: str, offset: int, view: memoryview) -> bool:
@@ -181,7 +178,18 @@ class BulkTransfer:
         minute) where the port cannot be reached."""
         if region_id != self._region or not self.over_http:
             return False
+        if not len(view):
+            return True
         ticket = self._ticket
+        if self._pinned != region_id:
+            # Which of the host's addresses holds the region (a name may
+            # resolve to several servers).
+            try:
+                self._http.pin(region_id, ticket)
+            except bulk_http.Unreachable as e:
+                self._off_http(e)
+                return False
+            self._pinned = region_id
         move = self._http.put if write else self._http.get
         spans = self._http_ranges(len(view))
 
