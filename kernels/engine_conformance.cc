@@ -158,6 +158,157 @@ std::vector<ConformanceCase> OddSizeCases(DType dtype) {
   return cases;
 }
 
+namespace {
+
+// A view of rows [first, first + count) of a row-major tensor.
+TensorView Rows(const TensorView& t, int64_t first, int64_t count) {
+  TensorView out = t;
+  const int64_t row_bytes = t.shape.size() > 1 ? t.dim(1) * DTypeSize(t.dtype) : DTypeSize(t.dtype);
+  out.data = static_cast<const char*>(t.data) + first * row_bytes;
+  out.shape[0] = count;
+  return out;
+}
+
+double RelativeL2(const std::vector<double>& got, const std::vector<float>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff += (got[i] - want[i]) * (got[i] - want[i]);
+    norm += static_cast<double>(want[i]) * want[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-300);
+}
+
+}  // namespace
+
+void RunShardConformanceCase(LossEngine& engine, const ConformanceCase& c,
+                             const std::vector<int64_t>& shard_sizes) {
+  SCOPED_TRACE(c.name + " in " + std::to_string(shard_sizes.size()) + " shards");
+  OwnedProblem p = MakeRandomProblem(c.spec);
+  const LossProblem whole = p.view();
+  const int64_t n = c.spec.rows, h = c.spec.hidden, v = c.spec.vocab;
+  const LossOptions& o = c.spec.options;
+  std::vector<double> g = RandomGradOutput(c.spec);
+  for (double& value : g) value = static_cast<float>(value);
+  const HostTensor g_tensor = GradOutputTensor(g, o.reduction);
+  BackwardSpec bs;
+  bs.grad_output = g_tensor.view();
+  bs.grad_dtype = DType::kFloat32;
+
+  // The whole vocabulary at once.
+  ForwardSpec fs;
+  fs.need_backward = true;
+  fs.mode = o.reduction == Reduction::kNone ? BackwardMode::kRecompute : c.mode;
+  absl::StatusOr<ForwardResult> fwd = engine.Forward(whole, fs, nullptr);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  absl::StatusOr<Gradients> grads = engine.Backward(*fwd->saved, bs, nullptr);
+  ASSERT_TRUE(grads.ok()) << grads.status();
+
+  // Each shard's statistics.
+  ForwardSpec shard_fs;
+  shard_fs.need_backward = true;
+  shard_fs.mode = c.mode;
+  std::vector<ForwardResult> shards;
+  std::vector<int64_t> firsts;
+  int64_t first = 0;
+  for (int64_t size : shard_sizes) {
+    LossProblem part = whole;
+    part.weight = Rows(whole.weight, first, size);
+    if (whole.bias) part.bias = Rows(*whole.bias, first, size);
+    part.shard = VocabShard{first, v};
+    absl::StatusOr<ForwardResult> r = engine.Forward(part, shard_fs, nullptr);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(r->shard_stats.has_value());
+    EXPECT_EQ(r->num_valid, fwd->num_valid);
+    EXPECT_EQ(r->saved->bytes(), engine.SavedStateBytes(part, c.mode));
+    firsts.push_back(first);
+    shards.push_back(*std::move(r));
+    first += size;
+  }
+  ASSERT_EQ(first, v);
+
+  // The combine, in fp64: m, S, lse, the target's logit, Σ w z', argmax.
+  const std::vector<float> cw =
+      p.class_weight ? TensorToFloats(p.class_weight->view()) : std::vector<float>();
+  double cw_sum = cw.empty() ? static_cast<double>(v) : 0.0;
+  for (float w : cw) cw_sum += w;
+  std::vector<int64_t> targets(n);
+  for (int64_t i = 0; i < n; ++i) {
+    targets[i] = p.target.dtype == DType::kInt32 ? p.target.data_as<int32_t>()[i]
+                                                 : p.target.data_as<int64_t>()[i];
+  }
+  HostTensor lse(DType::kFloat32, {n});
+  std::vector<double> rows(n, 0.0);
+  double denom = 0, total = 0;
+  int64_t correct = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double m = -INFINITY, best = -INFINITY;
+    int64_t argmax = 0;
+    for (const ForwardResult& s : shards) {
+      const double ms = s.shard_stats->max.data_as<float>()[i];
+      m = std::max(m, ms);
+      if (ms > best) {
+        best = ms;
+        argmax = s.shard_stats->argmax.data_as<int64_t>()[i];
+      }
+    }
+    double sum = 0, z_t = 0, wz = 0;
+    for (const ForwardResult& s : shards) {
+      sum += s.shard_stats->sum_exp.data_as<float>()[i] *
+             std::exp(s.shard_stats->max.data_as<float>()[i] - m);
+      z_t += s.shard_stats->target_logit.data_as<float>()[i];
+      if (s.shard_stats->weighted_logit_sum) {
+        wz += s.shard_stats->weighted_logit_sum->data_as<float>()[i];
+      }
+    }
+    const double l = m + std::log(sum);
+    lse.mutable_data<float>()[i] = static_cast<float>(l);
+    if (targets[i] == o.ignore_index) continue;
+    const double wt = cw.empty() ? 1.0 : cw[targets[i]];
+    const double eps = o.label_smoothing;
+    rows[i] = (1 - eps) * wt * (l - z_t) + eps / v * (cw_sum * l - wz) +
+              o.z_loss_scale * l * l;
+    denom += wt;
+    total += rows[i];
+    correct += argmax == targets[i];
+  }
+  EXPECT_EQ(correct, fwd->num_correct);
+  const std::vector<float> loss = TensorToFloats(fwd->loss.view());
+  if (o.reduction == Reduction::kNone) {
+    EXPECT_LE(RelativeL2(rows, loss), 1e-5);
+  } else {
+    const double combined = o.reduction == Reduction::kMean ? total / denom : total;
+    EXPECT_LE(std::fabs(combined - loss[0]), 1e-5 * std::max(1.0, std::fabs(double{loss[0]})))
+        << combined << " against " << loss[0];
+  }
+
+  // Each shard's backward with the global lse: dX summed, dW and db placed.
+  bs.global_lse = lse.view();
+  std::vector<double> dx(static_cast<size_t>(n * h), 0.0), dw(static_cast<size_t>(v * h)),
+      db(static_cast<size_t>(v));
+  for (size_t s = 0; s < shards.size(); ++s) {
+    absl::StatusOr<Gradients> part = engine.Backward(*shards[s].saved, bs, nullptr);
+    ASSERT_TRUE(part.ok()) << part.status();
+    const std::vector<float> pdx = TensorToFloats(part->grad_hidden.view());
+    for (size_t k = 0; k < pdx.size(); ++k) dx[k] += pdx[k];
+    const std::vector<float> pdw = TensorToFloats(part->grad_weight.view());
+    std::copy(pdw.begin(), pdw.end(), dw.begin() + firsts[s] * h);
+    if (part->grad_bias) {
+      const std::vector<float> pdb = TensorToFloats(part->grad_bias->view());
+      std::copy(pdb.begin(), pdb.end(), db.begin() + firsts[s]);
+    }
+  }
+  EXPECT_LE(RelativeL2(dx, TensorToFloats(grads->grad_hidden.view())), 1e-5);
+  EXPECT_LE(RelativeL2(dw, TensorToFloats(grads->grad_weight.view())), 1e-5);
+  if (grads->grad_bias) {
+    EXPECT_LE(RelativeL2(db, TensorToFloats(grads->grad_bias->view())), 1e-5);
+  }
+  // Without the global lse a shard's state cannot make its gradients.
+  BackwardSpec no_lse = bs;
+  no_lse.global_lse.reset();
+  EXPECT_EQ(engine.Backward(*shards[0].saved, no_lse, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 std::vector<ConformanceCase> EveryOptionCases(DType dtype) {
   std::vector<ConformanceCase> cases;
   for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {

@@ -30,6 +30,16 @@ ConformanceCase MakeCase(std::string name, int64_t n, int64_t h, int64_t v, DTyp
 // state gives the same bits. Reports through gtest assertions.
 void RunConformanceCase(LossEngine& engine, const ConformanceCase& c);
 
+// The same problem split into vocabulary shards of `shard_sizes` (summing
+// to the case's vocabulary): each shard's Forward and Backward (with the
+// global lse and a random grad_output; gradients in fp32), their statistics
+// combined as VocabShard says, must equal the unsharded call of the same
+// engine within fp32 rounding: the loss (every reduction), the valid and
+// correct counts, dX summed over the shards, and each shard's rows of dW
+// and db. A shard's Backward without global_lse is INVALID_ARGUMENT.
+void RunShardConformanceCase(LossEngine& engine, const ConformanceCase& c,
+                             const std::vector<int64_t>& shard_sizes);
+
 // Case lists, each for one dtype.
 std::vector<ConformanceCase> OddSizeCases(DType dtype);     // 1x1x1 … 733x64x257
 std::vector<ConformanceCase> EveryOptionCases(DType dtype); // all options at once

@@ -39,6 +39,7 @@ LossProblem OwnedProblem::view() const {
   p.target = target.view();
   if (class_weight) p.class_weight = class_weight->view();
   p.options = options;
+  p.shard = shard;
   return p;
 }
 
@@ -57,6 +58,7 @@ OwnedProblem CopyProblem(const LossProblem& problem) {
   if (problem.bias) p.bias = CopyTensor(*problem.bias);
   if (problem.class_weight) p.class_weight = CopyTensor(*problem.class_weight);
   p.options = problem.options;
+  p.shard = problem.shard;
   return p;
 }
 

@@ -45,6 +45,24 @@ struct LossOptions {
   float z_loss_scale = 0.0f;           // >= 0
 };
 
+// Vocabulary parallelism: the problem's weight (and bias) hold the rows
+// [first, first + V_s) of a vocabulary of `full_vocab` ids, split over
+// shards that each compute their part. The targets are ids of the whole
+// vocabulary and the class weights are the whole vocabulary's ([full_vocab]),
+// so every shard knows each row's target weight and the reduction's
+// normaliser. A shard's Forward gives per-row statistics (ShardStats)
+// instead of a loss; whoever holds every shard's combines them:
+//   m = max_s m_s,  S = Σ_s S_s·exp(m_s − m),  lse = m + log S,
+//   z'_t = Σ_s t_s,  Σ_j w_j z'_j = Σ_s q_s,
+//   row = (1−ε)·w_t·(lse − z'_t) + ε/V·(Σw·lse − Σ_j w_j z'_j) + s·lse²
+// (V the whole vocabulary), reduced as usual, and gives every shard's
+// Backward the global lse (BackwardSpec::global_lse): the shard returns its
+// part of dX (the shards' parts sum to dX) and its own rows of dW and db.
+struct VocabShard {
+  int64_t first = 0;
+  int64_t full_vocab = 0;
+};
+
 // The problem. All views stay valid for the duration of the call.
 // hidden and weight may be in MemorySpace::kCuda (the engine's device):
 // an engine with a device reads them in place, and a saved state that
@@ -66,10 +84,15 @@ struct LossProblem {
   // When set, the engine's device work on this call's device memory runs
   // after this event (the worker recorded it after producing X and W).
   const DeviceEvent* ready = nullptr;
+  // A vocabulary shard (see VocabShard); REQUIRES first + vocab() <=
+  // full_vocab, class_weight [full_vocab], targets in [0, full_vocab).
+  std::optional<VocabShard> shard;
 
   int64_t rows() const { return hidden.dim(0); }
   int64_t hidden_size() const { return hidden.dim(1); }
-  int64_t vocab() const { return weight.dim(0); }
+  int64_t vocab() const { return weight.dim(0); }  // the shard's V_s for a shard
+  // The vocabulary the targets and class weights index.
+  int64_t full_vocab() const { return shard ? shard->full_vocab : vocab(); }
 };
 
 // A problem that owns its tensors.
@@ -77,6 +100,7 @@ struct OwnedProblem {
   HostTensor hidden, weight, target;
   std::optional<HostTensor> bias, class_weight;
   LossOptions options;
+  std::optional<VocabShard> shard;
 
   // A view that stays valid while this object lives and is not moved.
   LossProblem view() const;
@@ -105,7 +129,20 @@ class SavedState {
   virtual int64_t bytes() const = 0;
 };
 
+// A shard's per-row statistics of its logits z' (bias and softcap
+// applied), fp32 [N] unless named; see VocabShard for the combine.
+struct ShardStats {
+  HostTensor max;           // m_s = max_j z'_j
+  HostTensor sum_exp;       // S_s = Σ_j exp(z'_j − m_s)
+  HostTensor target_logit;  // t_s = z'_t where the row's target is in the shard, else 0
+  // q_s = Σ_j w_j z'_j over the shard's columns (1 without class weights);
+  // with label smoothing only.
+  std::optional<HostTensor> weighted_logit_sum;
+  HostTensor argmax;        // int64 [N]: the vocabulary id of the shard's largest z'
+};
+
 struct ForwardResult {
+  // For a shard: empty (shard_stats holds the result).
   HostTensor loss;                         // fp32, shape {} (mean/sum) or {N} (none)
   HostTensor z_loss;                       // fp32, shaped like loss
   std::optional<HostTensor> lse;           // fp32 {N}
@@ -114,6 +151,8 @@ struct ForwardResult {
   int64_t num_correct = 0;
   // Present iff ForwardSpec::need_backward.
   std::unique_ptr<SavedState> saved;
+  // Present iff the problem is a shard.
+  std::optional<ShardStats> shard_stats;
 };
 
 // Memory a gradient is written into instead of being returned: shape ×
@@ -154,6 +193,9 @@ struct BackwardSpec {
   // When set, the engine writes device destinations only after this event
   // (the worker recorded it after its last use of that memory).
   const DeviceEvent* ready = nullptr;
+  // For a shard's state: fp32 [N], each row's log-sum-exp over the whole
+  // vocabulary (the shards' statistics combined). REQUIRED for a shard.
+  std::optional<TensorView> global_lse;
 
   DType hidden_dtype(DType input) const { return grad_dtype.value_or(input); }
   DType weight_dtype(DType input) const { return weight_grad_dtype.value_or(hidden_dtype(input)); }
@@ -199,6 +241,9 @@ class LossEngine {
   // because the data left its fast path's range (the CUDA engine's
   // one-pass rows); 0 for engines without one.
   virtual int64_t forward_reruns() const { return 0; }
+
+  // Whether Forward takes a vocabulary shard (LossProblem::shard).
+  virtual bool supports_vocab_shards() const { return false; }
 
   // OK while the engine can serve; UNAVAILABLE after an unrecoverable
   // device failure, after which every call fails with it.

@@ -25,15 +25,19 @@ namespace {
 // The problem in fp32, prepared once per call.
 
 struct Prepared {
+  // v: the weight's rows, which are the vocabulary ids [first, first + v)
+  // of a vocabulary of full_v (first 0 and full_v = v unless a shard).
   int64_t n = 0, h = 0, v = 0;
+  int64_t first = 0, full_v = 0;
+  bool shard = false;
   DType dtype = DType::kFloat32;
   TensorView hidden;
   const float* w32 = nullptr;  // [V, H]
   PooledBuffer w_storage;       // w32 when converted from bf16/fp16
   std::vector<float> bias;         // [V] or empty
-  std::vector<float> class_weight; // [V] or empty (all 1)
-  float class_weight_sum = 0;
-  std::vector<int64_t> target;     // [N]
+  std::vector<float> class_weight; // [full_v] or empty (all 1)
+  float class_weight_sum = 0;      // over the whole vocabulary
+  std::vector<int64_t> target;     // [N], ids of the whole vocabulary
   LossOptions options;
   // Divisor of the reduction: sum of class weights over valid rows (mean),
   // 1 otherwise.
@@ -46,6 +50,17 @@ struct Prepared {
   float weight_of(int64_t cls) const {
     return class_weight.empty() ? 1.0f : class_weight[cls];
   }
+  // The class weight of the weight's row j.
+  float column_weight(int64_t j) const {
+    return class_weight.empty() ? 1.0f : class_weight[first + j];
+  }
+  // The row's target as a row of the weight, or -1 where it is another
+  // shard's (or ignored).
+  int64_t local_target(int64_t row) const {
+    if (!valid(row)) return -1;
+    const int64_t t = target[row] - first;
+    return t >= 0 && t < v ? t : -1;
+  }
 };
 
 Prepared Prepare(const LossProblem& p, BufferPool& pool) {
@@ -53,6 +68,9 @@ Prepared Prepare(const LossProblem& p, BufferPool& pool) {
   q.n = p.rows();
   q.h = p.hidden_size();
   q.v = p.vocab();
+  q.shard = p.shard.has_value();
+  q.first = p.shard ? p.shard->first : 0;
+  q.full_v = p.full_vocab();
   q.dtype = p.hidden.dtype;
   q.hidden = p.hidden;
   q.options = p.options;
@@ -68,13 +86,13 @@ Prepared Prepare(const LossProblem& p, BufferPool& pool) {
     ToFloat(p.bias->dtype, p.bias->data, q.v, q.bias.data());
   }
   if (p.class_weight) {
-    q.class_weight.resize(q.v);
-    ToFloat(DType::kFloat32, p.class_weight->data, q.v, q.class_weight.data());
+    q.class_weight.resize(q.full_v);
+    ToFloat(DType::kFloat32, p.class_weight->data, q.full_v, q.class_weight.data());
     double sum = 0;
     for (float w : q.class_weight) sum += w;
     q.class_weight_sum = static_cast<float>(sum);
   } else {
-    q.class_weight_sum = static_cast<float>(q.v);
+    q.class_weight_sum = static_cast<float>(q.full_v);
   }
   q.target.resize(q.n);
   for (int64_t i = 0; i < q.n; ++i) {
@@ -134,10 +152,12 @@ void WriteRowGradient(const Prepared& q, int64_t row, float lse, float g,
     std::fill(z, z + q.v, 0.0f);
     return;
   }
-  const int64_t t = q.target[row];
+  // The target's column, where it is among the weight's rows (always but
+  // for a shard that holds another part of the vocabulary).
+  const int64_t t = q.local_target(row);
   const float eps = q.options.label_smoothing;
-  const float wt = q.weight_of(t);
-  const float smooth = eps / static_cast<float>(q.v);
+  const float wt = q.weight_of(q.target[row]);
+  const float smooth = eps / static_cast<float>(q.full_v);
   // Coefficient of p_j in dz'_j.
   const float a = (1.0f - eps) * wt + smooth * q.class_weight_sum +
                   2.0f * q.options.z_loss_scale * lse;
@@ -145,24 +165,26 @@ void WriteRowGradient(const Prepared& q, int64_t row, float lse, float g,
   const float inv_c = softcap ? 1.0f / *q.options.logit_softcap : 0.0f;
   const bool weighted = !q.class_weight.empty();
   // The target column: p_t − 1 formed in fp32 before anything else.
-  float p_t = exp_in_z ? z[t] * inv_sum : std::exp(z[t] - lse);
-  float d_t = (1.0f - eps) * wt * (p_t - 1.0f) +
-              smooth * (q.class_weight_sum * p_t - wt) +
-              2.0f * q.options.z_loss_scale * lse * p_t;
-  if (softcap) {
-    const float u = z[t] * inv_c;
-    d_t *= 1.0f - u * u;
+  float d_t = 0.0f;
+  if (t >= 0) {
+    const float p_t = exp_in_z ? z[t] * inv_sum : std::exp(z[t] - lse);
+    d_t = (1.0f - eps) * wt * (p_t - 1.0f) + smooth * (q.class_weight_sum * p_t - wt) +
+          2.0f * q.options.z_loss_scale * lse * p_t;
+    if (softcap) {
+      const float u = z[t] * inv_c;
+      d_t *= 1.0f - u * u;
+    }
   }
   for (int64_t j = 0; j < q.v; ++j) {
     const float p = exp_in_z ? z[j] * inv_sum : std::exp(z[j] - lse);
-    float d = a * p - smooth * (weighted ? q.class_weight[j] : 1.0f);
+    float d = a * p - smooth * (weighted ? q.column_weight(j) : 1.0f);
     if (softcap) {
       const float u = z[j] * inv_c;
       d *= 1.0f - u * u;
     }
     z[j] = g * d;
   }
-  z[t] = g * d_t;
+  if (t >= 0) z[t] = g * d_t;
 }
 
 // Forward over one row: statistics, and the gradient in place when g is set.
@@ -210,7 +232,7 @@ RowStats ForwardRow(const Prepared& q, int64_t row, const float* g, float* z) {
     const double wt = q.weight_of(t);
     stats.z_loss = q.options.z_loss_scale * lse * lse;
     stats.loss = (1.0 - eps) * wt * (lse - z_t) +
-                 eps / q.v * (q.class_weight_sum * lse - weighted_z) +
+                 eps / q.full_v * (q.class_weight_sum * lse - weighted_z) +
                  stats.z_loss;
     stats.correct = argmax == t;
   }
@@ -221,13 +243,48 @@ RowStats ForwardRow(const Prepared& q, int64_t row, const float* g, float* z) {
   return stats;
 }
 
+// A shard's statistics of one row (see ShardStats): m_s, S_s, t_s, q_s and
+// the argmax, from z after the bias and softcap (which it applies in place).
+struct ShardRowStats {
+  float max = 0, sum_exp = 0, target_logit = 0, weighted_sum = 0;
+  int64_t argmax = 0;  // a column of the weight
+};
+
+ShardRowStats ShardRow(const Prepared& q, int64_t row, float* z) {
+  TransformLogits(q, z);
+  ShardRowStats s;
+  float m = -std::numeric_limits<float>::infinity();
+  bool has_nan = false;
+  for (int64_t j = 0; j < q.v; ++j) {
+    if (z[j] > m) {
+      m = z[j];
+      s.argmax = j;
+    }
+    has_nan |= std::isnan(z[j]);
+  }
+  if (has_nan) m = std::numeric_limits<float>::quiet_NaN();
+  double sum = 0;
+  for (int64_t j = 0; j < q.v; ++j) sum += std::exp(z[j] - m);
+  s.max = m;
+  s.sum_exp = static_cast<float>(sum);
+  const int64_t t = q.local_target(row);
+  if (t >= 0) s.target_logit = z[t];
+  if (q.options.label_smoothing > 0) {
+    double weighted = 0;
+    for (int64_t j = 0; j < q.v; ++j) weighted += q.column_weight(j) * z[j];
+    s.weighted_sum = static_cast<float>(weighted);
+  }
+  return s;
+}
+
 // ---------------------------------------------------------------------------
 // The chunk loop.
 
 enum class Pass {
   kLoss,          // loss only
   kLossAndGrad,   // loss and gradients (STORE_GRADS forward)
-  kGradFromLse,   // gradients from saved lse (RECOMPUTE backward)
+  kGradFromLse,   // gradients from lse (RECOMPUTE backward; a shard's backward)
+  kShardStats,    // a shard's per-row statistics (its forward)
 };
 
 struct LoopIO {
@@ -242,12 +299,20 @@ struct LoopIO {
   float* dx = nullptr;   // [N, H] fp32, overwritten
   float* dw = nullptr;   // [V, H] fp32, overwritten
   float* db = nullptr;   // [V] fp32, overwritten, or null
+
+  // kShardStats: [N] each, and (a shard's STORE_GRADS) z' of every row
+  // [N, V] when `logits_out` is set.
+  ShardRowStats* shard_rows = nullptr;
+  float* logits_out = nullptr;
+  // kGradFromLse: z' of every row [N, V] instead of computing it (a shard
+  // that kept them), or null.
+  const float* logits_in = nullptr;
 };
 
 absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
                        const CancelFn& cancelled, BufferPool& pool, LoopIO& io) {
   const int64_t n = q.n, h = q.h, v = q.v;
-  const bool grad = pass != Pass::kLoss;
+  const bool grad = pass == Pass::kLossAndGrad || pass == Pass::kGradFromLse;
   if (grad && n == 0) {
     // No chunk will write dW and db.
     std::fill(io.dw, io.dw + v * h, 0.0f);
@@ -271,19 +336,32 @@ absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
       ToFloat(q.dtype, src, rows * h, x_chunk.data());
       x = x_chunk.data();
     }
-    // logits[rows, V] = X_c[rows, H] · Wᵀ  (W is [V, H] row-major, so Wᵀ is
-    // the transposed operand with leading dimension H).
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, v, h, 1.0f, x,
-                h, q.w32, h, 0.0f, logits.data(), v);
+    if (io.logits_in != nullptr) {
+      // The kept z' (bias and softcap applied) instead of X·Wᵀ.
+      std::memcpy(logits.data(), io.logits_in + r0 * v,
+                  static_cast<size_t>(rows * v) * sizeof(float));
+    } else {
+      // logits[rows, V] = X_c[rows, H] · Wᵀ  (W is [V, H] row-major, so Wᵀ
+      // is the transposed operand with leading dimension H).
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, v, h, 1.0f, x,
+                  h, q.w32, h, 0.0f, logits.data(), v);
+    }
     int64_t correct = 0;
 #pragma omp parallel for schedule(static) reduction(+ : correct)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = r0 + r;
       float* z = logits.data() + r * v;
       if (pass == Pass::kGradFromLse) {
-        TransformLogits(q, z);
+        if (io.logits_in == nullptr) TransformLogits(q, z);
         WriteRowGradient(q, row, io.lse_in[row], io.row_scale[row],
                          /*exp_in_z=*/false, 0.0f, z);
+        continue;
+      }
+      if (pass == Pass::kShardStats) {
+        io.shard_rows[row] = ShardRow(q, row, z);
+        if (io.logits_out != nullptr) {
+          std::memcpy(io.logits_out + row * v, z, static_cast<size_t>(v) * sizeof(float));
+        }
         continue;
       }
       const RowStats s = ForwardRow(q, row, grad ? &io.row_scale[row] : nullptr, z);
@@ -373,6 +451,18 @@ class RecomputeInputs : public SavedState {
   }
 };
 
+// A vocabulary shard's: the inputs (own copies) and, for STORE_GRADS (the
+// reference's high-performance mode), every row's z' [N, V_s], so Backward
+// skips the logits GEMM; for RECOMPUTE (memory-saving), not.
+class ShardInputs : public SavedState {
+ public:
+  OwnedProblem inputs;
+  std::vector<float> logits;
+  int64_t bytes() const override {
+    return inputs.bytes() + static_cast<int64_t>(logits.size() * sizeof(float));
+  }
+};
+
 std::string CpuModelName() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
@@ -415,6 +505,12 @@ int64_t CpuEngine::ChunkRows(int64_t rows, int64_t vocab, int64_t hidden) const 
 int64_t CpuEngine::SavedStateBytes(const LossProblem& p,
                                    BackwardMode mode) const {
   const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
+  if (p.shard) {
+    const int64_t elem = DTypeSize(p.hidden.dtype);
+    return (n * h + v * h + (p.bias ? v : 0)) * elem + n * DTypeSize(p.target.dtype) +
+           (p.class_weight ? p.full_vocab() * 4 : 0) +
+           (mode == BackwardMode::kStoreGrads ? n * v * 4 : 0);
+  }
   if (mode == BackwardMode::kStoreGrads) {
     return (n * h + v * h + (p.bias ? v : 0)) * int64_t{4};
   }
@@ -448,9 +544,54 @@ absl::StatusOr<Gradients> CpuEngine::Backward(SavedState& state,
   }
 }
 
+absl::StatusOr<ForwardResult> CpuEngine::ShardForward(const LossProblem& problem,
+                                                      const ForwardSpec& spec,
+                                                      const CancelFn& cancelled) {
+  const Prepared q = Prepare(problem, *pool_);
+  const int64_t n = q.n;
+  const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
+  std::vector<ShardRowStats> rows(n);
+  std::unique_ptr<ShardInputs> saved;
+  LoopIO io;
+  io.shard_rows = rows.data();
+  if (spec.need_backward) {
+    saved = std::make_unique<ShardInputs>();
+    if (store) {
+      saved->logits.resize(static_cast<size_t>(n * q.v));
+      io.logits_out = saved->logits.data();
+    }
+  }
+  FLCE_RETURN_IF_ERROR(
+      RunChunks(q, ChunkRows(n, q.v, q.h), Pass::kShardStats, cancelled, *pool_, io));
+  ForwardResult result;
+  result.num_valid = q.num_valid;
+  ShardStats stats;
+  stats.max = FloatTensor({n});
+  stats.sum_exp = FloatTensor({n});
+  stats.target_logit = FloatTensor({n});
+  stats.argmax = HostTensor(DType::kInt64, {n});
+  if (q.options.label_smoothing > 0) stats.weighted_logit_sum = FloatTensor({n});
+  for (int64_t i = 0; i < n; ++i) {
+    stats.max.mutable_data<float>()[i] = rows[i].max;
+    stats.sum_exp.mutable_data<float>()[i] = rows[i].sum_exp;
+    stats.target_logit.mutable_data<float>()[i] = rows[i].target_logit;
+    stats.argmax.mutable_data<int64_t>()[i] = q.first + rows[i].argmax;
+    if (stats.weighted_logit_sum) {
+      stats.weighted_logit_sum->mutable_data<float>()[i] = rows[i].weighted_sum;
+    }
+  }
+  result.shard_stats = std::move(stats);
+  if (saved != nullptr) {
+    saved->inputs = CopyProblem(problem);
+    result.saved = std::move(saved);
+  }
+  return result;
+}
+
 absl::StatusOr<ForwardResult> CpuEngine::ForwardImpl(const LossProblem& problem,
                                                      const ForwardSpec& spec,
                                                      const CancelFn& cancelled) {
+  if (problem.shard) return ShardForward(problem, spec, cancelled);
   const Prepared q = Prepare(problem, *pool_);
   const int64_t n = q.n;
   const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
@@ -569,11 +710,25 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
     return out;
   }
 
-  const auto* saved = dynamic_cast<const RecomputeInputs*>(&state);
-  if (saved == nullptr) {
+  const OwnedProblem* inputs = nullptr;
+  const float* lse = nullptr;
+  const float* logits = nullptr;
+  std::vector<float> global_lse;
+  if (const auto* recompute = dynamic_cast<const RecomputeInputs*>(&state)) {
+    inputs = &recompute->inputs;
+    lse = recompute->lse.data();
+  } else if (const auto* shard = dynamic_cast<const ShardInputs*>(&state)) {
+    if (!spec.global_lse) {
+      return absl::InvalidArgumentError("global_lse: required by a vocabulary shard's session");
+    }
+    inputs = &shard->inputs;
+    global_lse = TensorToFloats(*spec.global_lse);
+    lse = global_lse.data();
+    if (!shard->logits.empty()) logits = shard->logits.data();
+  } else {
     return absl::InternalError("saved state was not made by the CPU engine");
   }
-  const Prepared q = Prepare(saved->inputs.view(), *pool_);
+  const Prepared q = Prepare(inputs->view(), *pool_);
   const int64_t n = q.n;
   std::vector<float> scale(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -586,7 +741,8 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
   out.grad_weight = FloatTensor({q.v, q.h});
   if (!q.bias.empty()) out.grad_bias = FloatTensor({q.v});
   LoopIO io;
-  io.lse_in = saved->lse.data();
+  io.lse_in = lse;
+  io.logits_in = logits;
   io.row_scale = scale.data();
   io.dx = out.grad_hidden.mutable_data<float>();
   io.dw = out.grad_weight.mutable_data<float>();

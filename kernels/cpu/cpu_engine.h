@@ -34,6 +34,7 @@ class CpuEngine : public LossEngine {
 
   std::string backend() const override { return "cpu"; }
   std::vector<DeviceInfo> devices() const override;
+  bool supports_vocab_shards() const override { return true; }
   int64_t SavedStateBytes(const LossProblem& problem,
                           BackwardMode mode) const override;
   absl::StatusOr<ForwardResult> Forward(const LossProblem& problem,
@@ -51,6 +52,10 @@ class CpuEngine : public LossEngine {
   absl::StatusOr<ForwardResult> ForwardImpl(const LossProblem& problem,
                                             const ForwardSpec& spec,
                                             const CancelFn& cancelled);
+  // A vocabulary shard's Forward: its statistics, and its state.
+  absl::StatusOr<ForwardResult> ShardForward(const LossProblem& problem,
+                                             const ForwardSpec& spec,
+                                             const CancelFn& cancelled);
   absl::StatusOr<Gradients> BackwardImpl(SavedState& state, const BackwardSpec& spec,
                                          const CancelFn& cancelled);
 

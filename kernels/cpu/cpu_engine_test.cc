@@ -29,6 +29,27 @@ TEST_P(CpuEngineTest, EachOptionAlone) { RunAll(EachOptionCases(GetParam())); }
 TEST_P(CpuEngineTest, PeakedAndFlatSoftmaxes) { RunAll(SoftmaxShapeCases(GetParam())); }
 TEST_P(CpuEngineTest, LargeVocabulary) { RunAll(LargeVocabularyCases(GetParam())); }
 
+// Vocabulary shards (2 uneven, 3) combine to the whole: every option, every
+// reduction, both modes.
+TEST_P(CpuEngineTest, VocabularyShardsCombineToTheWhole) {
+  std::vector<ConformanceCase> cases = EveryOptionCases(GetParam());
+  for (const ConformanceCase& c : EachOptionCases(GetParam())) cases.push_back(c);
+  for (Reduction r : {Reduction::kSum, Reduction::kNone}) {
+    for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+      ConformanceCase c = EveryOptionCases(GetParam())[0];
+      c.spec.options.reduction = r;
+      c.mode = mode;
+      c.name += std::string(" reduction ") + ReductionName(r) + " " + BackwardModeName(mode);
+      cases.push_back(c);
+    }
+  }
+  for (const ConformanceCase& c : cases) {
+    const int64_t v = c.spec.vocab;
+    RunShardConformanceCase(engine_, c, {v / 3, v - v / 3});
+    RunShardConformanceCase(engine_, c, {v / 3, v / 3, v - 2 * (v / 3)});
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllDTypes, CpuEngineTest,
                          ::testing::Values(DType::kFloat32, DType::kBFloat16,
                                            DType::kFloat16),
