@@ -35,6 +35,8 @@ void EncodeGradient(HostTensor&& t, bool in_shm, const v1::SharedMemorySlice& sl
 
 std::string ProblemDetail(const LossProblem& p) {
   return absl::StrCat("n=", p.rows(), " h=", p.hidden_size(), " v=", p.vocab(),
+                      p.shard ? absl::StrCat(" shard=", p.shard->first, "/", p.shard->full_vocab)
+                              : std::string(),
                       " dtype=", DTypeName(p.hidden.dtype), " ");
 }
 
@@ -42,7 +44,11 @@ std::string ProblemDetail(const LossProblem& p) {
 int64_t ForwardResponseBytes(const ForwardCall& call) {
   const int64_t rows = call.problem.rows();
   int64_t tensors = static_cast<int64_t>(call.want_lse) + call.want_per_row_loss;
-  if (call.problem.options.reduction == Reduction::kNone) tensors += 2;  // loss, z_loss
+  if (call.problem.shard) {
+    tensors = 6;  // max, sum-exp, target logit, weighted sum, argmax (8 bytes)
+  } else if (call.problem.options.reduction == Reduction::kNone) {
+    tensors += 2;  // loss, z_loss
+  }
   return tensors * rows * 4;
 }
 
@@ -140,8 +146,20 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
   FLCE_RETURN_IF_ERROR(CheckAlive(*call, "while computing"));
   ForwardResult& r = outcome->result;
   if (forward.loss_out) FLCE_RETURN_IF_ERROR(WriteLoss(r.loss, *forward.loss_out));
-  MoveToProto(std::move(r.loss), response->mutable_loss());
-  MoveToProto(std::move(r.z_loss), response->mutable_z_loss());
+  if (r.shard_stats) {
+    v1::ShardStats* stats = response->mutable_shard_stats();
+    MoveToProto(std::move(r.shard_stats->max), stats->mutable_max());
+    MoveToProto(std::move(r.shard_stats->sum_exp), stats->mutable_sum_exp());
+    MoveToProto(std::move(r.shard_stats->target_logit), stats->mutable_target_logit());
+    if (r.shard_stats->weighted_logit_sum) {
+      MoveToProto(std::move(*r.shard_stats->weighted_logit_sum),
+                  stats->mutable_weighted_logit_sum());
+    }
+    MoveToProto(std::move(r.shard_stats->argmax), stats->mutable_argmax());
+  } else {
+    MoveToProto(std::move(r.loss), response->mutable_loss());
+    MoveToProto(std::move(r.z_loss), response->mutable_z_loss());
+  }
   if (r.lse) MoveToProto(std::move(*r.lse), response->mutable_lse());
   if (r.per_row_loss) MoveToProto(std::move(*r.per_row_loss), response->mutable_per_row_loss());
   response->set_num_valid(r.num_valid);

@@ -49,6 +49,11 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     problem.device_owner =
         std::make_shared<const BorrowedMemory>(BorrowedMemory{call.weight_ref, call.shm});
   }
+  if (problem.shard && !engine_->supports_vocab_shards()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "vocab_shard: the ", engine_->backend(),
+        " engine does not compute vocabulary shards in this version (the cpu engine does)"));
+  }
   ForwardOutcome outcome;
   ForwardSpec spec;
   spec.need_backward = call.need_backward;
@@ -73,6 +78,7 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     info.hidden = call.problem.hidden_size();
     info.vocab = call.problem.vocab();
     info.has_bias = call.problem.bias.has_value();
+    info.shard = call.problem.shard.has_value();
     info.weight = call.weight_ref;
     outcome.mode = spec.mode;
     outcome.session_id =
@@ -166,6 +172,7 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
     return status;
   }
   if (call.grad_output) spec.grad_output = call.grad_output->view();
+  if (call.global_lse) spec.global_lse = call.global_lse->view();
   spec.grad_dtype = call.grad_dtype;
   // The accumulator sums fp32 gradients: on the engine's device when it has
   // one (the engine adds them there), else here on the host. A retry only

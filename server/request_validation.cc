@@ -1,6 +1,7 @@
 #include "server/request_validation.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
@@ -151,6 +152,25 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
   }
   const int64_t v = p.weight.dim(0);
   if (v == 0) return Invalid("weight: V is 0; expected V >= 1");
+  // The vocabulary the targets and class weights index: the shard's whole
+  // one, else the weight's.
+  int64_t full_v = v;
+  if (r.has_vocab_shard()) {
+    const v1::VocabShard& s = r.vocab_shard();
+    if (s.first() < 0 || s.full_vocab() < 1 || s.first() > s.full_vocab() - v) {
+      return Invalid(absl::StrCat("vocab_shard: ids [", s.first(), ", ", s.first(), " + V=", v,
+                                  ") do not lie inside a vocabulary of full_vocab=",
+                                  s.full_vocab()));
+    }
+    if (r.has_backward() || r.has_loss_out() || r.outputs().lse() ||
+        r.outputs().per_row_loss()) {
+      return Invalid(
+          "vocab_shard: a shard gives statistics, not a loss: not with backward, loss_out or "
+          "outputs (the loss and lse come from every shard's statistics combined)");
+    }
+    p.shard = VocabShard{s.first(), s.full_vocab()};
+    full_v = s.full_vocab();
+  }
   if (p.weight.dim(1) != h) {
     return Invalid(absl::StrCat("weight: expected [V, H=", h, "] to match hidden ",
                                 ShapeString(p.hidden.shape), ", got ",
@@ -179,10 +199,11 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
       return Invalid(absl::StrCat("options.class_weight: dtype ", DTypeName(cw.dtype),
                                   " not supported; expected fp32"));
     }
-    FLCE_RETURN_IF_ERROR(CheckShape(cw, "options.class_weight", {v}, "[V]"));
+    FLCE_RETURN_IF_ERROR(CheckShape(cw, "options.class_weight", {full_v},
+                                    p.shard ? "[vocab_shard.full_vocab]" : "[V]"));
     if (r.options().class_weight().has_shm()) cw = Privatize(cw, call);
     const float* w = static_cast<const float*>(cw.data);
-    for (int64_t j = 0; j < v; ++j) {
+    for (int64_t j = 0; j < full_v; ++j) {
       if (!(w[j] >= 0.0f) || !std::isfinite(w[j])) {
         return Invalid(absl::StrCat("options.class_weight[", j, "] = ", w[j],
                                     "; weights must be finite and >= 0"));
@@ -196,8 +217,9 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
   }
   call.requested_mode = FromProto(r.backward_mode());
   call.need_backward = r.need_backward();
+  // (A shard's STORE_GRADS keeps its logits, not gradients: any reduction.)
   if (call.need_backward && call.requested_mode == BackwardMode::kStoreGrads &&
-      p.options.reduction == Reduction::kNone) {
+      p.options.reduction == Reduction::kNone && !p.shard) {
     return Invalid(
         "backward_mode: STORE_GRADS cannot serve reduction none (the per-row "
         "grad_output must be folded in before the dW reduction); use RECOMPUTE "
@@ -220,11 +242,11 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
 
   // Targets last: the scan is O(N) and needs V.
   if (p.target.dtype == DType::kInt32) {
-    FLCE_RETURN_IF_ERROR(
-        CheckTargets(static_cast<const int32_t*>(p.target.data), n, v, p.options.ignore_index));
+    FLCE_RETURN_IF_ERROR(CheckTargets(static_cast<const int32_t*>(p.target.data), n, full_v,
+                                      p.options.ignore_index));
   } else {
-    FLCE_RETURN_IF_ERROR(
-        CheckTargets(static_cast<const int64_t*>(p.target.data), n, v, p.options.ignore_index));
+    FLCE_RETURN_IF_ERROR(CheckTargets(static_cast<const int64_t*>(p.target.data), n, full_v,
+                                      p.options.ignore_index));
   }
   return call;
 }
@@ -254,6 +276,16 @@ absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& r,
     HostTensor fp32(DType::kFloat32, g.shape);
     ToFloat(g.dtype, g.data, g.num_elements(), fp32.mutable_data<float>());
     call.grad_output = std::move(fp32);
+  }
+  if (r.has_global_lse()) {
+    FLCE_ASSIGN_OR_RETURN(TensorView lse, ViewOf(r.global_lse(), "global_lse", call.shm.get()));
+    if (lse.dtype != DType::kFloat32) {
+      return Invalid(absl::StrCat("global_lse: dtype ", DTypeName(lse.dtype),
+                                  " not supported; expected fp32"));
+    }
+    HostTensor copy(DType::kFloat32, lse.shape);
+    if (lse.num_elements() > 0) std::memcpy(&copy.data[0], lse.data, copy.data.size());
+    call.global_lse = std::move(copy);
   }
   switch (r.grad_dtype()) {
     case v1::DTYPE_UNSPECIFIED:
@@ -295,6 +327,15 @@ absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& r,
 }
 
 absl::Status CheckGradOutput(const BackwardCall& call, const SessionInfo& info) {
+  if (info.shard != call.global_lse.has_value()) {
+    return Invalid(info.shard ? "global_lse: required by a vocabulary shard's session (each "
+                                "row's lse over the whole vocabulary, fp32 [N])"
+                              : "global_lse: only a vocabulary shard's session takes it");
+  }
+  if (call.global_lse && call.global_lse->shape != std::vector<int64_t>{info.rows}) {
+    return Invalid(absl::StrCat("global_lse: expected fp32 [N] = ", info.rows, ", got ",
+                                ShapeString(call.global_lse->shape)));
+  }
   if (!call.grad_output) return absl::OkStatus();
   const std::vector<int64_t>& shape = call.grad_output->shape;
   if (info.reduction == Reduction::kNone) {

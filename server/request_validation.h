@@ -52,6 +52,8 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& request,
 struct BackwardCall {
   std::string session_id;
   std::optional<HostTensor> grad_output;
+  // BackwardRequest.global_lse (a shard's session), fp32.
+  std::optional<HostTensor> global_lse;
   bool keep_session = false;
   std::optional<DType> grad_dtype;
   bool accumulate_weight_grad = false;
@@ -73,7 +75,7 @@ absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& request,
                                             std::shared_ptr<SliceResolver> shm = nullptr);
 
 // Checks grad_output's shape against the session: {} or {1} for mean/sum,
-// {N} for none.
+// {N} for none; and global_lse: [N] for a shard's session, absent otherwise.
 absl::Status CheckGradOutput(const BackwardCall& call, const SessionInfo& info);
 
 }  // namespace flce

@@ -49,6 +49,7 @@ struct SessionInfo {
   DType dtype = DType::kFloat32;  // of the inputs
   int64_t hidden = 0, vocab = 0;
   bool has_bias = false;
+  bool shard = false;  // a vocabulary shard's (its Backward needs global_lse)
   // The registered weight version the Forward used (kept alive), if any.
   std::shared_ptr<RegisteredWeight> weight;
 };

@@ -736,6 +736,82 @@ TEST_F(ServerTest, HiddenThenWeightGradientsEqualOneBackward) {
   ExpectStillServing();
 }
 
+// Vocabulary shards over the wire: a shard's statistics and its Backward with
+// the global lse; every misuse refused with its code before any compute; an
+// engine without shards says UNIMPLEMENTED. (The math against the whole
+// vocabulary: kernels' RunShardConformanceCase and tests/vocab_parallel_test.)
+TEST_F(ServerTest, VocabularyShardsAndTheirRefusals) {
+  OwnedProblem p = Problem(6, 8, 40);
+  v1::ForwardRequest request = BuildForwardRequest(Args(p));
+  // Rows [10, 40) of W: a shard of a 64-id vocabulary.
+  v1::Tensor* w = request.mutable_weight();
+  w->set_data(w->data().substr(10 * 8 * 4));
+  w->set_shape(0, 30);
+  request.mutable_vocab_shard()->set_first(10);
+  request.mutable_vocab_shard()->set_full_vocab(64);
+  grpc::ClientContext context;
+  v1::ForwardResponse response;
+  absl::Status status = FromGrpcStatus(stub_->Forward(&context, request, &response));
+  if (!server_->engine().supports_vocab_shards()) {
+    EXPECT_THAT(status, StatusIs(Code::kUnimplemented, HasSubstr("vocab_shard")));
+    ExpectStillServing();
+    return;
+  }
+  ASSERT_TRUE(status.ok()) << status;
+  ASSERT_TRUE(response.has_shard_stats());
+  EXPECT_FALSE(response.has_loss());
+  EXPECT_EQ(response.shard_stats().max().shape(0), 6);
+  EXPECT_EQ(response.shard_stats().argmax().dtype(), v1::DTYPE_INT64);
+  for (int64_t i = 0; i < 6; ++i) {
+    const int64_t id = reinterpret_cast<const int64_t*>(
+        response.shard_stats().argmax().data().data())[i];
+    EXPECT_TRUE(id >= 10 && id < 40) << id;
+  }
+
+  auto refused = [&](v1::ForwardRequest bad, Code code, const char* says) {
+    EXPECT_THAT(RawForward(bad), StatusIs(code, HasSubstr(says))) << says;
+  };
+  v1::ForwardRequest outside = request;
+  outside.mutable_vocab_shard()->set_first(40);
+  refused(outside, Code::kInvalidArgument, "vocab_shard");
+  v1::ForwardRequest lse = request;
+  lse.mutable_outputs()->set_lse(true);
+  refused(lse, Code::kInvalidArgument, "vocab_shard");
+  v1::ForwardRequest shard_weights = request;  // class weights of the shard, not the whole
+  HostTensor cw(DType::kFloat32, {30});
+  for (int i = 0; i < 30; ++i) cw.mutable_data<float>()[i] = 1.0f;
+  CopyToProto(cw.view(), shard_weights.mutable_options()->mutable_class_weight());
+  refused(shard_weights, Code::kInvalidArgument, "[vocab_shard.full_vocab]");
+  v1::ForwardRequest far_target = request;
+  HostTensor t(DType::kInt64, {6});
+  for (int i = 0; i < 6; ++i) t.mutable_data<int64_t>()[i] = i == 3 ? 64 : 50;
+  CopyToProto(t.view(), far_target.mutable_target());
+  refused(far_target, Code::kOutOfRange, "target");
+
+  // The session's Backward needs the global lse, [N]; others refuse it.
+  auto backward = [&](const std::string& session, const HostTensor* global_lse) {
+    grpc::ClientContext c;
+    v1::BackwardRequest r;
+    r.set_session_id(session);
+    r.set_keep_session(true);
+    if (global_lse != nullptr) CopyToProto(global_lse->view(), r.mutable_global_lse());
+    v1::BackwardResponse out;
+    return FromGrpcStatus(stub_->Backward(&c, r, &out));
+  };
+  HostTensor global(DType::kFloat32, {6}), wrong(DType::kFloat32, {5});
+  for (int i = 0; i < 6; ++i) global.mutable_data<float>()[i] = 5.0f;
+  EXPECT_THAT(backward(response.session_id(), nullptr),
+              StatusIs(Code::kInvalidArgument, HasSubstr("global_lse: required")));
+  EXPECT_THAT(backward(response.session_id(), &wrong),
+              StatusIs(Code::kInvalidArgument, HasSubstr("global_lse: expected fp32 [N] = 6")));
+  EXPECT_TRUE(backward(response.session_id(), &global).ok());
+  auto plain = client_->Forward(Args(p));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_THAT(backward(plain->session_id, &global),
+              StatusIs(Code::kInvalidArgument, HasSubstr("only a vocabulary shard's session")));
+  ExpectStillServing();
+}
+
 TEST_F(ServerTest, WeightErrorsHaveTheirCodes) {
   OwnedProblem p = Problem(4, 3, 6);
   // Accumulating needs a registered weight.

@@ -218,6 +218,9 @@ class ForwardResult:
     stats: Optional[pb.CallStats] = None  # the server's queue and engine time
     # With backward_into: the gradients (written into those tensors).
     gradients: Optional["Gradients"] = None
+    # With vocab_shard: the shard's per-row statistics (loss and z_loss are
+    # then empty; see flce.vocab_parallel).
+    shard_stats: Optional["pb.ShardStats"] = None
 
 
 @dataclasses.dataclass
@@ -534,7 +537,7 @@ class Client:
                 shm: Optional[SharedMemoryRegion] = None,
                 cuda_ipc: bool = False, backward_into=None,
                 backward_grad_output: Optional[float] = None, loss_out=None,
-                asynchronous: bool = False):
+                asynchronous: bool = False, vocab_shard: Optional[tuple] = None):
         """Forward. Pass ``weight`` (and ``bias``), or ``weight_name`` of a
         registered weight. ``need_backward`` keeps a session for backward().
         With ``shm``, the tensors travel through that shared-memory region;
@@ -555,7 +558,14 @@ class Client:
         device's current stream then waits on the GPU for the server's
         answer, so work queued on it afterwards sees the gradients and
         ``loss_out``; errors of the computation itself come from the
-        pending call's ``result()``), or once it is done otherwise."""
+        pending call's ``result()``), or once it is done otherwise.
+
+        ``vocab_shard`` = (first, full_vocab): ``weight`` (and ``bias``) are
+        the rows [first, first + V_s) of a vocabulary of full_vocab ids; the
+        result then carries ``shard_stats`` instead of a loss, and the
+        session's backward() needs ``global_lse`` (see
+        :mod:`flce.vocab_parallel`, which does this for a torch.distributed
+        job)."""
         check_loss_options(reduction=reduction, backward_mode=backward_mode,
                            label_smoothing=label_smoothing, logit_softcap=logit_softcap,
                            z_loss_scale=z_loss_scale)
@@ -607,6 +617,8 @@ class Client:
                 put(class_weight, r.options.class_weight)
             r.need_backward = need_backward
             r.backward_mode = _MODES[backward_mode]
+            if vocab_shard is not None:
+                r.vocab_shard.first, r.vocab_shard.full_vocab = vocab_shard
             r.outputs.lse = want_lse
             r.outputs.per_row_loss = want_per_row_loss
             if backward_into is not None:
@@ -662,13 +674,14 @@ class Client:
                                   b.grad_bias if b.HasField("grad_bias") else None, resp.stats)
         return ForwardResult(resp.loss, resp.z_loss, resp.lse if resp.HasField("lse") else None,
                              resp.num_valid, resp.num_correct, resp.session_id,
-                             _MODE_NAMES.get(resp.backward_mode, "auto"), resp.stats, gradients)
+                             _MODE_NAMES.get(resp.backward_mode, "auto"), resp.stats, gradients,
+                             resp.shard_stats if resp.HasField("shard_stats") else None)
 
     def backward(self, session_id: str, grad_output=None, *, keep_session: bool = False,
                  float32_grads: bool = False, accumulate_weight_grad: bool = False,
                  shm: Optional[SharedMemoryRegion] = None, into=None,
                  accumulate_into: bool = False, copy_out: bool = True,
-                 gradients: str = "all") -> Gradients:
+                 gradients: str = "all", global_lse=None) -> Gradients:
         """Backward for a session; grad_output is a scalar (mean/sum) or [N]
         (none), None meaning 1. ``gradients``: "all", "hidden" (dX only, the
         session kept for the rest: needs ``keep_session``) or "weight" (dW and
@@ -679,7 +692,10 @@ class Client:
         gradients' dtypes and shapes (None for any to return as bytes), the
         server writes those gradients straight into them (CUDA IPC), after
         the work queued before the call; with ``accumulate_into`` it adds dW
-        and db into what those tensors hold (as autograd adds into .grad)."""
+        and db into what those tensors hold (as autograd adds into .grad).
+        ``global_lse`` (fp32 [N]): for a vocabulary shard's session, each
+        row's log-sum-exp over the whole vocabulary; dX is then the shard's
+        part."""
         targets = [t for t in (into or ()) if t is not None]
         if targets and shm is not None:
             raise ValueError("backward: pass shm or into, not both")
@@ -693,6 +709,8 @@ class Client:
                                    gradients=_GRADIENT_SETS[gradients])
             if grad_output is not None:
                 to_wire(grad_output, r.grad_output)
+            if global_lse is not None:
+                to_wire(global_lse, r.global_lse)
             if float32_grads:
                 r.grad_dtype = pb.DTYPE_FLOAT32
             shape = self._sessions.get(session_id)
