@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/reference/accuracy.h"
+#include "kernels/shard_combine.h"
 #include "kernels/tensor.h"
 
 namespace flce {
@@ -226,59 +227,23 @@ void RunShardConformanceCase(LossEngine& engine, const ConformanceCase& c,
   }
   ASSERT_EQ(first, v);
 
-  // The combine, in fp64: m, S, lse, the target's logit, Σ w z', argmax.
-  const std::vector<float> cw =
-      p.class_weight ? TensorToFloats(p.class_weight->view()) : std::vector<float>();
-  double cw_sum = cw.empty() ? static_cast<double>(v) : 0.0;
-  for (float w : cw) cw_sum += w;
-  std::vector<int64_t> targets(n);
-  for (int64_t i = 0; i < n; ++i) {
-    targets[i] = p.target.dtype == DType::kInt32 ? p.target.data_as<int32_t>()[i]
-                                                 : p.target.data_as<int64_t>()[i];
-  }
-  HostTensor lse(DType::kFloat32, {n});
-  std::vector<double> rows(n, 0.0);
-  double denom = 0, total = 0;
-  int64_t correct = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    double m = -INFINITY, best = -INFINITY;
-    int64_t argmax = 0;
-    for (const ForwardResult& s : shards) {
-      const double ms = s.shard_stats->max.data_as<float>()[i];
-      m = std::max(m, ms);
-      if (ms > best) {
-        best = ms;
-        argmax = s.shard_stats->argmax.data_as<int64_t>()[i];
-      }
-    }
-    double sum = 0, z_t = 0, wz = 0;
-    for (const ForwardResult& s : shards) {
-      sum += s.shard_stats->sum_exp.data_as<float>()[i] *
-             std::exp(s.shard_stats->max.data_as<float>()[i] - m);
-      z_t += s.shard_stats->target_logit.data_as<float>()[i];
-      if (s.shard_stats->weighted_logit_sum) {
-        wz += s.shard_stats->weighted_logit_sum->data_as<float>()[i];
-      }
-    }
-    const double l = m + std::log(sum);
-    lse.mutable_data<float>()[i] = static_cast<float>(l);
-    if (targets[i] == o.ignore_index) continue;
-    const double wt = cw.empty() ? 1.0 : cw[targets[i]];
-    const double eps = o.label_smoothing;
-    rows[i] = (1 - eps) * wt * (l - z_t) + eps / v * (cw_sum * l - wz) +
-              o.z_loss_scale * l * l;
-    denom += wt;
-    total += rows[i];
-    correct += argmax == targets[i];
-  }
-  EXPECT_EQ(correct, fwd->num_correct);
+  // The combine (fp64), against the whole vocabulary's call.
+  std::vector<const ShardStats*> stats;
+  for (const ForwardResult& s : shards) stats.push_back(&*s.shard_stats);
+  absl::StatusOr<CombinedShards> combined = CombineShards(whole, v, stats);
+  ASSERT_TRUE(combined.ok()) << combined.status();
+  const HostTensor& lse = combined->lse;
+  EXPECT_EQ(combined->num_valid, fwd->num_valid);
+  EXPECT_EQ(combined->num_correct, fwd->num_correct);
   const std::vector<float> loss = TensorToFloats(fwd->loss.view());
   if (o.reduction == Reduction::kNone) {
-    EXPECT_LE(RelativeL2(rows, loss), 1e-5);
+    EXPECT_LE(RelativeL2(combined->loss, loss), 1e-5);
   } else {
-    const double combined = o.reduction == Reduction::kMean ? total / denom : total;
-    EXPECT_LE(std::fabs(combined - loss[0]), 1e-5 * std::max(1.0, std::fabs(double{loss[0]})))
-        << combined << " against " << loss[0];
+    double total = 0;
+    for (double row : combined->loss) total += row;
+    const double value = o.reduction == Reduction::kMean ? total / combined->denom : total;
+    EXPECT_LE(std::fabs(value - loss[0]), 1e-5 * std::max(1.0, std::fabs(double{loss[0]})))
+        << value << " against " << loss[0];
   }
 
   // Each shard's backward with the global lse: dX summed, dW and db placed.

@@ -1,0 +1,211 @@
+#include "kernels/sharded_engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/shard_combine.h"
+#include "kernels/status_macros.h"
+
+namespace flce {
+namespace {
+
+// Rows [first, first + count) of a row-major tensor.
+TensorView Rows(const TensorView& t, int64_t first, int64_t count) {
+  TensorView out = t;
+  int64_t row = DTypeSize(t.dtype);
+  for (size_t d = 1; d < t.shape.size(); ++d) row *= t.shape[d];
+  out.data = static_cast<const char*>(t.data) + first * row;
+  out.shape[0] = count;
+  return out;
+}
+
+// Every shard's state, and what Backward needs to put the parts together.
+class ShardedState : public SavedState {
+ public:
+  std::vector<std::unique_ptr<SavedState>> parts;
+  HostTensor lse;  // fp32 [N], the combined one
+  std::vector<int64_t> firsts, sizes;
+  int64_t n = 0, h = 0, v = 0;
+  DType dtype = DType::kFloat32;
+  bool has_bias = false;
+  int64_t bytes() const override {
+    int64_t total = static_cast<int64_t>(lse.data.size());
+    for (const auto& p : parts) total += p->bytes();
+    return total;
+  }
+};
+
+HostTensor Scalar(double value) {
+  HostTensor t(DType::kFloat32, {});
+  t.mutable_data<float>()[0] = static_cast<float>(value);
+  return t;
+}
+
+HostTensor PerRow(const std::vector<double>& values) {
+  HostTensor t(DType::kFloat32, {static_cast<int64_t>(values.size())});
+  for (size_t i = 0; i < values.size(); ++i) t.mutable_data<float>()[i] = static_cast<float>(values[i]);
+  return t;
+}
+
+}  // namespace
+
+ShardedEngine::ShardedEngine(std::vector<std::unique_ptr<LossEngine>> engines, int shards)
+    : engines_(std::move(engines)), shards_(std::max(1, shards)) {}
+
+std::vector<DeviceInfo> ShardedEngine::devices() const {
+  std::vector<DeviceInfo> out;
+  for (const auto& e : engines_) {
+    for (DeviceInfo d : e->devices()) {
+      d.name = absl::StrCat(d.name, " (", shards_, " vocabulary shards over ", engines_.size(),
+                            " engine", engines_.size() > 1 ? "s" : "", ")");
+      out.push_back(std::move(d));
+    }
+  }
+  return out;
+}
+
+int64_t ShardedEngine::device_memory_bytes() const {
+  int64_t total = 0;
+  for (const auto& e : engines_) total += e->device_memory_bytes();
+  return total;
+}
+
+absl::Status ShardedEngine::health() const {
+  for (const auto& e : engines_) FLCE_RETURN_IF_ERROR(e->health());
+  return absl::OkStatus();
+}
+
+int ShardedEngine::Count(const LossProblem& problem) const {
+  return static_cast<int>(std::min<int64_t>(shards_, problem.vocab()));
+}
+
+LossProblem ShardedEngine::Shard(const LossProblem& problem, int k) const {
+  const int count = Count(problem);
+  const int64_t v = problem.vocab();
+  const int64_t first = v * k / count, last = v * (k + 1) / count;
+  LossProblem part = problem;
+  part.weight = Rows(problem.weight, first, last - first);
+  if (problem.bias) part.bias = Rows(*problem.bias, first, last - first);
+  part.shard = VocabShard{first, v};
+  return part;
+}
+
+int64_t ShardedEngine::SavedStateBytes(const LossProblem& problem, BackwardMode mode) const {
+  if (problem.shard) return engines_[0]->SavedStateBytes(problem, mode);
+  int64_t total = problem.rows() * 4;  // the combined lse
+  for (int k = 0; k < Count(problem); ++k) total += EngineOf(k).SavedStateBytes(Shard(problem, k), mode);
+  return total;
+}
+
+absl::StatusOr<ForwardResult> ShardedEngine::Forward(const LossProblem& problem,
+                                                     const ForwardSpec& spec,
+                                                     const CancelFn& cancelled) {
+  if (problem.shard) return engines_[0]->Forward(problem, spec, cancelled);
+  const int count = Count(problem);
+  ForwardSpec part_spec;
+  part_spec.need_backward = spec.need_backward;
+  part_spec.mode = spec.mode;
+  std::vector<ForwardResult> parts;
+  std::vector<const ShardStats*> stats;
+  auto state = std::make_unique<ShardedState>();
+  for (int k = 0; k < count; ++k) {
+    const LossProblem part = Shard(problem, k);
+    FLCE_ASSIGN_OR_RETURN(ForwardResult r, EngineOf(k).Forward(part, part_spec, cancelled));
+    if (!r.shard_stats) return absl::InternalError("a shard's Forward gave no statistics");
+    state->firsts.push_back(part.shard->first);
+    state->sizes.push_back(part.vocab());
+    parts.push_back(std::move(r));
+  }
+  for (const ForwardResult& r : parts) stats.push_back(&*r.shard_stats);
+  FLCE_ASSIGN_OR_RETURN(CombinedShards combined,
+                        CombineShards(problem, problem.vocab(), stats));
+  ForwardResult result;
+  result.num_valid = combined.num_valid;
+  result.num_correct = combined.num_correct;
+  if (problem.options.reduction == Reduction::kNone) {
+    result.loss = PerRow(combined.loss);
+    result.z_loss = PerRow(combined.z_loss);
+  } else {
+    double total = 0, z_total = 0;
+    for (size_t i = 0; i < combined.loss.size(); ++i) {
+      total += combined.loss[i];
+      z_total += combined.z_loss[i];
+    }
+    // mean over zero valid rows is 0/0 = NaN, as in PyTorch.
+    const double denom = problem.options.reduction == Reduction::kMean ? combined.denom : 1.0;
+    result.loss = Scalar(total / denom);
+    result.z_loss = Scalar(z_total / denom);
+  }
+  if (spec.want_lse) result.lse = combined.lse;
+  if (spec.want_per_row_loss) result.per_row_loss = PerRow(combined.loss);
+  if (spec.need_backward) {
+    for (ForwardResult& r : parts) state->parts.push_back(std::move(r.saved));
+    state->lse = std::move(combined.lse);
+    state->n = problem.rows();
+    state->h = problem.hidden_size();
+    state->v = problem.vocab();
+    state->dtype = problem.hidden.dtype;
+    state->has_bias = problem.bias.has_value();
+    result.saved = std::move(state);
+  }
+  return result;
+}
+
+absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const BackwardSpec& spec,
+                                                  const CancelFn& cancelled) {
+  auto* state = dynamic_cast<ShardedState*>(&saved);
+  if (state == nullptr) return engines_[0]->Backward(saved, spec, cancelled);  // a shard's own
+  for (const auto* to : {&spec.grad_hidden_to, &spec.grad_weight_to, &spec.grad_bias_to}) {
+    if (*to && (*to)->space != MemorySpace::kHost) {
+      return absl::FailedPreconditionError(
+          "the vocabulary-sharded engine writes gradients into host memory only");
+    }
+  }
+  const int64_t n = state->n, h = state->h, v = state->v;
+  const DType dx_dtype = spec.hidden_dtype(state->dtype);
+  const DType w_dtype = spec.weight_dtype(state->dtype);
+  const int64_t w_elem = DTypeSize(w_dtype);
+  BackwardSpec part_spec;
+  part_spec.grad_output = spec.grad_output;
+  part_spec.global_lse = state->lse.view();
+  part_spec.grad_dtype = DType::kFloat32;  // dX's parts are summed in fp32
+  part_spec.weight_grad_dtype = w_dtype;
+  part_spec.last_use = spec.last_use;
+  part_spec.weight_grads_last_use = spec.weight_grads_last_use;
+  part_spec.hidden_grad_only = spec.hidden_grad_only;
+  part_spec.weight_grads_only = spec.weight_grads_only;
+  std::vector<float> dx;
+  if (!spec.weight_grads_only) dx.assign(static_cast<size_t>(n * h), 0.0f);
+  Gradients out;
+  if (!spec.hidden_grad_only) {
+    out.grad_weight = HostTensor(w_dtype, {v, h});
+    if (state->has_bias) out.grad_bias = HostTensor(w_dtype, {v});
+  }
+  for (size_t k = 0; k < state->parts.size(); ++k) {
+    FLCE_ASSIGN_OR_RETURN(Gradients g,
+                          EngineOf(static_cast<int>(k)).Backward(*state->parts[k], part_spec,
+                                                                 cancelled));
+    if (!dx.empty()) {
+      const std::vector<float> part = TensorToFloats(g.grad_hidden.view());
+      for (size_t i = 0; i < dx.size(); ++i) dx[i] += part[i];
+    }
+    if (!spec.hidden_grad_only) {
+      std::memcpy(&out.grad_weight.data[state->firsts[k] * h * w_elem], g.grad_weight.data.data(),
+                  g.grad_weight.data.size());
+      if (out.grad_bias && g.grad_bias) {
+        std::memcpy(&out.grad_bias->data[state->firsts[k] * w_elem], g.grad_bias->data.data(),
+                    g.grad_bias->data.size());
+      }
+    }
+  }
+  if (!dx.empty()) {
+    out.grad_hidden = HostTensor(dx_dtype, {n, h});
+    FromFloat(dx_dtype, dx.data(), n * h, &out.grad_hidden.data[0]);
+  }
+  FLCE_RETURN_IF_ERROR(WriteToHostDestinations(spec, out));
+  return out;
+}
+
+}  // namespace flce

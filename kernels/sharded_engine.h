@@ -1,0 +1,55 @@
+#ifndef FLCE_KERNELS_SHARDED_ENGINE_H_
+#define FLCE_KERNELS_SHARDED_ENGINE_H_
+
+// A LossEngine that computes every problem in vocabulary shards: the
+// weight's rows split into `shards` nearly equal parts, shard k computed by
+// engines[k % engines.size()] (each must support shards), their statistics
+// combined here (CombineShards) into the loss, lse and counts, and Backward
+// run on every shard with the global lse: dX the sum of the shards' parts
+// (summed in fp32, rounded once), dW and db their rows side by side. It is
+// the path a server with one engine per device takes, so it runs — and is
+// tested — with one engine too (several shards on it).
+//
+// Gradient destinations in host memory are written at the end; device
+// destinations are FAILED_PRECONDITION (not with this engine). A problem
+// that is itself a shard goes to the first engine whole.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/loss_engine.h"
+
+namespace flce {
+
+class ShardedEngine : public LossEngine {
+ public:
+  // REQUIRES: engines non-empty, each supports_vocab_shards(); shards >= 1.
+  ShardedEngine(std::vector<std::unique_ptr<LossEngine>> engines, int shards);
+
+  std::string backend() const override { return engines_[0]->backend(); }
+  std::vector<DeviceInfo> devices() const override;
+  int64_t device_memory_bytes() const override;
+  bool supports_vocab_shards() const override { return true; }
+  absl::Status health() const override;
+  int shards() const { return shards_; }
+
+  int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;
+  absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
+                                        const CancelFn& cancelled) override;
+  absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
+                                     const CancelFn& cancelled) override;
+
+ private:
+  // Shard k of `problem`: its rows of the weight and bias.
+  LossProblem Shard(const LossProblem& problem, int k) const;
+  int Count(const LossProblem& problem) const;  // shards for this vocabulary
+  LossEngine& EngineOf(int k) const { return *engines_[k % engines_.size()]; }
+
+  std::vector<std::unique_ptr<LossEngine>> engines_;
+  const int shards_;
+};
+
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_SHARDED_ENGINE_H_
