@@ -176,8 +176,8 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
   part_spec.weight_grads_last_use = spec.weight_grads_last_use;
   part_spec.hidden_grad_only = spec.hidden_grad_only;
   part_spec.weight_grads_only = spec.weight_grads_only;
-  std::vector<float> dx;
-  if (!spec.weight_grads_only) dx.assign(static_cast<size_t>(n * h), 0.0f);
+  const bool want_dx = !spec.weight_grads_only;
+  std::vector<float> dx(want_dx ? static_cast<size_t>(n * h) : 0, 0.0f);
   Gradients out;
   if (!spec.hidden_grad_only) {
     out.grad_weight = HostTensor(w_dtype, {v, h});
@@ -187,7 +187,7 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
     FLCE_ASSIGN_OR_RETURN(Gradients g,
                           EngineOf(static_cast<int>(k)).Backward(*state->parts[k], part_spec,
                                                                  cancelled));
-    if (!dx.empty()) {
+    if (want_dx) {
       const std::vector<float> part = TensorToFloats(g.grad_hidden.view());
       for (size_t i = 0; i < dx.size(); ++i) dx[i] += part[i];
     }
@@ -200,7 +200,7 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
       }
     }
   }
-  if (!dx.empty()) {
+  if (want_dx) {
     out.grad_hidden = HostTensor(dx_dtype, {n, h});
     FromFloat(dx_dtype, dx.data(), n * h, &out.grad_hidden.data[0]);
   }

@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_engine.h"
 #include "kernels/engine_conformance.h"
+#include "kernels/reference/random_problem.h"
 
 namespace flce {
 namespace {
@@ -42,6 +43,34 @@ TEST_P(ShardedEngineTest, OddSizesBothModesAllReductions) { RunAll(OddSizeCases(
 TEST_P(ShardedEngineTest, EveryOptionTogether) { RunAll(EveryOptionCases(GetParam())); }
 TEST_P(ShardedEngineTest, EachOptionAlone) { RunAll(EachOptionCases(GetParam())); }
 TEST_P(ShardedEngineTest, PeakedAndFlatSoftmaxes) { RunAll(SoftmaxShapeCases(GetParam())); }
+
+// No rows: the loss 0 (sum), dX [0, H], dW and db zero; and more shards
+// asked for than the vocabulary has ids: one per id.
+TEST(ShardedEngineEdgeTest, NoRowsAndTinyVocabularies) {
+  auto engine = Sharded(1, 8);
+  for (int64_t rows : {0, 5}) {
+    RandomProblemSpec spec;
+    spec.rows = rows;
+    spec.hidden = 4;
+    spec.vocab = 3;
+    spec.bias = true;
+    spec.options.reduction = Reduction::kSum;
+    OwnedProblem p = MakeRandomProblem(spec);
+    ForwardSpec fs;
+    fs.need_backward = true;
+    auto fwd = engine->Forward(p.view(), fs, nullptr);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    if (rows == 0) EXPECT_EQ(fwd->loss.data_as<float>()[0], 0.0f);
+    auto grads = engine->Backward(*fwd->saved, {}, nullptr);
+    ASSERT_TRUE(grads.ok()) << grads.status();
+    EXPECT_EQ(grads->grad_hidden.shape, (std::vector<int64_t>{rows, 4}));
+    EXPECT_EQ(grads->grad_weight.shape, (std::vector<int64_t>{3, 4}));
+    ASSERT_TRUE(grads->grad_bias.has_value());
+    if (rows == 0) {
+      for (float w : TensorToFloats(grads->grad_weight.view())) EXPECT_EQ(w, 0.0f);
+    }
+  }
+}
 
 INSTANTIATE_TEST_SUITE_P(AllDTypes, ShardedEngineTest,
                          ::testing::Values(DType::kFloat32, DType::kBFloat16),

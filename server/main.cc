@@ -88,6 +88,10 @@ ABSL_FLAG(flce::DurationFlag, stream_idle_timeout,
 ABSL_FLAG(flce::DurationFlag, session_ttl, flce::DurationFlag{absl::Minutes(10)},
           "idle time after which a session expires");
 ABSL_FLAG(int, workers, 1, "engine calls run concurrently");
+ABSL_FLAG(int, vocab_shards, 1,
+          "compute every problem in this many vocabulary shards, combined in the server (the "
+          "path of a server with an engine per device, on one engine; cpu backend in this "
+          "version); 1: off");
 ABSL_FLAG(int, max_queued_requests, 64,
           "requests that may wait for a worker; more are RESOURCE_EXHAUSTED");
 ABSL_FLAG(flce::ByteCount, max_message_bytes, flce::ByteCount{int64_t{256} << 20},
@@ -242,6 +246,7 @@ int main(int argc, char** argv) {
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes).bytes;
+  options.engine.vocab_shards = absl::GetFlag(FLAGS_vocab_shards);
   options.engine.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes).bytes;
   options.engine.cpu.workspace_cache_bytes = absl::GetFlag(FLAGS_cpu_workspace_cache_bytes).bytes;
   options.engine.cuda.device = absl::GetFlag(FLAGS_cuda_device);

@@ -58,6 +58,11 @@ ServerOptions TestOptions() {
   o.listen_address = "127.0.0.1:0";
   o.security.insecure = true;
   o.backend = Backend();
+  // FLCE_TEST_VOCAB_SHARDS: the whole suite on a server that computes every
+  // problem in that many vocabulary shards (--vocab_shards).
+  if (const char* shards = std::getenv("FLCE_TEST_VOCAB_SHARDS")) {
+    o.engine.vocab_shards = std::atoi(shards);
+  }
   o.workers = 2;
   o.reap_interval = absl::Milliseconds(50);
   return o;
