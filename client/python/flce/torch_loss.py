@@ -29,6 +29,28 @@ def _graph_break(fn):
     return disable(fn) if disable is not None else fn
 
 
+def _set_loss_options(module, *, ignore_index, reduction, label_smoothing, logit_softcap,
+                      z_loss_scale, class_weight, backward_mode):
+    """Checks the loss options (ValueError naming the bad one) and sets them
+    as the module's attributes."""
+    check_loss_options(reduction=reduction, backward_mode=backward_mode,
+                       label_smoothing=label_smoothing, logit_softcap=logit_softcap,
+                       z_loss_scale=z_loss_scale)
+    module.ignore_index = ignore_index
+    module.reduction = reduction
+    module.label_smoothing = label_smoothing
+    module.logit_softcap = logit_softcap
+    module.z_loss_scale = z_loss_scale
+    module.class_weight = class_weight
+    module.backward_mode = backward_mode
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd will call backward through these inputs (grad mode
+    on, one of them requires grad): only then the server keeps a session."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _Session:
     """A server session owned by one autograd graph: released when the graph
     goes away without having consumed it (a loss dropped without backward(),
@@ -305,9 +327,10 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         if register_weight and (shared_memory or cuda_ipc):
             raise ValueError("register_weight is for the network path: not with shared_memory "
                              "or cuda_ipc")
-        check_loss_options(reduction=reduction, backward_mode=backward_mode,
-                           label_smoothing=label_smoothing, logit_softcap=logit_softcap,
-                           z_loss_scale=z_loss_scale)
+        _set_loss_options(self, ignore_index=ignore_index, reduction=reduction,
+                          label_smoothing=label_smoothing, logit_softcap=logit_softcap,
+                          z_loss_scale=z_loss_scale, class_weight=class_weight,
+                          backward_mode=backward_mode)
         self.client = Client(client) if isinstance(client, str) else client
         # For copies (copy.deepcopy of a model that holds the module).
         self._options = dict(
@@ -317,13 +340,6 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
             retain_graph=retain_graph, weight_grad_in_place=weight_grad_in_place,
             register_weight=register_weight, pipeline_pieces=pipeline_pieces,
             pipeline_min_piece_bytes=pipeline_min_piece_bytes)
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.label_smoothing = label_smoothing
-        self.logit_softcap = logit_softcap
-        self.z_loss_scale = z_loss_scale
-        self.class_weight = class_weight
-        self.backward_mode = backward_mode
         self.shared_memory = shared_memory
         self.cuda_ipc = cuda_ipc
         self.retain_graph = retain_graph
@@ -446,9 +462,8 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     def forward(self, hidden, weight, target, bias=None):
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         flat_target = target.reshape(-1)
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden, weight, bias))
-        loss = _RemoteFunction.apply(flat_hidden, weight, bias, flat_target, self, needs_grad)
+        loss = _RemoteFunction.apply(flat_hidden, weight, bias, flat_target, self,
+                                     _needs_grad(hidden, weight, bias))
         if self.reduction == "none":
             return loss.reshape(target.shape)
         return loss

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flce.client import Client, check_loss_options, from_wire, to_torch
-from flce.torch_loss import _graph_break, _Session
+from flce.client import Client, from_wire, to_torch
+from flce.torch_loss import _graph_break, _needs_grad, _Session, _set_loss_options
 
 
 def _stat(tensor) -> torch.Tensor:
@@ -122,20 +122,14 @@ class VocabParallelCrossEntropy(torch.nn.Module):
                  label_smoothing: float = 0.0, logit_softcap: Optional[float] = None,
                  z_loss_scale: float = 0.0, class_weight=None, backward_mode: str = "auto"):
         super().__init__()
-        check_loss_options(reduction=reduction, backward_mode=backward_mode,
-                           label_smoothing=label_smoothing, logit_softcap=logit_softcap,
-                           z_loss_scale=z_loss_scale)
+        _set_loss_options(self, ignore_index=ignore_index, reduction=reduction,
+                          label_smoothing=label_smoothing, logit_softcap=logit_softcap,
+                          z_loss_scale=z_loss_scale, class_weight=class_weight,
+                          backward_mode=backward_mode)
         if not 0 <= first < full_vocab:
             raise ValueError(f"first={first}: expected 0 <= first < full_vocab={full_vocab}")
         self.client = Client(client) if isinstance(client, str) else client
         self.first, self.full_vocab, self.group = first, full_vocab, group
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.label_smoothing = label_smoothing
-        self.logit_softcap = logit_softcap
-        self.z_loss_scale = z_loss_scale
-        self.class_weight = class_weight
-        self.backward_mode = backward_mode
         self._last = None  # the last Forward's ForwardResult
 
     @_graph_break
@@ -144,10 +138,8 @@ class VocabParallelCrossEntropy(torch.nn.Module):
             raise ValueError(f"weight: {weight.shape[0]} rows from id {self.first} pass "
                              f"full_vocab={self.full_vocab}")
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden, weight, bias))
         loss = _VocabParallelFunction.apply(flat_hidden, weight, bias, target.reshape(-1), self,
-                                            needs_grad)
+                                            _needs_grad(hidden, weight, bias))
         return loss.reshape(target.shape) if self.reduction == "none" else loss
 
 
