@@ -161,15 +161,6 @@ std::vector<ConformanceCase> OddSizeCases(DType dtype) {
 
 namespace {
 
-// A view of rows [first, first + count) of a row-major tensor.
-TensorView Rows(const TensorView& t, int64_t first, int64_t count) {
-  TensorView out = t;
-  const int64_t row_bytes = t.shape.size() > 1 ? t.dim(1) * DTypeSize(t.dtype) : DTypeSize(t.dtype);
-  out.data = static_cast<const char*>(t.data) + first * row_bytes;
-  out.shape[0] = count;
-  return out;
-}
-
 double RelativeL2(const std::vector<double>& got, const std::vector<float>& want) {
   double diff = 0, norm = 0;
   for (size_t i = 0; i < want.size(); ++i) {
@@ -213,8 +204,8 @@ void RunShardConformanceCase(LossEngine& engine, const ConformanceCase& c,
   int64_t first = 0;
   for (int64_t size : shard_sizes) {
     LossProblem part = whole;
-    part.weight = Rows(whole.weight, first, size);
-    if (whole.bias) part.bias = Rows(*whole.bias, first, size);
+    part.weight = RowSlice(whole.weight, first, size);
+    if (whole.bias) part.bias = RowSlice(*whole.bias, first, size);
     part.shard = VocabShard{first, v};
     absl::StatusOr<ForwardResult> r = engine.Forward(part, shard_fs, nullptr);
     ASSERT_TRUE(r.ok()) << r.status();

@@ -11,16 +11,6 @@
 namespace flce {
 namespace {
 
-// Rows [first, first + count) of a row-major tensor.
-TensorView Rows(const TensorView& t, int64_t first, int64_t count) {
-  TensorView out = t;
-  int64_t row = DTypeSize(t.dtype);
-  for (size_t d = 1; d < t.shape.size(); ++d) row *= t.shape[d];
-  out.data = static_cast<const char*>(t.data) + first * row;
-  out.shape[0] = count;
-  return out;
-}
-
 // Every shard's state, and what Backward needs to put the parts together.
 class ShardedState : public SavedState {
  public:
@@ -86,8 +76,8 @@ LossProblem ShardedEngine::Shard(const LossProblem& problem, int k) const {
   const int64_t v = problem.vocab();
   const int64_t first = v * k / count, last = v * (k + 1) / count;
   LossProblem part = problem;
-  part.weight = Rows(problem.weight, first, last - first);
-  if (problem.bias) part.bias = Rows(*problem.bias, first, last - first);
+  part.weight = RowSlice(problem.weight, first, last - first);
+  if (problem.bias) part.bias = RowSlice(*problem.bias, first, last - first);
   part.shard = VocabShard{first, v};
   return part;
 }

@@ -60,7 +60,9 @@ TEST(ShardedEngineEdgeTest, NoRowsAndTinyVocabularies) {
     fs.need_backward = true;
     auto fwd = engine->Forward(p.view(), fs, nullptr);
     ASSERT_TRUE(fwd.ok()) << fwd.status();
-    if (rows == 0) EXPECT_EQ(fwd->loss.data_as<float>()[0], 0.0f);
+    if (rows == 0) {
+      EXPECT_EQ(fwd->loss.data_as<float>()[0], 0.0f);
+    }
     auto grads = engine->Backward(*fwd->saved, {}, nullptr);
     ASSERT_TRUE(grads.ok()) << grads.status();
     EXPECT_EQ(grads->grad_hidden.shape, (std::vector<int64_t>{rows, 4}));

@@ -35,6 +35,15 @@ HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape)
   data.assign(bytes, '\xff');
 }
 
+TensorView RowSlice(const TensorView& t, int64_t first, int64_t count) {
+  TensorView out = t;
+  int64_t row_bytes = DTypeSize(t.dtype);
+  for (size_t d = 1; d < t.shape.size(); ++d) row_bytes *= t.shape[d];
+  out.data = static_cast<const char*>(t.data) + first * row_bytes;
+  out.shape[0] = count;
+  return out;
+}
+
 HostTensor CopyTensor(const TensorView& view) {
   HostTensor t(view.dtype, view.shape);
   if (!t.data.empty()) std::memcpy(&t.data[0], view.data, t.data.size());

@@ -65,6 +65,10 @@ struct HostTensor {
   }
 };
 
+// A view of rows [first, first + count) of a row-major tensor (a view of
+// the same memory, which stays owned elsewhere).
+TensorView RowSlice(const TensorView& t, int64_t first, int64_t count);
+
 // A host copy of a view's bytes (REQUIRES: host memory).
 HostTensor CopyTensor(const TensorView& view);
 

@@ -53,6 +53,7 @@ struct Transfer {
   int64_t length = 0;                    // the range's bytes
   int64_t moved = 0;                     // of them, received or sent
   bool write = false;
+  unsigned refusal_http_status = 0;  // where a refusal's is not HttpStatus(code)
 };
 
 MHD_Result Answer(MHD_Connection* connection, Transfer* transfer, const absl::Status& status,
@@ -118,6 +119,7 @@ absl::Status Admit(const BulkHttpServer& server, MHD_Connection* connection, con
   if (transfer->write) {
     if (chunked != nullptr || content_length == nullptr ||
         !absl::SimpleAtoi(content_length, &length) || length < 0) {
+      transfer->refusal_http_status = MHD_HTTP_LENGTH_REQUIRED;
       return absl::InvalidArgumentError(
           "Content-Length: required (a PUT's body is its length in bytes, not chunked)");
     }
@@ -161,10 +163,7 @@ MHD_Result Handle(void* cls, MHD_Connection* connection, const char* url, const 
     }
     if (absl::Status admitted = Admit(*server, connection, url, transfer); !admitted.ok()) {
       // Before the body: the connection closes after this answer.
-      return Answer(connection, transfer, admitted, "",
-                    admitted.message().find("Content-Length") != absl::string_view::npos
-                        ? MHD_HTTP_LENGTH_REQUIRED
-                        : 0);
+      return Answer(connection, transfer, admitted, "", transfer->refusal_http_status);
     }
     // Answered in the next call, once the whole request is in: an answer
     // queued earlier makes libmicrohttpd close the connection after it.
