@@ -196,6 +196,12 @@ struct BackwardSpec {
   // For a shard's state: fp32 [N], each row's log-sum-exp over the whole
   // vocabulary (the shards' statistics combined). REQUIRED for a shard.
   std::optional<TensorView> global_lse;
+  // For a shard's state: fp32 [N, H], added to the shard's part of dX
+  // before it is rounded and delivered — the parts of the shards before it,
+  // so that the last one delivers the whole dX, rounded once. In the
+  // engine's memory: its device's (MemorySpace::kCuda) for an engine with a
+  // device, host memory otherwise. It may be grad_hidden_to's memory.
+  std::optional<TensorView> grad_hidden_addend;
 
   DType hidden_dtype(DType input) const { return grad_dtype.value_or(input); }
   DType weight_dtype(DType input) const { return weight_grad_dtype.value_or(hidden_dtype(input)); }

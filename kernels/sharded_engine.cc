@@ -1,7 +1,6 @@
 #include "kernels/sharded_engine.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -147,54 +146,81 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
                                                   const CancelFn& cancelled) {
   auto* state = dynamic_cast<ShardedState*>(&saved);
   if (state == nullptr) return engines_[0]->Backward(saved, spec, cancelled);  // a shard's own
-  for (const auto* to : {&spec.grad_hidden_to, &spec.grad_weight_to, &spec.grad_bias_to}) {
-    if (*to && (*to)->space != MemorySpace::kHost) {
-      return absl::FailedPreconditionError(
-          "the vocabulary-sharded engine writes gradients into host memory only");
-    }
-  }
   const int64_t n = state->n, h = state->h, v = state->v;
   const DType dx_dtype = spec.hidden_dtype(state->dtype);
   const DType w_dtype = spec.weight_dtype(state->dtype);
   const int64_t w_elem = DTypeSize(w_dtype);
-  BackwardSpec part_spec;
-  part_spec.grad_output = spec.grad_output;
-  part_spec.global_lse = state->lse.view();
-  part_spec.grad_dtype = DType::kFloat32;  // dX's parts are summed in fp32
-  part_spec.weight_grad_dtype = w_dtype;
-  part_spec.last_use = spec.last_use;
-  part_spec.weight_grads_last_use = spec.weight_grads_last_use;
-  part_spec.hidden_grad_only = spec.hidden_grad_only;
-  part_spec.weight_grads_only = spec.weight_grads_only;
-  const bool want_dx = !spec.weight_grads_only;
-  std::vector<float> dx(want_dx ? static_cast<size_t>(n * h) : 0, 0.0f);
+  const int count = static_cast<int>(state->parts.size());
+  // dX: every shard but the last adds its fp32 part into the sum of the
+  // parts before it (grad_hidden_addend, written back over it); the last
+  // one adds its own and delivers dX rounded once, where the caller asked.
+  // The sum lives where the engine computes: its device's memory, or here.
+  DeviceMemory* device = EngineOf(0).device_memory();
+  const bool sum_dx = !spec.weight_grads_only && count > 1 && n * h > 0;
+  if (sum_dx && device != nullptr && engines_.size() > 1) {
+    return absl::UnimplementedError(
+        "the sum of dX's parts over several devices' engines (a collective) is not built");
+  }
+  std::unique_ptr<DeviceBlock> device_sum;
+  std::vector<float> host_sum;
+  TensorView sum;
+  void* sum_data = nullptr;
+  if (sum_dx) {
+    sum.dtype = DType::kFloat32;
+    sum.shape = {n, h};
+    if (device != nullptr) {
+      FLCE_ASSIGN_OR_RETURN(device_sum, device->Allocate(n * h * 4));
+      sum_data = device_sum->data();
+      sum.space = MemorySpace::kCuda;
+    } else {
+      host_sum.resize(static_cast<size_t>(n * h));
+      sum_data = host_sum.data();
+      sum.space = MemorySpace::kHost;
+    }
+    sum.data = sum_data;
+  }
+  // dW and db: each shard writes its rows in place, into the caller's
+  // destination or into tensors made here.
   Gradients out;
+  std::optional<GradientDestination> weight_to = spec.grad_weight_to, bias_to = spec.grad_bias_to;
+  auto into = [](HostTensor& tensor, DType dtype, std::vector<int64_t> shape,
+                 std::optional<GradientDestination>& to) {
+    if (to) {
+      tensor.dtype = dtype;
+      tensor.shape = std::move(shape);
+    } else {
+      tensor = HostTensor(dtype, std::move(shape));
+      to = GradientDestination{tensor.data.data()};
+    }
+  };
   if (!spec.hidden_grad_only) {
-    out.grad_weight = HostTensor(w_dtype, {v, h});
-    if (state->has_bias) out.grad_bias = HostTensor(w_dtype, {v});
+    into(out.grad_weight, w_dtype, {v, h}, weight_to);
+    if (state->has_bias) into(out.grad_bias.emplace(), w_dtype, {v}, bias_to);
   }
-  for (size_t k = 0; k < state->parts.size(); ++k) {
-    FLCE_ASSIGN_OR_RETURN(Gradients g,
-                          EngineOf(static_cast<int>(k)).Backward(*state->parts[k], part_spec,
-                                                                 cancelled));
-    if (want_dx) {
-      const std::vector<float> part = TensorToFloats(g.grad_hidden.view());
-      for (size_t i = 0; i < dx.size(); ++i) dx[i] += part[i];
+  auto at = [](const std::optional<GradientDestination>& to, int64_t offset) {
+    std::optional<GradientDestination> part = to;
+    if (part) part->data = static_cast<char*>(part->data) + offset;
+    return part;
+  };
+  BackwardSpec part_spec = spec;
+  part_spec.global_lse = state->lse.view();
+  part_spec.weight_grad_dtype = w_dtype;
+  for (int k = 0; k < count; ++k) {
+    const bool last = k + 1 == count;
+    part_spec.grad_hidden_addend.reset();
+    if (sum_dx && k > 0) part_spec.grad_hidden_addend = sum;
+    if (sum_dx && !last) {
+      part_spec.grad_dtype = DType::kFloat32;
+      part_spec.grad_hidden_to = GradientDestination{sum_data, sum.space};
+    } else {
+      part_spec.grad_dtype = dx_dtype;
+      part_spec.grad_hidden_to = spec.grad_hidden_to;
     }
-    if (!spec.hidden_grad_only) {
-      std::memcpy(&out.grad_weight.data[state->firsts[k] * h * w_elem], g.grad_weight.data.data(),
-                  g.grad_weight.data.size());
-      if (out.grad_bias && g.grad_bias) {
-        std::memcpy(&out.grad_bias->data[state->firsts[k] * w_elem], g.grad_bias->data.data(),
-                    g.grad_bias->data.size());
-      }
-    }
+    part_spec.grad_weight_to = at(weight_to, state->firsts[k] * h * w_elem);
+    part_spec.grad_bias_to = at(bias_to, state->firsts[k] * w_elem);
+    FLCE_ASSIGN_OR_RETURN(Gradients g, EngineOf(k).Backward(*state->parts[k], part_spec, cancelled));
+    if (last && !spec.weight_grads_only) out.grad_hidden = std::move(g.grad_hidden);
   }
-  if (want_dx) {
-    out.grad_hidden = HostTensor(dx_dtype, {n, h});
-    FromFloat(dx_dtype, dx.data(), n * h, &out.grad_hidden.data[0]);
-  }
-  FLCE_RETURN_IF_ERROR(WriteToHostDestinations(spec, out));
   return out;
 }
 

@@ -6,13 +6,17 @@
 // engines[k % engines.size()] (each must support shards), their statistics
 // combined here (CombineShards) into the loss, lse and counts, and Backward
 // run on every shard with the global lse: dX the sum of the shards' parts
-// (summed in fp32, rounded once), dW and db their rows side by side. It is
-// the path a server with one engine per device takes, so it runs — and is
-// tested — with one engine too (several shards on it).
+// (each shard adds its fp32 part to the sum of those before it,
+// BackwardSpec::grad_hidden_addend, and the last rounds it once), dW and db
+// each shard's rows written in place into the whole's. It is the path a
+// server with one engine per device takes, so it runs — and is tested —
+// with one engine too (several shards on it, on the CPU or on one GPU: the
+// sum of dX then stays in the device's memory).
 //
-// Gradient destinations in host memory are written at the end; device
-// destinations are FAILED_PRECONDITION (not with this engine). A problem
-// that is itself a shard goes to the first engine whole.
+// Gradient destinations are the caller's to choose (host or device memory,
+// as the engines take them). Several engines with devices need a
+// collective for dX's sum: UNIMPLEMENTED until it is built. A problem that
+// is itself a shard goes to the first engine whole.
 
 #include <memory>
 #include <string>

@@ -673,6 +673,11 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
   std::vector<float> grad_output;
   if (spec.grad_output) grad_output = TensorToFloats(*spec.grad_output);
   Gradients out;
+  const bool shard_state = dynamic_cast<const ShardInputs*>(&state) != nullptr;
+  if (!shard_state && (spec.global_lse || spec.grad_hidden_addend)) {
+    return absl::InvalidArgumentError(
+        "global_lse, grad_hidden_addend: for a vocabulary shard's session only");
+  }
 
   if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
     const DType dtype = spec.hidden_dtype(stored->dtype);
@@ -722,6 +727,17 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
       return absl::InvalidArgumentError("global_lse: required by a vocabulary shard's session");
     }
     inputs = &shard->inputs;
+    const int64_t rows = inputs->hidden.shape[0], h = inputs->hidden.shape[1];
+    if (spec.global_lse->num_elements() != rows) {
+      return absl::InvalidArgumentError(absl::StrCat("global_lse: expected [", rows, "] values"));
+    }
+    if (spec.grad_hidden_addend &&
+        (spec.grad_hidden_addend->dtype != DType::kFloat32 ||
+         spec.grad_hidden_addend->space != MemorySpace::kHost ||
+         spec.grad_hidden_addend->num_elements() != rows * h)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "grad_hidden_addend: must be fp32 [", rows, ", ", h, "] in host memory"));
+    }
     global_lse = TensorToFloats(*spec.global_lse);
     lse = global_lse.data();
     if (!shard->logits.empty()) logits = shard->logits.data();
@@ -754,6 +770,11 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
   if (spec.weight_grads_only) {
     out.grad_hidden = HostTensor();
   } else {
+    if (spec.grad_hidden_addend) {
+      const float* add = static_cast<const float*>(spec.grad_hidden_addend->data);
+      float* dx = out.grad_hidden.mutable_data<float>();
+      for (int64_t i = 0; i < n * q.h; ++i) dx[i] += add[i];
+    }
     NarrowInPlace(out.grad_hidden, 1.0f, spec.hidden_dtype(q.dtype));
   }
   if (spec.hidden_grad_only) {

@@ -44,6 +44,7 @@ class CudaEngine : public LossEngine {
   absl::Status health() const override;
   int64_t device_memory_bytes() const override;
   int64_t forward_reruns() const override;
+  bool supports_vocab_shards() const override { return true; }
   int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;
   absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
                                         const CancelFn& cancelled) override;

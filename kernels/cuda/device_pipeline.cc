@@ -3,6 +3,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/reductions.h"
 #include "kernels/status_macros.h"
 
@@ -49,10 +51,14 @@ absl::StatusOr<Gradients> BackwardStored(const CallContext& call, StoredGradient
   return out;
 }
 
-absl::StatusOr<Gradients> BackwardRecompute(const CallContext& call, RecomputeState& saved,
-                                            const BackwardSpec& spec, const std::vector<float>& g) {
+// The gradients from per-row lse on the device: RECOMPUTE's saved lse, or
+// the whole vocabulary's for a shard (whose stored logits, if any, stand in
+// for the logits GEMM). A shard's dX gets spec.grad_hidden_addend added in
+// fp32 before it is rounded.
+absl::StatusOr<Gradients> BackwardFromLse(const CallContext& call, const DeviceInputs& in,
+                                          const float* lse, const void* stored,
+                                          const BackwardSpec& spec, const std::vector<float>& g) {
   const Lane& lane = call.lane;
-  const DeviceInputs& in = *saved.inputs;
   FLCE_ASSIGN_OR_RETURN(RowBuffers rows, AllocateRows(lane, in.n));
   DeviceBuffer g_device;
   if (!g.empty()) {
@@ -85,9 +91,14 @@ absl::StatusOr<Gradients> BackwardRecompute(const CallContext& call, RecomputeSt
   if (in.bias.bytes() > 0) {
     FLCE_ASSIGN_OR_RETURN(db, lane.Allocate(in.v * 4));
   }
-  FLCE_RETURN_IF_ERROR(RecomputeGradients(call, in, rows, saved.lse.as<float>(), dx.as<float>(),
-                                          dw_out, wdtype,
-                                          db.bytes() > 0 ? db.as<float>() : nullptr));
+  FLCE_RETURN_IF_ERROR(RecomputeGradients(call, in, rows, lse, stored, dx.as<float>(), dw_out,
+                                          wdtype, db.bytes() > 0 ? db.as<float>() : nullptr));
+  if (spec.grad_hidden_addend && !spec.weight_grads_only && in.n * in.h > 0) {
+    FLCE_RETURN_IF_ERROR(lane.Check(LaunchAccumulate(spec.grad_hidden_addend->data,
+                                                     DType::kFloat32, dx.data(), DType::kFloat32,
+                                                     in.n * in.h, 1.0f, lane.stream()),
+                                    "add grad_hidden_addend"));
+  }
   // Computed together; only what was asked for is delivered.
   Gradients out;
   if (!spec.weight_grads_only) {
@@ -112,10 +123,110 @@ absl::StatusOr<Gradients> BackwardRecompute(const CallContext& call, RecomputeSt
   return out;
 }
 
+// A shard's Backward: the whole vocabulary's lse (host memory) uploaded,
+// then the gradients from it.
+absl::StatusOr<Gradients> BackwardShard(const CallContext& call, ShardState& shard,
+                                        const BackwardSpec& spec, const std::vector<float>& g) {
+  const DeviceInputs& in = *shard.inputs;
+  if (!spec.global_lse) {
+    return absl::InvalidArgumentError("global_lse: required by a vocabulary shard's session");
+  }
+  const TensorView& lse = *spec.global_lse;
+  if (lse.dtype != DType::kFloat32 || lse.space != MemorySpace::kHost ||
+      lse.num_elements() != in.n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("global_lse: must be fp32 [", in.n, "] in host memory"));
+  }
+  if (spec.grad_hidden_addend) {
+    const TensorView& add = *spec.grad_hidden_addend;
+    if (add.dtype != DType::kFloat32 || add.space != MemorySpace::kCuda ||
+        add.num_elements() != in.n * in.h) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "grad_hidden_addend: must be fp32 [", in.n, ", ", in.h, "] in the engine's device memory"));
+    }
+  }
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer lse_device, call.lane.Allocate(in.n * 4));
+  if (in.n > 0) {
+    // The host view outlives the copy: BackwardOnDevice waits before it returns.
+    FLCE_RETURN_IF_ERROR(call.lane.Check(cudaMemcpyAsync(lse_device.data(), lse.data, in.n * 4,
+                                                         cudaMemcpyHostToDevice,
+                                                         call.lane.stream()),
+                                         "upload global_lse"));
+  }
+  return BackwardFromLse(call, in, lse_device.as<float>(),
+                         shard.logits.bytes() > 0 ? shard.logits.data() : nullptr, spec, g);
+}
+
+// A shard's Forward: its statistics (every row's, downloaded) and, with
+// need_backward, its state.
+absl::StatusOr<DeviceForward> ShardForwardOnDevice(const CallContext& call,
+                                                   std::shared_ptr<const DeviceInputs> in_ptr,
+                                                   const ForwardSpec& spec) {
+  const Lane& lane = call.lane;
+  cudaStream_t s = lane.stream();
+  const DeviceInputs& in = *in_ptr;
+  const int64_t n = in.n;
+  const bool smoothing = in.options.label_smoothing > 0.0f;
+  FLCE_ASSIGN_OR_RETURN(RowBuffers rows, AllocateRows(lane, n));
+  FLCE_RETURN_IF_ERROR(RowScales(call, in, nullptr, 0, rows));  // for the valid rows' count
+  // argmax (int64) first, then max, sum_exp, target_logit, weighted_sum.
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer stats, lane.Allocate(n * (8 + 4 * 4)));
+  ShardRowOutputs out;
+  out.argmax = stats.as<int64_t>();
+  float* floats = reinterpret_cast<float*>(out.argmax + n);
+  out.max = floats;
+  out.sum_exp = floats + n;
+  out.target_logit = floats + 2 * n;
+  out.weighted_sum = smoothing ? floats + 3 * n : nullptr;
+  std::unique_ptr<ShardState> state;
+  if (spec.need_backward) {
+    state = std::make_unique<ShardState>();
+    if (spec.mode == BackwardMode::kStoreGrads) {
+      FLCE_ASSIGN_OR_RETURN(state->logits, lane.Allocate(n * in.v * DTypeSize(in.dtype)));
+    }
+  }
+  FLCE_RETURN_IF_ERROR(
+      ShardStatistics(call, in, out, state && state->logits.bytes() > 0 ? state->logits.data()
+                                                                        : nullptr));
+  DeviceForward result;
+  ShardStats host;
+  host.max = HostTensor(DType::kFloat32, {n});
+  host.sum_exp = HostTensor(DType::kFloat32, {n});
+  host.target_logit = HostTensor(DType::kFloat32, {n});
+  host.argmax = HostTensor(DType::kInt64, {n});
+  if (smoothing) host.weighted_logit_sum = HostTensor(DType::kFloat32, {n});
+  int64_t num_valid = 0;
+  auto download = [&](const void* src, HostTensor& dst) -> absl::Status {
+    if (n == 0) return absl::OkStatus();
+    return lane.Check(cudaMemcpyAsync(&dst.data[0], src, dst.data.size(), cudaMemcpyDeviceToHost, s),
+                      "download shard statistics");
+  };
+  FLCE_RETURN_IF_ERROR(download(out.argmax, host.argmax));
+  FLCE_RETURN_IF_ERROR(download(out.max, host.max));
+  FLCE_RETURN_IF_ERROR(download(out.sum_exp, host.sum_exp));
+  FLCE_RETURN_IF_ERROR(download(out.target_logit, host.target_logit));
+  if (smoothing) FLCE_RETURN_IF_ERROR(download(out.weighted_sum, *host.weighted_logit_sum));
+  FLCE_RETURN_IF_ERROR(
+      lane.Check(cudaMemcpyAsync(&num_valid, rows.num_valid.data(), 8, cudaMemcpyDeviceToHost, s),
+                 "download totals"));
+  FLCE_RETURN_IF_ERROR(lane.Synchronize("Forward"));
+  result.result.num_valid = num_valid;
+  result.result.shard_stats = std::move(host);
+  if (state) {
+    state->inputs = std::move(in_ptr);
+    result.result.saved = std::move(state);
+  }
+  return result;
+}
+
 }  // namespace
 
 int64_t SavedStateBytes(const LossProblem& p, BackwardMode mode) {
   const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
+  if (p.shard) {
+    return DeviceInputBytes(p) +
+           (mode == BackwardMode::kStoreGrads ? n * v * DTypeSize(p.hidden.dtype) : 0);
+  }
   if (mode == BackwardMode::kStoreGrads) {
     return (n * h + v * h + (p.bias ? v : 0)) * int64_t{4};
   }
@@ -127,6 +238,7 @@ absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
                                               const ForwardSpec& spec) {
   const Lane& lane = call.lane;
   cudaStream_t s = lane.stream();
+  if (in_ptr->shard) return ShardForwardOnDevice(call, std::move(in_ptr), spec);
   const DeviceInputs& in = *in_ptr;
   const int64_t n = in.n;
   const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
@@ -229,13 +341,19 @@ absl::StatusOr<Gradients> BackwardOnDevice(const CallContext& call, SavedState& 
                                            const BackwardSpec& spec) {
   std::vector<float> g;
   if (spec.grad_output) g = TensorToFloats(*spec.grad_output);
+  FLCE_RETURN_IF_ERROR(CheckAccumulating(spec));
+  auto* shard = dynamic_cast<ShardState*>(&state);
+  if (shard == nullptr && (spec.global_lse || spec.grad_hidden_addend)) {
+    return absl::InvalidArgumentError(
+        "global_lse, grad_hidden_addend: for a vocabulary shard's session only");
+  }
   absl::StatusOr<Gradients> out;
   if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
-    FLCE_RETURN_IF_ERROR(CheckAccumulating(spec));
     out = BackwardStored(call, *stored, spec, g.empty() ? 1.0f : g[0]);
   } else if (auto* saved = dynamic_cast<RecomputeState*>(&state)) {
-    FLCE_RETURN_IF_ERROR(CheckAccumulating(spec));
-    out = BackwardRecompute(call, *saved, spec, g);
+    out = BackwardFromLse(call, *saved->inputs, saved->lse.as<float>(), nullptr, spec, g);
+  } else if (shard != nullptr) {
+    out = BackwardShard(call, *shard, spec, g);
   } else {
     return absl::InternalError("saved state was not made by the CUDA engine");
   }

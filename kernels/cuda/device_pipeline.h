@@ -47,8 +47,21 @@ class RecomputeState : public SavedState {
   int64_t bytes() const override { return inputs->bytes() + lse.bytes(); }
 };
 
-// Bytes the saved state of `mode` holds for `problem` (StoredGradients, or
-// RecomputeState with the inputs MakeDeviceInputs makes).
+// A vocabulary shard's: the inputs (as RecomputeState) and, for
+// STORE_GRADS, its logits [N, V_s] in the input dtype as the Forward's GEMM
+// gave them, which Backward reads instead of a logits GEMM (the
+// reference's high-performance mode; RECOMPUTE is its memory-saving one).
+// The gradient needs the whole vocabulary's lse, known only after every
+// shard's Forward, so nothing of it can be made before Backward.
+class ShardState : public SavedState {
+ public:
+  std::shared_ptr<const DeviceInputs> inputs;
+  DeviceBuffer logits;  // STORE_GRADS only
+  int64_t bytes() const override { return inputs->bytes() + logits.bytes(); }
+};
+
+// Bytes the saved state of `mode` holds for `problem` (StoredGradients,
+// RecomputeState or ShardState with the inputs MakeDeviceInputs makes).
 int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode);
 
 struct DeviceForward {
@@ -62,6 +75,8 @@ struct DeviceForward {
 // range; RECOMPUTE and evaluation: the loss alone); the totals and the
 // per-row results `spec` asks for, downloaded. Waits for them. With
 // spec.need_backward, result.saved holds `in` (RECOMPUTE) or the gradients.
+// A shard (in->shard): its statistics instead (result.shard_stats) and a
+// ShardState.
 absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
                                               std::shared_ptr<const DeviceInputs> in,
                                               const ForwardSpec& spec);
@@ -70,7 +85,8 @@ absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
 // scaled by spec.grad_output (STORE_GRADS: when narrowed; RECOMPUTE: in the
 // row scales before the GEMMs), rounded once to their final dtype and
 // delivered where `spec` says (device destinations written or accumulated
-// in place, host ones copied, else returned). Waits for them.
+// in place, host ones copied, else returned). Waits for them. A shard's
+// state takes spec.global_lse and spec.grad_hidden_addend.
 absl::StatusOr<Gradients> BackwardOnDevice(const CallContext& call, SavedState& state,
                                            const BackwardSpec& spec);
 

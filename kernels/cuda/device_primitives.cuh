@@ -260,6 +260,13 @@ struct RowPacks {
   // reads the row again before the GEMMs stream the whole chunk.
   template <bool kReverse, typename G>
   __device__ static void Update(T* z, int64_t vocab, G&& g) {
+    Update<kReverse>(z, z, vocab, g);
+  }
+
+  // Update reading each pack from `src` and writing it to `dst` (which may
+  // be `src`).
+  template <bool kReverse, typename G>
+  __device__ static void Update(const T* src, T* dst, int64_t vocab, G&& g) {
     const uint64_t policy = L2EvictFirst();
     const int64_t first = threadIdx.x * int64_t{P};
     if (first >= vocab) return;
@@ -269,18 +276,18 @@ struct RowPacks {
     int64_t packs = (last - first) / kStride + 1;
     for (; packs >= 2; packs -= 2, pos += 2 * step) {
       float a[P], b[P];
-      Load(z, pos, a, policy);
-      Load(z, pos + step, b, policy);
+      Load(src, pos, a, policy);
+      Load(src, pos + step, b, policy);
       g(pos, a);
       g(pos + step, b);
-      Store(z, pos, a, policy);
-      Store(z, pos + step, b, policy);
+      Store(dst, pos, a, policy);
+      Store(dst, pos + step, b, policy);
     }
     if (packs == 1) {
       float a[P];
-      Load(z, pos, a, policy);
+      Load(src, pos, a, policy);
       g(pos, a);
-      Store(z, pos, a, policy);
+      Store(dst, pos, a, policy);
     }
   }
 };

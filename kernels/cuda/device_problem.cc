@@ -40,6 +40,8 @@ RowParams DeviceInputs::Params(int64_t row0, int64_t rows, int64_t col0, int64_t
   p.vocab = v;
   p.col0 = col0;
   p.cols = cols;
+  p.first = shard ? shard->first : 0;
+  p.full_vocab = full_vocab();
   p.bias = bias.bytes() > 0 ? bias.as<const float>() : nullptr;
   p.class_weight = class_weight.bytes() > 0 ? class_weight.as<const float>() : nullptr;
   p.class_weight_sum = class_weight_sum;
@@ -63,6 +65,7 @@ absl::StatusOr<DeviceInputs> MakeDeviceInputs(const Lane& lane, const LossProble
   in.n = p.rows();
   in.h = p.hidden_size();
   in.v = p.vocab();
+  in.shard = p.shard;
   in.options = p.options;
   FLCE_ASSIGN_OR_RETURN(in.hidden, Operand(lane, p.hidden, in.hidden_copy));
   FLCE_ASSIGN_OR_RETURN(in.weight, Operand(lane, p.weight, in.weight_copy));
@@ -84,12 +87,13 @@ absl::StatusOr<DeviceInputs> MakeDeviceInputs(const Lane& lane, const LossProble
         LaunchWidenTargets(narrow.as<int32_t>(), in.n, in.target.as<int64_t>(), lane.stream()),
         "widen targets"));
   }
-  in.class_weight_sum = static_cast<float>(in.v);
+  const int64_t classes = in.full_vocab();
+  in.class_weight_sum = static_cast<float>(classes);
   if (p.class_weight) {
-    FLCE_ASSIGN_OR_RETURN(in.class_weight, Upload(lane, p.class_weight->data, in.v * 4));
+    FLCE_ASSIGN_OR_RETURN(in.class_weight, Upload(lane, p.class_weight->data, classes * 4));
     double sum = 0;
     const float* w = static_cast<const float*>(p.class_weight->data);
-    for (int64_t j = 0; j < in.v; ++j) sum += w[j];
+    for (int64_t j = 0; j < classes; ++j) sum += w[j];
     in.class_weight_sum = static_cast<float>(sum);
   }
   return in;
@@ -99,7 +103,7 @@ int64_t DeviceInputBytes(const LossProblem& p) {
   const int64_t n = p.rows(), v = p.vocab();
   const int64_t x = p.hidden.space == MemorySpace::kCuda ? 0 : p.hidden.bytes();
   const int64_t w = p.weight.space == MemorySpace::kCuda ? 0 : p.weight.bytes();
-  return x + w + (p.bias ? v * 4 : 0) + n * 8 + (p.class_weight ? v * 4 : 0);
+  return x + w + (p.bias ? v * 4 : 0) + n * 8 + (p.class_weight ? p.full_vocab() * 4 : 0);
 }
 
 absl::StatusOr<RowBuffers> AllocateRows(const Lane& lane, int64_t n) {

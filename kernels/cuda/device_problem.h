@@ -21,9 +21,11 @@ namespace internal_cuda {
 
 struct DeviceInputs {
   DType dtype = DType::kFloat32;
-  int64_t n = 0, h = 0, v = 0;
+  int64_t n = 0, h = 0, v = 0;  // v: the weight's rows (a shard's V_s)
+  // A vocabulary shard: W's row j is the id first + j of full_vocab ids.
+  std::optional<VocabShard> shard;
   LossOptions options;
-  float class_weight_sum = 0;
+  float class_weight_sum = 0;  // over the whole vocabulary
   // X [N, H] and W [V, H] in the input dtype: borrowed device memory, or
   // hidden_copy / weight_copy.
   const void* hidden = nullptr;
@@ -31,7 +33,7 @@ struct DeviceInputs {
   DeviceBuffer hidden_copy, weight_copy;  // empty when borrowed
   DeviceBuffer bias;                      // fp32 [V], or empty
   DeviceBuffer target;                    // int64 [N]
-  DeviceBuffer class_weight;              // fp32 [V], or empty
+  DeviceBuffer class_weight;              // fp32 [full_vocab()], or empty
   // Keeps the borrowed memory alive (LossProblem::device_owner).
   std::shared_ptr<const void> owner;
 
@@ -40,6 +42,7 @@ struct DeviceInputs {
     return hidden_copy.bytes() + weight_copy.bytes() + bias.bytes() + target.bytes() +
            class_weight.bytes();
   }
+  int64_t full_vocab() const { return shard ? shard->full_vocab : v; }
   const char* x_row(int64_t r) const {
     return static_cast<const char*>(hidden) + r * h * DTypeSize(dtype);
   }

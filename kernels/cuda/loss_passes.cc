@@ -125,8 +125,8 @@ absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pas
 // it per chunk and none to narrow it. Else over token chunks into an fp32
 // accumulator, narrowed into dw at the end.
 absl::Status RecomputeGradients(const CallContext& call, const DeviceInputs& in,
-                                const RowBuffers& rows, const float* lse, float* dx, void* dw,
-                                DType wdtype, float* db) {
+                                const RowBuffers& rows, const float* lse, const void* stored,
+                                float* dx, void* dw, DType wdtype, float* db) {
   const Lane& lane = call.lane;
   cudaStream_t s = lane.stream();
   const int64_t width = SliceColumns(call.options, in.n, in.v, in.dtype);
@@ -152,12 +152,20 @@ absl::Status RecomputeGradients(const CallContext& call, const DeviceInputs& in,
   for (int64_t c0 = 0; c0 < in.v; c0 += width) {
     if (call.Cancelled()) return absl::CancelledError("cancelled between slices");
     const int64_t cols = std::min(width, in.v - c0);
-    FLCE_RETURN_IF_ERROR(SliceLogitsGemm(call.gemm(), in, c0, cols, logits.data()));
-    Mark(call.clock, "logits GEMM");
-    FLCE_RETURN_IF_ERROR(
-        lane.Check(LaunchGradientRows(in.Params(0, in.n, c0, cols), logits.data(), in.dtype, lse,
-                                      rows.row_scale.as<float>(), s),
-                   "gradient rows"));
+    const RowParams params = in.Params(0, in.n, c0, cols);
+    if (stored != nullptr) {
+      const char* from = static_cast<const char*>(stored) + c0 * DTypeSize(in.dtype);
+      FLCE_RETURN_IF_ERROR(lane.Check(
+          LaunchGradientRowsFrom(params, from, in.v, logits.data(), in.dtype, lse,
+                                 rows.row_scale.as<float>(), s),
+          "gradient rows"));
+    } else {
+      FLCE_RETURN_IF_ERROR(SliceLogitsGemm(call.gemm(), in, c0, cols, logits.data()));
+      Mark(call.clock, "logits GEMM");
+      FLCE_RETURN_IF_ERROR(lane.Check(
+          LaunchGradientRows(params, logits.data(), in.dtype, lse, rows.row_scale.as<float>(), s),
+          "gradient rows"));
+    }
     Mark(call.clock, "row kernel");
     FLCE_RETURN_IF_ERROR(SliceDxGemm(call.gemm(), in, c0, cols, logits.data(), c0 == 0, dx));
     Mark(call.clock, "dX GEMM");
@@ -170,6 +178,32 @@ absl::Status RecomputeGradients(const CallContext& call, const DeviceInputs& in,
           "bias gradient"));
       Mark(call.clock, "bias gradient");
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardStatistics(const CallContext& call, const DeviceInputs& in,
+                             const ShardRowOutputs& out, void* keep) {
+  const Lane& lane = call.lane;
+  const int64_t chunk = keep != nullptr ? std::max<int64_t>(in.n, 1)
+                                        : ChunkRows(call.options, in.n, in.v, in.dtype);
+  DeviceBuffer buffer;
+  if (keep == nullptr) {
+    FLCE_ASSIGN_OR_RETURN(buffer,
+                          lane.Allocate(std::min(chunk, in.n) * in.v * DTypeSize(in.dtype)));
+  }
+  for (int64_t r0 = 0; r0 < in.n; r0 += chunk) {
+    if (call.Cancelled()) return absl::CancelledError("cancelled between chunks");
+    const int64_t count = std::min(chunk, in.n - r0);
+    void* logits = keep != nullptr
+                       ? static_cast<char*>(keep) + r0 * in.v * DTypeSize(in.dtype)
+                       : buffer.data();
+    FLCE_RETURN_IF_ERROR(ChunkLogitsGemm(call.gemm(), in, r0, count, logits));
+    Mark(call.clock, "logits GEMM");
+    FLCE_RETURN_IF_ERROR(lane.Check(
+        LaunchShardStats(in.Params(r0, count), logits, in.dtype, out, lane.stream()),
+        "shard statistics"));
+    Mark(call.clock, "row kernel");
   }
   return absl::OkStatus();
 }

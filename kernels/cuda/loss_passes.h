@@ -60,10 +60,20 @@ absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pas
 
 // The RECOMPUTE backward: dX (fp32 [N, H]), dW ([V, H] in `wdtype`, device
 // memory) and db (fp32 [V], or null) for the row scales in `rows` and the
-// saved `lse`.
+// saved `lse` (a shard's: the whole vocabulary's). `stored`: a shard's
+// logits [N, V] in the input dtype as its Forward's GEMM gave them, or
+// null; where the budget allows vocabulary slices, each slice's gradient
+// is then made from them (left as they were) instead of a logits GEMM.
 absl::Status RecomputeGradients(const CallContext& call, const DeviceInputs& in,
-                                const RowBuffers& rows, const float* lse, float* dx, void* dw,
-                                DType wdtype, float* db);
+                                const RowBuffers& rows, const float* lse, const void* stored,
+                                float* dx, void* dw, DType wdtype, float* db);
+
+// A shard's statistics (ShardRowOutputs, [N] each) over token chunks: the
+// logits GEMM of each chunk into `logits` (the chunk buffer, or with
+// `keep` the shard's [N, V] buffer that Backward reads again, all rows in
+// one GEMM), then the statistics kernel.
+absl::Status ShardStatistics(const CallContext& call, const DeviceInputs& in,
+                             const ShardRowOutputs& out, void* keep);
 
 }  // namespace internal_cuda
 }  // namespace flce

@@ -25,12 +25,14 @@ __device__ __forceinline__ float Transform(const RowParams& p, float z, int64_t 
   return z;
 }
 
-// Gradient of the row loss w.r.t. logit j (before the softcap chain factor):
-//   (1−ε)·w_t·(p − δ_jt) + ε/V·(Σw·p − w_j) + 2·s·lse·p, then × (1 − (z'/c)²).
+// Gradient of the row loss w.r.t. the logit of vocabulary id j (before the
+// softcap chain factor):
+//   (1−ε)·w_t·(p − δ_jt) + ε/V·(Σw·p − w_j) + 2·s·lse·p, then × (1 − (z'/c)²),
+// V the whole vocabulary.
 __device__ __forceinline__ float Gradient(const RowParams& p, float zp, int64_t j, int64_t t,
                                           float wt, float lse) {
   const float prob = expf(zp - lse);
-  const float smooth = p.label_smoothing / static_cast<float>(p.vocab);
+  const float smooth = p.label_smoothing / static_cast<float>(p.full_vocab);
   const float wj = p.class_weight != nullptr ? p.class_weight[j] : 1.0f;
   float d;
   if (j == t) {
@@ -52,20 +54,21 @@ __device__ __forceinline__ float Gradient(const RowParams& p, float zp, int64_t 
 
 // The target's position among the row's given columns, or -1.
 __device__ __forceinline__ int64_t LocalColumn(const RowParams& p, int64_t t) {
-  return t >= p.col0 && t < p.col0 + p.cols ? t - p.col0 : -1;
+  const int64_t j = t - p.first;
+  return j >= p.col0 && j < p.col0 + p.cols ? j - p.col0 : -1;
 }
 
-// Overwrites a row of logits (its columns [col0, col0 + cols)) with its
-// scaled gradient (zeros for an ignored row). Each element is read and
-// written by the same thread. zt, the target's logit as read before the
-// call, is needed by thread 0 only, and only when the target is a given
-// column.
+// Writes a row's scaled gradient (zeros for an ignored row) over its
+// columns [col0, col0 + cols) at z, from its logits at src (which may be
+// z). Each element is read and written by the same thread. zt, the
+// target's logit as read before the call, is needed by thread 0 only, and
+// only when the target is a given column.
 template <typename T, bool kVec, bool kPlain>
-__device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid, float wt,
-                                 float lse, float scale, float zt) {
+__device__ void WriteGradientRow(const RowParams& p, const T* src, T* z, int64_t t, bool valid,
+                                 float wt, float lse, float scale, float zt) {
   using Packs = RowPacks<T, kVec>;
   if (!valid) {
-    Packs::template Update<true>(z, p.cols, [](int64_t, float(&x)[Packs::P]) {
+    Packs::template Update<true>(src, z, p.cols, [](int64_t, float(&x)[Packs::P]) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) x[k] = 0.0f;
     });
@@ -77,7 +80,7 @@ __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid
     // as there, is written by thread 0 once the block is done.
     const float zc = 2.0f * p.z_loss_scale * lse;
     const float c = scale * (wt + zc);
-    Packs::template Update<true>(z, p.cols, [&](int64_t, float(&x)[Packs::P]) {
+    Packs::template Update<true>(src, z, p.cols, [&](int64_t, float(&x)[Packs::P]) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) x[k] = c * FastExp(x[k] - lse);
     });
@@ -88,11 +91,11 @@ __device__ void WriteGradientRow(const RowParams& p, T* z, int64_t t, bool valid
       z[local_t] = FromFloatDev<T>(scale * (wt * (prob - 1.0f) + zc * prob));
     }
   } else {
-    Packs::template Update<true>(z, p.cols, [&](int64_t j0, float(&x)[Packs::P]) {
+    Packs::template Update<true>(src, z, p.cols, [&](int64_t j0, float(&x)[Packs::P]) {
 #pragma unroll
       for (int k = 0; k < Packs::P; ++k) {
         const int64_t j = p.col0 + j0 + k;
-        x[k] = scale * Gradient(p, Transform<false>(p, x[k], j), j, t, wt, lse);
+        x[k] = scale * Gradient(p, Transform<false>(p, x[k], j), p.first + j, t, wt, lse);
       }
     });
   }
@@ -172,24 +175,83 @@ __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
   }
   if constexpr (kWriteGrad) {
     __syncthreads();  // thread 0 has read z[t]; the row is overwritten next
-    WriteGradientRow<T, kVec, kPlain>(p, z, t, valid, wt, lse, row_scale[row], zt);
+    WriteGradientRow<T, kVec, kPlain>(p, z, z, t, valid, wt, lse, row_scale[row], zt);
   }
 }
 
 template <typename T, bool kVec, bool kPlain>
 __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
-    GradientRowsKernel(RowParams p, T* logits, const float* lse, const float* row_scale) {
+    GradientRowsKernel(RowParams p, const T* src, int64_t src_stride, T* logits, const float* lse,
+                       const float* row_scale) {
   const int64_t r = blockIdx.x;
   const int64_t row = p.row0 + r;
   const int64_t t = p.target[row];
   const bool valid = t != p.ignore_index;
   const float wt = valid ? (p.class_weight != nullptr ? p.class_weight[t] : 1.0f) : 0.0f;
   T* z = logits + r * p.cols;
+  const T* from = src + r * src_stride;
   float zt = 0.0f;  // the target's logit, on thread 0 (when it is a given column)
   const int64_t local_t = LocalColumn(p, t);
-  if (kPlain && valid && threadIdx.x == 0 && local_t >= 0) zt = ToFloatDev(z[local_t]);
+  if (kPlain && valid && threadIdx.x == 0 && local_t >= 0) zt = ToFloatDev(from[local_t]);
   __syncthreads();  // read before the row is overwritten
-  WriteGradientRow<T, kVec, kPlain>(p, z, t, valid, wt, lse[row], row_scale[row], zt);
+  WriteGradientRow<T, kVec, kPlain>(p, from, z, t, valid, wt, lse[row], row_scale[row], zt);
+}
+
+// A shard's statistics, one block per whole row: ForwardRowsKernel's
+// online maximum and sum (first index on ties), the target's z' where the
+// target is the shard's, and Σ w_j z'_j with label smoothing. Reads the row
+// once.
+template <typename T, bool kVec, bool kPlain>
+__global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
+    ShardStatsKernel(RowParams p, const T* logits, ShardRowOutputs out) {
+  __shared__ SoftmaxState shared_state[kWarps];
+  __shared__ float shared_sum[kWarps];
+  const int64_t r = blockIdx.x;
+  const int64_t row = p.row0 + r;
+  const T* z = logits + r * p.vocab;
+  const int64_t t = p.target[row];
+  const bool smoothing = !kPlain && p.label_smoothing > 0.0f;
+
+  SoftmaxState s{-CUDART_INF_F, 0.0f, INT64_MAX};
+  float weighted_z = 0.0f;
+  using Packs = RowPacks<T, kVec>;
+  Packs::template ForEach<false>(z, p.vocab, [&](int64_t j0, float(&x)[Packs::P]) {
+    float m = -CUDART_INF_F;
+#pragma unroll
+    for (int k = 0; k < Packs::P; ++k) {
+      x[k] = Transform<kPlain>(p, x[k], j0 + k);
+      m = fmaxf(m, x[k]);
+    }
+    if (m > s.max) {
+      int k = 0;
+      while (k + 1 < Packs::P && x[k] != m) ++k;
+      s.sum *= FastExp(s.max - m);
+      s.max = m;
+      s.argmax = j0 + k;
+    }
+#pragma unroll
+    for (int k = 0; k < Packs::P; ++k) s.sum += FastExp(x[k] - s.max);
+    if (smoothing) {
+#pragma unroll
+      for (int k = 0; k < Packs::P; ++k) {
+        weighted_z += (p.class_weight != nullptr ? p.class_weight[p.first + j0 + k] : 1.0f) * x[k];
+      }
+    }
+  });
+  // A NaN z' (or +inf, whose exp(inf − inf) is NaN) makes the row's sum NaN.
+  const bool nan = BlockAny(isnan(s.sum));
+  s = BlockCombine<true>(s, shared_state);
+  if (smoothing) weighted_z = BlockSum(weighted_z, shared_sum);
+  if (threadIdx.x == 0) {
+    out.max[row] = nan ? CUDART_NAN_F : s.max;
+    out.sum_exp[row] = nan ? CUDART_NAN_F : s.sum;
+    const int64_t local_t = t != p.ignore_index ? t - p.first : -1;
+    out.target_logit[row] = local_t >= 0 && local_t < p.vocab
+                                ? Transform<kPlain>(p, ToFloatDev(z[local_t]), local_t)
+                                : 0.0f;
+    if (out.weighted_sum != nullptr) out.weighted_sum[row] = weighted_z;
+    out.argmax[row] = p.first + (s.argmax == INT64_MAX ? 0 : s.argmax);
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -341,15 +403,39 @@ cudaError_t ForwardRowsFor(const RowParams& p, void* logits, bool write_grad,
                     : ForwardRowsWith<T, false, false>(p, z, write_grad, row_scale, out, stream);
 }
 
+// Whether rows of `cols` elements at `data` with row stride `stride` all
+// start 16-byte aligned.
 template <typename T>
-cudaError_t GradientRowsFor(const RowParams& p, void* logits, const float* lse,
-                            const float* row_scale, cudaStream_t stream) {
+bool Aligned16(const void* data, int64_t cols, int64_t stride) {
+  return cols % kPack<T> == 0 && stride % kPack<T> == 0 &&
+         reinterpret_cast<uintptr_t>(data) % 16 == 0;
+}
+
+template <typename T>
+cudaError_t GradientRowsFor(const RowParams& p, const void* src, int64_t src_stride, void* logits,
+                            const float* lse, const float* row_scale, cudaStream_t stream) {
   T* z = static_cast<T*>(logits);
-  const bool vec = p.cols % kPack<T> == 0;
+  const bool vec = Aligned16<T>(logits, p.cols, p.cols) && Aligned16<T>(src, p.cols, src_stride);
   auto kernel =
       vec ? (IsPlain(p) ? GradientRowsKernel<T, true, true> : GradientRowsKernel<T, true, false>)
           : (IsPlain(p) ? GradientRowsKernel<T, false, true> : GradientRowsKernel<T, false, false>);
-  return LaunchRows(kernel, p.rows, stream, p, z, lse, row_scale);
+  return LaunchRows(kernel, p.rows, stream, p, static_cast<const T*>(src), src_stride, z, lse,
+                    row_scale);
+}
+
+template <typename T>
+cudaError_t ShardStatsFor(const RowParams& p, const void* logits, const ShardRowOutputs& out,
+                          cudaStream_t stream) {
+  const bool vec = Aligned16<T>(logits, p.vocab, p.vocab);
+  auto kernel =
+      vec ? (IsPlain(p) ? ShardStatsKernel<T, true, true> : ShardStatsKernel<T, true, false>)
+          : (IsPlain(p) ? ShardStatsKernel<T, false, true> : ShardStatsKernel<T, false, false>);
+  return LaunchRows(kernel, p.rows, stream, p, static_cast<const T*>(logits), out);
+}
+
+// Whole rows of a whole vocabulary.
+bool WholeVocabulary(const RowParams& p) {
+  return p.col0 == 0 && p.cols == p.vocab && p.first == 0 && p.full_vocab == p.vocab;
 }
 
 template <typename T>
@@ -365,7 +451,7 @@ cudaError_t OnePassRowsFor(const RowParams& p, void* logits, const float* row_sc
 
 cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, bool write_grad,
                               const float* row_scale, const RowOutputs& out, cudaStream_t stream) {
-  if (p.col0 != 0 || p.cols != p.vocab) return cudaErrorInvalidValue;
+  if (!WholeVocabulary(p)) return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
   return FLCE_DISPATCH_FLOAT_DTYPE(
       dtype, T, [&] { return ForwardRowsFor<T>(p, logits, write_grad, row_scale, out, stream); });
@@ -373,14 +459,31 @@ cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, boo
 
 cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, const float* lse,
                                const float* row_scale, cudaStream_t stream) {
-  if (p.col0 < 0 || p.cols < 0 || p.col0 + p.cols > p.vocab) return cudaErrorInvalidValue;
+  return LaunchGradientRowsFrom(p, logits, p.cols, logits, dtype, lse, row_scale, stream);
+}
+
+cudaError_t LaunchGradientRowsFrom(const RowParams& p, const void* src, int64_t src_stride,
+                                   void* logits, DType dtype, const float* lse,
+                                   const float* row_scale, cudaStream_t stream) {
+  if (p.col0 < 0 || p.cols < 0 || p.col0 + p.cols > p.vocab || src_stride < p.cols) {
+    return cudaErrorInvalidValue;
+  }
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  return FLCE_DISPATCH_FLOAT_DTYPE(
-      dtype, T, [&] { return GradientRowsFor<T>(p, logits, lse, row_scale, stream); });
+  return FLCE_DISPATCH_FLOAT_DTYPE(dtype, T, [&] {
+    return GradientRowsFor<T>(p, src, src_stride, logits, lse, row_scale, stream);
+  });
+}
+
+cudaError_t LaunchShardStats(const RowParams& p, const void* logits, DType dtype,
+                             const ShardRowOutputs& out, cudaStream_t stream) {
+  if (p.col0 != 0 || p.cols != p.vocab) return cudaErrorInvalidValue;
+  if (p.rows == 0) return cudaSuccess;
+  return FLCE_DISPATCH_FLOAT_DTYPE(dtype, T,
+                                   [&] { return ShardStatsFor<T>(p, logits, out, stream); });
 }
 
 bool OnePassRowsSupported(const RowParams& p, DType dtype) {
-  if (p.col0 != 0 || p.cols != p.vocab || p.label_smoothing != 0.0f) return false;
+  if (!WholeVocabulary(p) || p.label_smoothing != 0.0f) return false;
   // bf16 and fp32 only: fp16's exponent range is too narrow for deferred
   // normalisation (so no fp16 one-pass kernel is compiled).
   if (dtype == DType::kFloat32) return p.vocab % kPack<float> == 0;

@@ -16,19 +16,25 @@
 namespace flce {
 namespace internal_cuda {
 
-// One block of logits: `rows` rows from global row `row0`, vocabulary
-// columns [col0, col0 + cols) of each, stored with row stride `cols`.
-// Pointers are device pointers.
+// One block of logits: `rows` rows from global row `row0`, columns
+// [col0, col0 + cols) of the weight's `vocab` rows, stored with row stride
+// `cols`. The weight's row j is the vocabulary id first + j of a vocabulary
+// of full_vocab ids (first 0 and full_vocab = vocab unless the weight is a
+// vocabulary shard, loss_engine.h's VocabShard): bias is the weight's,
+// class weights and targets the whole vocabulary's. Pointers are device
+// pointers.
 struct RowParams {
   int64_t rows = 0;                     // rows in this chunk
   int64_t row0 = 0;                     // global index of the chunk's first row
-  int64_t vocab = 0;                    // V, the whole vocabulary
-  int64_t col0 = 0;                     // first vocabulary column given
-  int64_t cols = 0;                     // columns given per row (V for whole rows)
-  const float* bias = nullptr;          // [V] fp32, or null
-  const float* class_weight = nullptr;  // [V] fp32, or null (all 1)
-  float class_weight_sum = 0.0f;        // Σ class_weight (V without)
-  const int64_t* target = nullptr;      // [N], global
+  int64_t vocab = 0;                    // the weight's rows (V, or a shard's V_s)
+  int64_t col0 = 0;                     // first column given
+  int64_t cols = 0;                     // columns given per row (vocab for whole rows)
+  int64_t first = 0;                    // the vocabulary id of column 0
+  int64_t full_vocab = 0;               // the whole vocabulary (ε/V's V)
+  const float* bias = nullptr;          // [vocab] fp32, or null
+  const float* class_weight = nullptr;  // [full_vocab] fp32, or null (all 1)
+  float class_weight_sum = 0.0f;        // Σ class_weight (full_vocab without)
+  const int64_t* target = nullptr;      // [N], vocabulary ids, global rows
   int64_t ignore_index = -100;
   float label_smoothing = 0.0f;
   float z_loss_scale = 0.0f;
@@ -44,7 +50,7 @@ struct RowOutputs {
 };
 
 // Forward over a chunk of whole rows of logits z [rows, V] (col0 = 0,
-// cols = V; anything else is cudaErrorInvalidValue) in `dtype` (the input
+// cols = V, not a shard; anything else is cudaErrorInvalidValue) in `dtype` (the input
 // dtype; fp32 accumulation happened in the GEMM):
 //   z' = softcap(z + b); lse = log Σ exp(z'); the row loss of loss_engine.h,
 // all in fp32. With write_grad, also overwrites each row with the gradient
@@ -55,15 +61,40 @@ struct RowOutputs {
 cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, bool write_grad,
                               const float* row_scale, const RowOutputs& out, cudaStream_t stream);
 
-// The gradient pass alone, from saved per-row lse (RECOMPUTE backward):
-// same in-place output as LaunchForwardRows, for whole rows or a slice of
-// columns of each. Reads and writes each logit once.
+// The gradient pass alone, from per-row lse (RECOMPUTE backward; a
+// shard's backward with the whole vocabulary's lse): same in-place output
+// as LaunchForwardRows, for whole rows or a slice of columns of each.
+// Reads and writes each logit once.
 cudaError_t LaunchGradientRows(const RowParams& p, void* logits, DType dtype, const float* lse,
                                const float* row_scale, cudaStream_t stream);
 
-// Whether LaunchOnePassRows takes these rows: whole rows without label
-// smoothing (bias, softcap, class weights and z-loss allowed), bf16 or
-// fp32, V a multiple of the 16-byte pack.
+// LaunchGradientRows reading the logits from `src` (row r's given columns
+// at src + r·src_stride elements) and writing the gradient to `logits`
+// (row stride cols): a shard's stored logits left as they were.
+cudaError_t LaunchGradientRowsFrom(const RowParams& p, const void* src, int64_t src_stride,
+                                   void* logits, DType dtype, const float* lse,
+                                   const float* row_scale, cudaStream_t stream);
+
+// A vocabulary shard's per-row statistics (loss_engine.h's ShardStats),
+// indexed by global row.
+struct ShardRowOutputs {
+  float* max = nullptr;             // m_s = max z' (NaN where a z' is NaN)
+  float* sum_exp = nullptr;         // S_s = Σ exp(z' − m_s)
+  float* target_logit = nullptr;    // z'_t where t is the shard's, else 0
+  float* weighted_sum = nullptr;    // Σ w_j z'_j, with label smoothing; else may be null
+  int64_t* argmax = nullptr;        // the vocabulary id of the first largest z'
+};
+
+// A shard's statistics over a chunk of whole rows of logits [rows, vocab]
+// (col0 = 0, cols = vocab): z' = softcap(z + b) in fp32, as
+// LaunchForwardRows takes them. Reads the chunk once; leaves it as it was.
+cudaError_t LaunchShardStats(const RowParams& p, const void* logits, DType dtype,
+                             const ShardRowOutputs& out, cudaStream_t stream);
+
+// Whether LaunchOnePassRows takes these rows: whole rows of a whole
+// vocabulary (not a shard) without label smoothing (bias, softcap, class
+// weights and z-loss allowed), bf16 or fp32, V a multiple of the 16-byte
+// pack.
 bool OnePassRowsSupported(const RowParams& p, DType dtype);
 
 // LaunchForwardRows with write_grad, reading each logit once (deferred

@@ -1,0 +1,158 @@
+// Vocabulary shards on the CUDA engine: a shard's statistics and its
+// Backward with the whole vocabulary's lse (both modes, every option) combine
+// to the unsharded call, and the sharded engine over the CUDA engine (several
+// shards on one GPU) passes the conformance suite against the fp64
+// reference, with gradients in host or device memory. Tagged `gpu`: skips
+// without a device, fails without one when REQUIRE_GPU=1.
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/cuda_engine.h"
+#include "kernels/cuda/cuda_test_support.h"
+#include "kernels/dtype.h"
+#include "kernels/engine_conformance.h"
+#include "kernels/reference/random_problem.h"
+#include "kernels/sharded_engine.h"
+
+namespace flce {
+namespace {
+
+using cuda_test::DeviceBytes;
+using cuda_test::Layout;
+using cuda_test::RequireGpu;
+
+// Every option together and one at a time, plus sum and none in both modes.
+std::vector<ConformanceCase> ShardCases(DType dtype) {
+  std::vector<ConformanceCase> cases = EveryOptionCases(dtype);
+  for (const ConformanceCase& c : EachOptionCases(dtype)) cases.push_back(c);
+  for (Reduction r : {Reduction::kSum, Reduction::kNone}) {
+    for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+      ConformanceCase c = EveryOptionCases(dtype)[0];
+      c.spec.options.reduction = r;
+      c.mode = mode;
+      c.name += std::string(" reduction ") + ReductionName(r) + " " + BackwardModeName(mode);
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+class CudaShardTest : public ::testing::TestWithParam<std::tuple<DType, Layout>> {
+ protected:
+  DType dtype() const { return std::get<0>(GetParam()); }
+};
+
+// 2 uneven and 3 shards of one CUDA engine combine to its unsharded call.
+TEST_P(CudaShardTest, ShardsCombineToTheWhole) {
+  FLCE_GET_ENGINE_OR_SKIP(engine, std::get<1>(GetParam()));
+  ASSERT_TRUE(engine->supports_vocab_shards());
+  for (const ConformanceCase& c : ShardCases(dtype())) {
+    const int64_t v = c.spec.vocab;
+    RunShardConformanceCase(*engine, c, {v / 3, v - v / 3});
+    RunShardConformanceCase(*engine, c, {v / 3, v / 3, v - 2 * (v / 3)});
+  }
+}
+
+// A CUDA engine of its own for a sharded engine to own, with the test
+// engines' small chunk budget and RECOMPUTE layout.
+std::unique_ptr<LossEngine> OwnEngine(Layout layout, std::string* why) {
+  CudaEngineOptions options;
+  options.chunk_bytes = 64 << 10;
+  options.min_slice_columns = layout == Layout::kTokenChunks ? int64_t{1} << 40 : 16;
+  auto engine = CudaEngine::Create(options);
+  if (!engine.ok()) {
+    *why = engine.status().ToString();
+    return nullptr;
+  }
+  return std::move(*engine);
+}
+
+#define FLCE_SHARDED_ENGINE_OR_SKIP(sharded, layout, shards)                       \
+  std::string why_;                                                                \
+  std::unique_ptr<LossEngine> own_ = OwnEngine(layout, &why_);                     \
+  if (own_ == nullptr) {                                                           \
+    if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why_;                      \
+    GTEST_SKIP() << "no CUDA device: " << why_;                                    \
+  }                                                                                \
+  std::vector<std::unique_ptr<LossEngine>> list_;                                  \
+  list_.push_back(std::move(own_));                                                \
+  ShardedEngine sharded(std::move(list_), shards)
+
+// The sharded engine over one CUDA engine (3 shards on one GPU): the
+// conformance suite against the fp64 reference.
+TEST_P(CudaShardTest, ShardedEngineOnOneGpuConforms) {
+  FLCE_SHARDED_ENGINE_OR_SKIP(sharded, std::get<1>(GetParam()), 3);
+  std::vector<ConformanceCase> cases = OddSizeCases(dtype());
+  for (const ConformanceCase& c : EveryOptionCases(dtype())) cases.push_back(c);
+  for (const ConformanceCase& c : cases) RunConformanceCase(sharded, c);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllDTypes, CudaShardTest,
+    ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
+                       ::testing::Values(Layout::kTokenChunks, Layout::kVocabularySlices)),
+    [](const auto& info) {
+      return std::string(DTypeName(std::get<0>(info.param))) +
+             (std::get<1>(info.param) == Layout::kTokenChunks ? "_token_chunks"
+                                                              : "_vocabulary_slices");
+    });
+
+// The sharded engine on one GPU with X and W in device memory and the
+// gradients written into device memory (dW also added into an fp32 sum, as a
+// registered weight's): the bits of its host results, both modes.
+TEST(CudaShardSemanticsTest, ShardedEngineWritesDeviceDestinations) {
+  FLCE_SHARDED_ENGINE_OR_SKIP(sharded, Layout::kVocabularySlices, 3);
+  RandomProblemSpec spec;
+  spec.rows = 150;
+  spec.hidden = 40;
+  spec.vocab = 3001;
+  spec.dtype = DType::kBFloat16;
+  spec.bias = true;
+  spec.options.label_smoothing = 0.1f;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  DeviceBytes x(p.hidden.data.size()), w(p.weight.data.size());
+  ASSERT_EQ(cudaMemcpy(x.data, p.hidden.data.data(), x.size, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(w.data, p.weight.data.data(), w.size, cudaMemcpyHostToDevice), cudaSuccess);
+  LossProblem on_device = p.view();
+  on_device.hidden.data = x.data;
+  on_device.hidden.space = MemorySpace::kCuda;
+  on_device.weight.data = w.data;
+  on_device.weight.space = MemorySpace::kCuda;
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    SCOPED_TRACE(BackwardModeName(mode));
+    ForwardSpec fs;
+    fs.need_backward = true;
+    fs.mode = mode;
+    auto host_fwd = sharded.Forward(p.view(), fs, nullptr);
+    ASSERT_TRUE(host_fwd.ok()) << host_fwd.status();
+    auto fwd = sharded.Forward(on_device, fs, nullptr);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    EXPECT_EQ(fwd->loss.data, host_fwd->loss.data);
+    auto want = sharded.Backward(*host_fwd->saved, {}, nullptr);
+    ASSERT_TRUE(want.ok()) << want.status();
+    DeviceBytes dx(want->grad_hidden.data.size()), dw(want->grad_weight.data.size()),
+        db(want->grad_bias->data.size());
+    BackwardSpec device;
+    device.grad_hidden_to = GradientDestination{dx.data, MemorySpace::kCuda};
+    device.grad_weight_to = GradientDestination{dw.data, MemorySpace::kCuda};
+    device.grad_bias_to = GradientDestination{db.data, MemorySpace::kCuda};
+    auto got = sharded.Backward(*fwd->saved, device, nullptr);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(got->grad_hidden.data.empty());
+    EXPECT_TRUE(got->grad_weight.data.empty());
+    EXPECT_EQ(got->grad_weight.shape, want->grad_weight.shape);
+    EXPECT_EQ(dx.Read(), want->grad_hidden.data);
+    EXPECT_EQ(dw.Read(), want->grad_weight.data);
+    EXPECT_EQ(db.Read(), want->grad_bias->data);
+  }
+}
+
+}  // namespace
+}  // namespace flce
