@@ -15,11 +15,20 @@
 //
 // Effective rate = 6·N·H·V / time (the useful FLOP of fwd+bwd), as in
 // DESIGN.md §7. Prints a table; --json prints one JSON object per row.
+//
+// --vocab_shards=2,4 also times the served call (Forward + Backward through
+// the engine's API, wall clock; CUDA: X and W in device memory, gradients
+// written into device memory) of the vocabulary-sharded engine with that
+// many shards on one engine against the unsharded engine's, in the same
+// process: the shard path's overhead.
 
 #include <cblas.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <functional>
 #include <map>
+#include <memory>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -31,6 +40,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kernels/cpu/cpu_engine.h"
+#include "kernels/sharded_engine.h"
 #include "kernels/reference/accuracy.h"
 #include "kernels/reference/random_problem.h"
 
@@ -65,6 +75,9 @@ ABSL_FLAG(bool, cuda_one_pass_rows, true,
           "CUDA engine: STORE_GRADS reads each logit once where it can (false: twice)");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
           "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
+ABSL_FLAG(std::string, vocab_shards, "",
+          "comma-separated shard counts: also time the served call sharded that many ways "
+          "on one engine against the unsharded one");
 
 namespace flce {
 namespace {
@@ -135,6 +148,55 @@ absl::StatusOr<Gradients> RunOnce(LossEngine& engine, const LossProblem& p,
   absl::StatusOr<Gradients> grads = engine.Backward(*fwd->saved, backward, nullptr);
   if (fwd_out) *fwd_out = std::move(*fwd);
   return grads;
+}
+
+// The served call, wall clock: Forward (need_backward, `mode`) + Backward
+// with `backward`'s destinations, the state dropped after it. Median ms;
+// the first error in `status`.
+double ServedMs(LossEngine& engine, const LossProblem& p, BackwardMode mode,
+                const BackwardSpec& backward, int warmup, int iters, absl::Status& status) {
+  return MedianMs(warmup, iters, [&] {
+    if (!status.ok()) return;
+    ForwardSpec spec;
+    spec.need_backward = true;
+    spec.mode = mode;
+    absl::StatusOr<ForwardResult> fwd = engine.Forward(p, spec, nullptr);
+    if (!fwd.ok()) {
+      status = fwd.status();
+      return;
+    }
+    BackwardSpec last = backward;
+    last.last_use = true;
+    status = engine.Backward(*fwd->saved, last, nullptr).status();
+  });
+}
+
+// --vocab_shards: the served call unsharded, then sharded over one engine of
+// make()'s for each count the flag names; one line each.
+void PrintShardRows(const std::function<std::unique_ptr<LossEngine>()>& make,
+                    const LossProblem& p, BackwardMode mode, const BackwardSpec& backward) {
+  const std::string flag = absl::GetFlag(FLAGS_vocab_shards);
+  if (flag.empty()) return;
+  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  absl::Status status;
+  std::unique_ptr<LossEngine> whole = make();
+  const double base = ServedMs(*whole, p, mode, backward, warmup, iters, status);
+  whole.reset();
+  std::printf("    served call, unsharded: %.2f ms%s\n", base,
+              status.ok() ? "" : (" " + status.ToString()).c_str());
+  for (const std::string& text : std::vector<std::string>(absl::StrSplit(flag, ','))) {
+    int shards = 0;
+    if (!absl::SimpleAtoi(text, &shards) || shards < 1) continue;
+    std::vector<std::unique_ptr<LossEngine>> engines;
+    engines.push_back(make());
+    ShardedEngine sharded(std::move(engines), shards);
+    absl::Status sharded_status;
+    const double ms = ServedMs(sharded, p, mode, backward, warmup, iters, sharded_status);
+    std::printf("    served call, %d vocabulary shards on one engine: %.2f ms, %.3fx unsharded%s\n",
+                shards, ms, ms / base,
+                sharded_status.ok() ? "" : (" " + sharded_status.ToString()).c_str());
+  }
+  std::fflush(stdout);
 }
 
 // The loss options the flags ask for.
@@ -254,11 +316,25 @@ int RunCpu() {
     const double floor_ms = BlasFloorMs(s, mode == BackwardMode::kRecompute, warmup, iters);
     PrintRow(json, "cpu", shape_text, s, dtype, mode, ms, floor_ms, 0.0, 0.0,
              CheckAccuracyOf(engine, dtype, mode), failed ? " (engine error)" : "");
+    PrintShardRows([] { return std::make_unique<CpuEngine>(); }, p.view(), mode, {});
   });
   return 0;
 }
 
 #ifdef FLCE_WITH_CUDA
+// Device memory holding a copy of `bytes`, freed when destroyed.
+struct DeviceCopy {
+  explicit DeviceCopy(const std::string& bytes) {
+    if (cudaMalloc(&data, bytes.size()) != cudaSuccess ||
+        cudaMemcpy(data, bytes.data(), bytes.size(), cudaMemcpyHostToDevice) != cudaSuccess) {
+      std::fprintf(stderr, "device copy of %zu bytes failed\n", bytes.size());
+      std::exit(1);
+    }
+  }
+  ~DeviceCopy() { cudaFree(data); }
+  void* data = nullptr;
+};
+
 int RunCuda() {
   CudaEngineOptions options;
   if (absl::GetFlag(FLAGS_cuda_chunk_bytes) > 0) {
@@ -339,6 +415,24 @@ int RunCuda() {
         line += absl::StrFormat(" %s %.2f;", stage, stage_ms);
       }
       std::printf("%s\n", line.c_str());
+    }
+    if (!absl::GetFlag(FLAGS_vocab_shards).empty()) {
+      // X and W in device memory, the gradients written there: the served
+      // call of a same-host worker's tensors.
+      DeviceCopy x(p.hidden.data), w(p.weight.data);
+      DeviceCopy dx(std::string(p.hidden.data.size(), '\0')),
+          dw(std::string(p.weight.data.size(), '\0'));
+      LossProblem on_device = p.view();
+      on_device.hidden.data = x.data;
+      on_device.hidden.space = MemorySpace::kCuda;
+      on_device.weight.data = w.data;
+      on_device.weight.space = MemorySpace::kCuda;
+      BackwardSpec backward;
+      backward.grad_hidden_to = GradientDestination{dx.data, MemorySpace::kCuda};
+      backward.grad_weight_to = GradientDestination{dw.data, MemorySpace::kCuda};
+      PrintShardRows(
+          [&]() -> std::unique_ptr<LossEngine> { return std::move(CudaEngine::Create(options).value()); },
+          on_device, mode, backward);
     }
   });
   return failures == 0 ? 0 : 1;

@@ -15,6 +15,7 @@ TARGETS=(
   //bench:rpc_bench
   //bench:gemm_algos
   //kernels/cuda:cuda_engine_test
+  //kernels/cuda:cuda_shards_test
   //kernels/cuda:device_destinations_test
   //kernels/cuda:gemm_test
   //tests:server_integration_gpu_test
@@ -34,7 +35,7 @@ tools/package.sh "$stage" "${binaries[@]}"
 mkdir -p "$stage/python"
 cp bazel-bin/client/python/flce-*-py3-none-any.whl client/python/examples/*.py "$stage/python/"
 cp tests/python_client_test.py tests/call_channel_test.py tests/row_pipeline_test.py \
-  tests/integrations_test.py tests/server_process.py \
+  tests/integrations_test.py tests/vocab_parallel_test.py tests/server_process.py \
   bench/worker_bench.py bench/bulk_bench.py \
   bench/same_host_latency.py "$stage/python/"
 mkdir -p .devbin

@@ -40,6 +40,9 @@ if [ -z "$ARGS" ] || want tests; then
   REQUIRE_GPU=1 "$bin/cuda_engine_test" --gtest_output="xml:$OUT/cuda_engine_test.xml" \
     > "$OUT/cuda_engine_test.log" 2>&1 || status=1
   tail -5 "$OUT/cuda_engine_test.log"
+  REQUIRE_GPU=1 "$bin/cuda_shards_test" --gtest_output="xml:$OUT/cuda_shards_test.xml" \
+    > "$OUT/cuda_shards_test.log" 2>&1 || status=1
+  tail -3 "$OUT/cuda_shards_test.log"
   REQUIRE_GPU=1 "$bin/device_destinations_test" \
     --gtest_output="xml:$OUT/device_destinations_test.xml" \
     > "$OUT/device_destinations_test.log" 2>&1 || status=1
@@ -48,6 +51,13 @@ if [ -z "$ARGS" ] || want tests; then
     --gtest_filter='-ServerTimingTest.*' --gtest_output="xml:$OUT/server_integration_gpu_test.xml" \
     > "$OUT/server_integration_gpu_test.log" 2>&1 || status=1
   tail -5 "$OUT/server_integration_gpu_test.log"
+  # The same suite on a server computing every problem in 3 vocabulary
+  # shards of its one GPU (--vocab_shards=3).
+  REQUIRE_GPU=1 FLCE_TEST_BACKEND=cuda FLCE_TEST_VOCAB_SHARDS=3 "$bin/server_integration_gpu_test" \
+    --gtest_filter='-ServerTimingTest.*' \
+    --gtest_output="xml:$OUT/server_integration_sharded_gpu_test.xml" \
+    > "$OUT/server_integration_sharded_gpu_test.log" 2>&1 || status=1
+  tail -3 "$OUT/server_integration_sharded_gpu_test.log"
   REQUIRE_GPU=1 "$bin/sticky_error_gpu_test" --gtest_output="xml:$OUT/sticky_error_gpu_test.xml" \
     > "$OUT/sticky_error_gpu_test.log" 2>&1 || status=1
   tail -3 "$OUT/sticky_error_gpu_test.log"
@@ -66,6 +76,9 @@ if [ -z "$ARGS" ] || want python; then
   FLCE_TEST_BACKEND=cuda python3 /tmp/flce/python/row_pipeline_test.py \
     "$bin/flce_server" > "$OUT/row_pipeline_test.log" 2>&1 || status=1
   grep -E '(FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/row_pipeline_test.log"
+  FLCE_TEST_BACKEND=cuda python3 /tmp/flce/python/vocab_parallel_test.py \
+    "$bin/flce_server" > "$OUT/vocab_parallel_test.log" 2>&1 || status=1
+  grep -E '(FAIL|ERROR)$|^Ran|^OK|^FAILED' "$OUT/vocab_parallel_test.log"
   python3 -c 'import transformers; print("transformers", transformers.__version__)'
   FLCE_TEST_BACKEND=cuda REQUIRE_TRANSFORMERS=1 python3 /tmp/flce/python/integrations_test.py \
     "$bin/flce_server" > "$OUT/integrations_test.log" 2>&1 || status=1
@@ -109,6 +122,14 @@ if [ -z "$ARGS" ] || want smoke; then
   grep -E '^(PASS|FAIL)' "$OUT/smoke.log"
   kill -TERM "$server"; wait "$server" || status=1
   tail -2 "$OUT/server.log"
+  echo "== flce smoke --matrix against --backend=cuda --vocab_shards=2"
+  "$bin/flce_server" --backend=cuda --vocab_shards=2 --insecure --listen_address=127.0.0.1:50051 \
+    > "$OUT/server_sharded.log" 2>&1 &
+  server=$!
+  for _ in $(seq 100); do "$bin/flce" health > /dev/null 2>&1 && break; sleep 0.1; done
+  "$bin/flce" smoke --matrix --n=257 --h=129 --v=8191 > "$OUT/smoke_sharded.log" 2>&1 || status=1
+  grep -E '^(PASS|FAIL)' "$OUT/smoke_sharded.log" | sort | uniq -c
+  kill -TERM "$server"; wait "$server" || status=1
 fi
 
 if [ -z "$ARGS" ] || want bench; then
