@@ -172,8 +172,19 @@ double RelativeL2(const std::vector<double>& got, const std::vector<float>& want
 
 }  // namespace
 
+double ShardGradientTolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return 1.5 * std::ldexp(1.0, -8);
+    case DType::kFloat16:
+      return 1.5 * std::ldexp(1.0, -11);
+    default:
+      return 1e-5;
+  }
+}
+
 void RunShardConformanceCase(LossEngine& engine, const ConformanceCase& c,
-                             const std::vector<int64_t>& shard_sizes) {
+                             const std::vector<int64_t>& shard_sizes, double gradient_tolerance) {
   SCOPED_TRACE(c.name + " in " + std::to_string(shard_sizes.size()) + " shards");
   OwnedProblem p = MakeRandomProblem(c.spec);
   const LossProblem whole = p.view();
@@ -253,10 +264,10 @@ void RunShardConformanceCase(LossEngine& engine, const ConformanceCase& c,
       std::copy(pdb.begin(), pdb.end(), db.begin() + firsts[s]);
     }
   }
-  EXPECT_LE(RelativeL2(dx, TensorToFloats(grads->grad_hidden.view())), 1e-5);
-  EXPECT_LE(RelativeL2(dw, TensorToFloats(grads->grad_weight.view())), 1e-5);
+  EXPECT_LE(RelativeL2(dx, TensorToFloats(grads->grad_hidden.view())), gradient_tolerance);
+  EXPECT_LE(RelativeL2(dw, TensorToFloats(grads->grad_weight.view())), gradient_tolerance);
   if (grads->grad_bias) {
-    EXPECT_LE(RelativeL2(db, TensorToFloats(grads->grad_bias->view())), 1e-5);
+    EXPECT_LE(RelativeL2(db, TensorToFloats(grads->grad_bias->view())), gradient_tolerance);
   }
   // Without the global lse a shard's state cannot make its gradients.
   BackwardSpec no_lse = bs;

@@ -37,8 +37,20 @@ void RunConformanceCase(LossEngine& engine, const ConformanceCase& c);
 // engine within fp32 rounding: the loss (every reduction), the valid and
 // correct counts, dX summed over the shards, and each shard's rows of dW
 // and db. A shard's Backward without global_lse is INVALID_ARGUMENT.
+// `gradient_tolerance` bounds the gradients' relative L2 difference: fp32
+// rounding (the default) for an engine whose logit gradient is fp32; an
+// engine that rounds it to a half input dtype (the CUDA engine, in place
+// over the logits) differs from its unsharded call by that rounding
+// (ShardGradientTolerance).
 void RunShardConformanceCase(LossEngine& engine, const ConformanceCase& c,
-                             const std::vector<int64_t>& shard_sizes);
+                             const std::vector<int64_t>& shard_sizes,
+                             double gradient_tolerance = 1e-5);
+
+// 1.5 units of roundoff of `dtype` for bf16 and fp16 (an element's logit
+// gradient rounded differently by the shard's and the unsharded path:
+// their lse differ in the last fp32 place, and the unsharded STORE_GRADS
+// may round a rescaled form, the one-pass rows), 1e-5 for fp32.
+double ShardGradientTolerance(DType dtype);
 
 // Case lists, each for one dtype.
 std::vector<ConformanceCase> OddSizeCases(DType dtype);     // 1x1x1 … 733x64x257

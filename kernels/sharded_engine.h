@@ -36,6 +36,11 @@ class ShardedEngine : public LossEngine {
   int64_t device_memory_bytes() const override;
   bool supports_vocab_shards() const override { return true; }
   absl::Status health() const override;
+  // The one engine's device memory (its shards all live there); none over
+  // several engines.
+  DeviceMemory* device_memory() const override {
+    return engines_.size() == 1 ? engines_[0]->device_memory() : nullptr;
+  }
   int shards() const { return shards_; }
 
   int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;

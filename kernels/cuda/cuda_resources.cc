@@ -32,6 +32,14 @@ absl::StatusOr<CublasHandle> CublasHandle::Create(cudaStream_t stream, DeviceHea
   CublasHandle handle(h);
   status = health.Check(cublasSetStream(h, stream), "cublasSetStream");
   if (!status.ok()) return status;
+  // Split-K partial sums are added in fp32, never in a bf16/fp16 output
+  // type (cuBLAS's default allows that): a GEMM writing its result in a
+  // half type rounds once, as the engine's accuracy bar assumes.
+  status = health.Check(
+      cublasSetMathMode(h, static_cast<cublasMath_t>(
+                               CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+      "cublasSetMathMode");
+  if (!status.ok()) return status;
   return handle;
 }
 

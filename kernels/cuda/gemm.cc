@@ -103,6 +103,11 @@ std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Candidates(cublasLtHandle_t
   if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return {};
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                        &workspace_bytes, sizeof(workspace_bytes));
+  // No split-K reduction in the output type (as the handle's math mode).
+  const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_INPLACE |
+                           CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
+                                       sizeof(schemes));
   if (cublasLtMatmulAlgoGetHeuristic(lt, desc_, la_, lb_, lc_, lc_, pref, count, results.data(),
                                      &found) != CUBLAS_STATUS_SUCCESS) {
     found = 0;
