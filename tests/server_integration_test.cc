@@ -1086,7 +1086,9 @@ TEST_F(ServerTest, NonFiniteLogitsAreServedAndCountedAsForwardReruns) {
   BackwardArgs back;
   back.session_id = fwd->session_id;
   ASSERT_TRUE(client_->Backward(back).ok());
-  const int64_t reruns = Backend() == "cuda" ? 1 : 0;
+  // Only the CUDA engine's unsharded STORE_GRADS has one-pass rows to rerun
+  // (a shard's Forward makes statistics in one pass that never reruns).
+  const int64_t reruns = Backend() == "cuda" && std::getenv("FLCE_TEST_VOCAB_SHARDS") == nullptr;
   grpc::ClientContext context;
   v1::GetStatsResponse stats;
   ASSERT_TRUE(stub_->GetStats(&context, v1::GetStatsRequest(), &stats).ok());
