@@ -202,6 +202,10 @@ struct BackwardSpec {
   // engine's memory: its device's (MemorySpace::kCuda) for an engine with a
   // device, host memory otherwise. It may be grad_hidden_to's memory.
   std::optional<TensorView> grad_hidden_addend;
+  // When set, called once before grad_hidden_addend is read (after the
+  // shard's own part is made): the addend is complete when it returns OK;
+  // an error fails the call. It may block (on other engines' work).
+  std::function<absl::Status()> grad_hidden_addend_ready;
 
   DType hidden_dtype(DType input) const { return grad_dtype.value_or(input); }
   DType weight_dtype(DType input) const { return weight_grad_dtype.value_or(hidden_dtype(input)); }

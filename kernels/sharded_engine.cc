@@ -1,9 +1,12 @@
 #include "kernels/sharded_engine.h"
 
 #include <algorithm>
+#include <functional>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "kernels/shard_combine.h"
 #include "kernels/status_macros.h"
 
@@ -40,8 +43,30 @@ HostTensor PerRow(const std::vector<double>& values) {
 
 }  // namespace
 
-ShardedEngine::ShardedEngine(std::vector<std::unique_ptr<LossEngine>> engines, int shards)
-    : engines_(std::move(engines)), shards_(std::max(1, shards)) {}
+ShardedEngine::ShardedEngine(std::vector<std::unique_ptr<LossEngine>> engines, int shards,
+                             std::unique_ptr<PartialSum> sum)
+    : engines_(std::move(engines)), shards_(std::max(1, shards)), sum_(std::move(sum)) {
+  if (sum_ == nullptr && engines_.size() > 1 && engines_[0]->device_memory() == nullptr) {
+    sum_ = HostPartialSum();
+  }
+}
+
+absl::Status ShardedEngine::ForEachEngine(int count,
+                                          const std::function<absl::Status(int)>& run) const {
+  const int engines = static_cast<int>(engines_.size());
+  auto shards_of = [&](int e) -> absl::Status {
+    for (int k = e; k < count; k += engines) FLCE_RETURN_IF_ERROR(run(k));
+    return absl::OkStatus();
+  };
+  if (engines == 1) return shards_of(0);
+  std::vector<absl::Status> status(engines);
+  std::vector<std::thread> threads;
+  for (int e = 1; e < engines; ++e) threads.emplace_back([&, e] { status[e] = shards_of(e); });
+  status[0] = shards_of(0);
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : status) FLCE_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
 
 std::vector<DeviceInfo> ShardedEngine::devices() const {
   std::vector<DeviceInfo> out;
@@ -93,20 +118,28 @@ absl::StatusOr<ForwardResult> ShardedEngine::Forward(const LossProblem& problem,
                                                      const CancelFn& cancelled) {
   if (problem.shard) return engines_[0]->Forward(problem, spec, cancelled);
   const int count = Count(problem);
+  if (engines_.size() > 1 && (problem.hidden.space != MemorySpace::kHost ||
+                              problem.weight.space != MemorySpace::kHost)) {
+    return absl::FailedPreconditionError(
+        "hidden, weight: a sharded engine over several devices reads them from host memory");
+  }
   ForwardSpec part_spec;
   part_spec.need_backward = spec.need_backward;
   part_spec.mode = spec.mode;
-  std::vector<ForwardResult> parts;
+  std::vector<ForwardResult> parts(count);
   std::vector<const ShardStats*> stats;
   auto state = std::make_unique<ShardedState>();
   for (int k = 0; k < count; ++k) {
     const LossProblem part = Shard(problem, k);
-    FLCE_ASSIGN_OR_RETURN(ForwardResult r, EngineOf(k).Forward(part, part_spec, cancelled));
-    if (!r.shard_stats) return absl::InternalError("a shard's Forward gave no statistics");
     state->firsts.push_back(part.shard->first);
     state->sizes.push_back(part.vocab());
-    parts.push_back(std::move(r));
   }
+  // Shards of different engines at once (a thread each), each engine's in turn.
+  FLCE_RETURN_IF_ERROR(ForEachEngine(count, [&](int k) -> absl::Status {
+    FLCE_ASSIGN_OR_RETURN(parts[k], EngineOf(k).Forward(Shard(problem, k), part_spec, cancelled));
+    if (!parts[k].shard_stats) return absl::InternalError("a shard's Forward gave no statistics");
+    return absl::OkStatus();
+  }));
   for (const ForwardResult& r : parts) stats.push_back(&*r.shard_stats);
   FLCE_ASSIGN_OR_RETURN(CombinedShards combined,
                         CombineShards(problem, problem.vocab(), stats));
@@ -151,34 +184,57 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
   const DType w_dtype = spec.weight_dtype(state->dtype);
   const int64_t w_elem = DTypeSize(w_dtype);
   const int count = static_cast<int>(state->parts.size());
-  // dX: every shard but the last adds its fp32 part into the sum of the
-  // parts before it (grad_hidden_addend, written back over it); the last
-  // one adds its own and delivers dX rounded once, where the caller asked.
-  // The sum lives where the engine computes: its device's memory, or here.
-  DeviceMemory* device = EngineOf(0).device_memory();
-  const bool sum_dx = !spec.weight_grads_only && count > 1 && n * h > 0;
-  if (sum_dx && device != nullptr && engines_.size() > 1) {
-    return absl::UnimplementedError(
-        "the sum of dX's parts over several devices' engines (a collective) is not built");
-  }
-  std::unique_ptr<DeviceBlock> device_sum;
-  std::vector<float> host_sum;
-  TensorView sum;
-  void* sum_data = nullptr;
-  if (sum_dx) {
-    sum.dtype = DType::kFloat32;
-    sum.shape = {n, h};
-    if (device != nullptr) {
-      FLCE_ASSIGN_OR_RETURN(device_sum, device->Allocate(n * h * 4));
-      sum_data = device_sum->data();
-      sum.space = MemorySpace::kCuda;
-    } else {
-      host_sum.resize(static_cast<size_t>(n * h));
-      sum_data = host_sum.data();
-      sum.space = MemorySpace::kHost;
+  const int engines = static_cast<int>(engines_.size());
+  if (engines > 1) {
+    for (const auto* to : {&spec.grad_hidden_to, &spec.grad_weight_to, &spec.grad_bias_to}) {
+      if (*to && (*to)->space != MemorySpace::kHost) {
+        return absl::FailedPreconditionError(
+            "a sharded engine over several devices writes gradients into host memory only");
+      }
     }
-    sum.data = sum_data;
   }
+  // dX: each engine's shards add their fp32 parts into one sum in its
+  // memory (BackwardSpec::grad_hidden_addend: a shard adds the sum of those
+  // before it and writes it back); the last shard of engine 0 adds engine
+  // 0's sum and, once the other engines' sums are added into it (the
+  // collective, sum_, while that shard's own part is made), delivers dX
+  // rounded once where the caller asked.
+  const bool sum_dx = !spec.weight_grads_only && count > 1 && n * h > 0;
+  if (sum_dx && engines > 1 && sum_ == nullptr) {
+    return absl::UnimplementedError("a sharded engine over several devices needs a collective");
+  }
+  std::vector<std::unique_ptr<DeviceBlock>> device_sums(engines);
+  std::vector<std::vector<float>> host_sums(engines);
+  std::vector<float*> sums(engines, nullptr);
+  std::vector<TensorView> sum_views(engines);
+  if (sum_dx) {
+    for (int e = 0; e < engines; ++e) {
+      DeviceMemory* device = engines_[e]->device_memory();
+      TensorView& view = sum_views[e];
+      view.dtype = DType::kFloat32;
+      view.shape = {n, h};
+      if (device != nullptr) {
+        FLCE_ASSIGN_OR_RETURN(device_sums[e], device->Allocate(n * h * 4));  // zeroed
+        sums[e] = static_cast<float*>(device_sums[e]->data());
+        view.space = MemorySpace::kCuda;
+      } else {
+        host_sums[e].assign(static_cast<size_t>(n * h), 0.0f);
+        sums[e] = host_sums[e].data();
+        view.space = MemorySpace::kHost;
+      }
+      view.data = sums[e];
+    }
+  }
+  // The shard that delivers dX: engine 0's last.
+  const int final_shard = (count - 1) / engines * engines;
+  // The other engines' sums are complete (or failed) when this reaches 0.
+  absl::BlockingCounter others(std::max(0, std::min(engines, count) - 1));
+  std::vector<absl::Status> other_status(engines);
+  std::function<absl::Status()> collect = [&]() -> absl::Status {
+    others.Wait();
+    for (const absl::Status& s : other_status) FLCE_RETURN_IF_ERROR(s);
+    return sum_->SumIntoFirst(sums, n * h);
+  };
   // dW and db: each shard writes its rows in place, into the caller's
   // destination or into tensors made here.
   Gradients out;
@@ -202,16 +258,21 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
     if (part) part->data = static_cast<char*>(part->data) + offset;
     return part;
   };
-  BackwardSpec part_spec = spec;
-  part_spec.global_lse = state->lse.view();
-  part_spec.weight_grad_dtype = w_dtype;
-  for (int k = 0; k < count; ++k) {
-    const bool last = k + 1 == count;
+  auto run = [&](int k) -> absl::Status {
+    const int e = k % engines;
+    BackwardSpec part_spec = spec;
+    part_spec.global_lse = state->lse.view();
+    part_spec.weight_grad_dtype = w_dtype;
     part_spec.grad_hidden_addend.reset();
-    if (sum_dx && k > 0) part_spec.grad_hidden_addend = sum;
-    if (sum_dx && !last) {
+    part_spec.grad_hidden_addend_ready = nullptr;
+    if (sum_dx && k >= engines) part_spec.grad_hidden_addend = sum_views[e];
+    if (sum_dx && k == final_shard) {
+      part_spec.grad_hidden_addend = sum_views[0];
+      if (engines > 1) part_spec.grad_hidden_addend_ready = collect;
+    }
+    if (sum_dx && k != final_shard) {
       part_spec.grad_dtype = DType::kFloat32;
-      part_spec.grad_hidden_to = GradientDestination{sum_data, sum.space};
+      part_spec.grad_hidden_to = GradientDestination{sums[e], sum_views[e].space};
     } else {
       part_spec.grad_dtype = dx_dtype;
       part_spec.grad_hidden_to = spec.grad_hidden_to;
@@ -219,8 +280,20 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
     part_spec.grad_weight_to = at(weight_to, state->firsts[k] * h * w_elem);
     part_spec.grad_bias_to = at(bias_to, state->firsts[k] * w_elem);
     FLCE_ASSIGN_OR_RETURN(Gradients g, EngineOf(k).Backward(*state->parts[k], part_spec, cancelled));
-    if (last && !spec.weight_grads_only) out.grad_hidden = std::move(g.grad_hidden);
-  }
+    if (k == final_shard && !spec.weight_grads_only) out.grad_hidden = std::move(g.grad_hidden);
+    return absl::OkStatus();
+  };
+  FLCE_RETURN_IF_ERROR(ForEachEngine(count, [&](int k) -> absl::Status {
+    const int e = k % engines;
+    absl::Status status = run(k);
+    // An engine other than 0 is done after its last shard, or at its first error.
+    const bool last_of_engine = k + engines >= count;
+    if (e != 0 && (!status.ok() || last_of_engine)) {
+      other_status[e] = status;
+      others.DecrementCount();
+    }
+    return status;
+  }));
   return out;
 }
 

@@ -13,23 +13,34 @@
 // with one engine too (several shards on it, on the CPU or on one GPU: the
 // sum of dX then stays in the device's memory).
 //
-// Gradient destinations are the caller's to choose (host or device memory,
-// as the engines take them). Several engines with devices need a
-// collective for dX's sum: UNIMPLEMENTED until it is built. A problem that
-// is itself a shard goes to the first engine whole.
+// Over several engines (one per device), the shards of different engines
+// run at once, a thread each, and each engine sums its shards' parts of dX
+// in its own memory; the sums meet through a collective (PartialSum: NCCL
+// over devices, a device-local add for engines sharing one device, host
+// adds for CPU engines) while engine 0's last shard makes its own part,
+// which then adds the total and rounds it once. There X and W come from
+// host memory and the gradients go to host memory (FAILED_PRECONDITION
+// otherwise); over one engine, the caller chooses (host or device memory,
+// as the engine takes them). A problem that is itself a shard goes to the
+// first engine whole.
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "kernels/loss_engine.h"
+#include "kernels/partial_sum.h"
 
 namespace flce {
 
 class ShardedEngine : public LossEngine {
  public:
   // REQUIRES: engines non-empty, each supports_vocab_shards(); shards >= 1.
-  ShardedEngine(std::vector<std::unique_ptr<LossEngine>> engines, int shards);
+  // `sum`: the collective over several engines' memories (may be null for
+  // one engine; for several engines without devices, host adds by default).
+  ShardedEngine(std::vector<std::unique_ptr<LossEngine>> engines, int shards,
+                std::unique_ptr<PartialSum> sum = nullptr);
 
   std::string backend() const override { return engines_[0]->backend(); }
   std::vector<DeviceInfo> devices() const override;
@@ -54,9 +65,13 @@ class ShardedEngine : public LossEngine {
   LossProblem Shard(const LossProblem& problem, int k) const;
   int Count(const LossProblem& problem) const;  // shards for this vocabulary
   LossEngine& EngineOf(int k) const { return *engines_[k % engines_.size()]; }
+  // run(k) for shards k < count: each engine's shards in turn, different
+  // engines' at once (a thread per engine beyond the first). The first error.
+  absl::Status ForEachEngine(int count, const std::function<absl::Status(int)>& run) const;
 
   std::vector<std::unique_ptr<LossEngine>> engines_;
   const int shards_;
+  std::unique_ptr<PartialSum> sum_;
 };
 
 }  // namespace flce

@@ -1,5 +1,7 @@
 #include "server/engine_factory.h"
 
+#include <algorithm>
+#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +11,7 @@
 
 #ifdef FLCE_WITH_CUDA
 #include "kernels/cuda/cuda_engine.h"
+#include "kernels/cuda/partial_sums.h"
 #endif
 
 namespace flce {
@@ -16,7 +19,9 @@ namespace {
 
 absl::StatusOr<std::unique_ptr<LossEngine>> CreateCudaEngine(const EngineOptions& options) {
 #ifdef FLCE_WITH_CUDA
-  absl::StatusOr<std::unique_ptr<CudaEngine>> engine = CudaEngine::Create(options.cuda);
+  CudaEngineOptions one = options.cuda;
+  if (options.cuda_devices.size() == 1) one.device = options.cuda_devices[0];
+  absl::StatusOr<std::unique_ptr<CudaEngine>> engine = CudaEngine::Create(one);
   if (!engine.ok()) return engine.status();
   return std::unique_ptr<LossEngine>(std::move(*engine));
 #else
@@ -55,11 +60,52 @@ absl::StatusOr<std::unique_ptr<LossEngine>> CreateOneEngine(const std::string& b
 
 }  // namespace
 
+// An engine on each of options.cuda_devices, sharded over them.
+absl::StatusOr<std::unique_ptr<LossEngine>> CreateMultiDeviceEngine(const EngineOptions& options) {
+#ifdef FLCE_WITH_CUDA
+  const std::vector<int>& devices = options.cuda_devices;
+  std::vector<std::unique_ptr<LossEngine>> engines;
+  for (int device : devices) {
+    CudaEngineOptions one = options.cuda;
+    one.device = device;
+    absl::StatusOr<std::unique_ptr<CudaEngine>> engine = CudaEngine::Create(one);
+    if (!engine.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("--cuda_devices: device ", device, ": ", engine.status().message()));
+    }
+    engines.push_back(std::move(*engine));
+  }
+  const std::set<int> distinct(devices.begin(), devices.end());
+  absl::StatusOr<std::unique_ptr<PartialSum>> sum =
+      distinct.size() == 1 ? DeviceLocalSum(devices[0]) : NcclSum(devices);
+  if (!sum.ok()) {
+    return absl::UnavailableError(absl::StrCat("--cuda_devices: ", sum.status().message()));
+  }
+  const int shards = std::max<int>(options.vocab_shards, static_cast<int>(devices.size()));
+  SPDLOG_INFO("{} CUDA engines, every problem in {} vocabulary shards", devices.size(), shards);
+  return std::make_unique<ShardedEngine>(std::move(engines), shards, std::move(*sum));
+#else
+  (void)options;
+  return absl::UnimplementedError("--cuda_devices: this build of flce has no CUDA engine");
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<LossEngine>> CreateEngine(const std::string& backend,
                                                          const EngineOptions& options) {
   if (options.vocab_shards < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--vocab_shards: ", options.vocab_shards, "; expected >= 1"));
+  }
+  const std::set<int> distinct(options.cuda_devices.begin(), options.cuda_devices.end());
+  if (distinct.size() > 1 && distinct.size() != options.cuda_devices.size()) {
+    return absl::InvalidArgumentError(
+        "--cuda_devices: distinct devices, or one device repeated (engines sharing it)");
+  }
+  if (options.cuda_devices.size() > 1) {
+    if (backend != "cuda" && backend != "auto") {
+      return absl::InvalidArgumentError("--cuda_devices: for --backend=cuda (or auto)");
+    }
+    return CreateMultiDeviceEngine(options);
   }
   FLCE_ASSIGN_OR_RETURN(std::unique_ptr<LossEngine> engine, CreateOneEngine(backend, options));
   if (options.vocab_shards == 1) return engine;

@@ -11,10 +11,12 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "server/logging.h"
@@ -90,8 +92,7 @@ ABSL_FLAG(flce::DurationFlag, session_ttl, flce::DurationFlag{absl::Minutes(10)}
 ABSL_FLAG(int, workers, 1, "engine calls run concurrently");
 ABSL_FLAG(int, vocab_shards, 1,
           "compute every problem in this many vocabulary shards, combined in the server (the "
-          "path of a server with an engine per device, on one engine; cpu backend in this "
-          "version); 1: off");
+          "path of a server with an engine per device, on one engine); 1: off");
 ABSL_FLAG(int, max_queued_requests, 64,
           "requests that may wait for a worker; more are RESOURCE_EXHAUSTED");
 ABSL_FLAG(flce::ByteCount, max_message_bytes, flce::ByteCount{int64_t{256} << 20},
@@ -102,6 +103,10 @@ ABSL_FLAG(flce::ByteCount, cpu_workspace_cache_bytes,
           flce::ByteCount{flce::CpuEngineOptions().workspace_cache_bytes},
           "CPU engine: freed workspace (logits chunks, converted weights) kept for reuse");
 ABSL_FLAG(int, cuda_device, flce::CudaEngineOptions().device, "CUDA engine: device ordinal");
+ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
+          "comma-separated CUDA device ordinals: an engine on each, every problem sharded by "
+          "vocabulary over them, dX's parts summed with NCCL (a device repeated: engines "
+          "sharing it); overrides --cuda_device");
 ABSL_FLAG(int, cuda_lanes, flce::CudaEngineOptions().lanes,
           "CUDA engine: concurrent calls (streams)");
 ABSL_FLAG(flce::ByteCount, cuda_chunk_bytes,
@@ -250,6 +255,14 @@ int main(int argc, char** argv) {
   options.engine.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes).bytes;
   options.engine.cpu.workspace_cache_bytes = absl::GetFlag(FLAGS_cpu_workspace_cache_bytes).bytes;
   options.engine.cuda.device = absl::GetFlag(FLAGS_cuda_device);
+  for (const std::string& device : absl::GetFlag(FLAGS_cuda_devices)) {
+    int ordinal = -1;
+    if (!absl::SimpleAtoi(device, &ordinal) || ordinal < 0) {
+      std::fprintf(stderr, "--cuda_devices: '%s' is not a device ordinal\n", device.c_str());
+      return 2;
+    }
+    options.engine.cuda_devices.push_back(ordinal);
+  }
   options.engine.cuda.lanes = absl::GetFlag(FLAGS_cuda_lanes);
   options.engine.cuda.chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes).bytes;
   options.engine.cuda.min_slice_columns = absl::GetFlag(FLAGS_cuda_min_slice_columns);

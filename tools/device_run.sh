@@ -18,7 +18,11 @@ mkdir -p "$OUT" /tmp/flce
 tar -C /tmp/flce -xJf .devbin/bundle.tar.xz
 cublas="$(find / -name 'libcublasLt.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)"
 cublas_dir="$(dirname "${cublas:-/usr/local/cuda/lib64/x}")"
-export LD_LIBRARY_PATH="/tmp/flce/lib:${cublas_dir}:/usr/local/cuda/lib64"
+# NCCL (loaded by a server with several devices) from wherever the machine has it.
+nccl="$(find / -name 'libnccl.so.2' -not -path '*/proc/*' 2>/dev/null | head -1)"
+nccl_dir="$(dirname "${nccl:-/usr/local/cuda/lib64/x}")"
+export LD_LIBRARY_PATH="/tmp/flce/lib:${cublas_dir}:${nccl_dir}:/usr/local/cuda/lib64"
+export NCCL_NVLS_ENABLE=0
 export GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 bin=/tmp/flce/bin
 # The Python client installed from its wheel, as a user would (no index;
@@ -129,6 +133,16 @@ if [ -z "$ARGS" ] || want smoke; then
   for _ in $(seq 100); do "$bin/flce" health > /dev/null 2>&1 && break; sleep 0.1; done
   "$bin/flce" smoke --matrix --n=257 --h=129 --v=8191 > "$OUT/smoke_sharded.log" 2>&1 || status=1
   grep -E '^(PASS|FAIL)' "$OUT/smoke_sharded.log" | sort | uniq -c
+  kill -TERM "$server"; wait "$server" || status=1
+  # Two engines sharing the GPU: the several-device server's path on one.
+  echo "== flce smoke --matrix against --backend=cuda --cuda_devices=0,0"
+  "$bin/flce_server" --backend=cuda --cuda_devices=0,0 --insecure \
+    --listen_address=127.0.0.1:50051 > "$OUT/server_two_engines.log" 2>&1 &
+  server=$!
+  for _ in $(seq 100); do "$bin/flce" health > /dev/null 2>&1 && break; sleep 0.1; done
+  "$bin/flce" info | grep -iE 'device|backend'
+  "$bin/flce" smoke --matrix --n=257 --h=129 --v=8191 > "$OUT/smoke_two_engines.log" 2>&1 || status=1
+  grep -E '^(PASS|FAIL)' "$OUT/smoke_two_engines.log" | sort | uniq -c
   kill -TERM "$server"; wait "$server" || status=1
 fi
 

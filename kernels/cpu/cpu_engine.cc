@@ -771,6 +771,7 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
     out.grad_hidden = HostTensor();
   } else {
     if (spec.grad_hidden_addend) {
+      if (spec.grad_hidden_addend_ready) FLCE_RETURN_IF_ERROR(spec.grad_hidden_addend_ready());
       const float* add = static_cast<const float*>(spec.grad_hidden_addend->data);
       float* dx = out.grad_hidden.mutable_data<float>();
       for (int64_t i = 0; i < n * q.h; ++i) dx[i] += add[i];

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_engine.h"
 #include "kernels/cuda/cuda_test_support.h"
+#include "kernels/cuda/partial_sums.h"
 #include "kernels/dtype.h"
 #include "kernels/engine_conformance.h"
 #include "kernels/reference/random_problem.h"
@@ -97,6 +98,27 @@ TEST_P(CudaShardTest, ShardedEngineOnOneGpuConforms) {
   for (const ConformanceCase& c : cases) RunConformanceCase(sharded, c);
 }
 
+// Two CUDA engines sharing the GPU, their shards at once (a thread each),
+// their dX sums added on the device: the several-device path on one GPU,
+// against the fp64 reference.
+TEST_P(CudaShardTest, TwoEnginesOnOneGpuConform) {
+  std::string why;
+  std::vector<std::unique_ptr<LossEngine>> engines;
+  for (int i = 0; i < 2; ++i) {
+    engines.push_back(OwnEngine(std::get<1>(GetParam()), &why));
+    if (engines.back() == nullptr) {
+      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why;
+      GTEST_SKIP() << "no CUDA device: " << why;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<PartialSum>> sum = DeviceLocalSum(0);
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  ShardedEngine sharded(std::move(engines), 3, std::move(*sum));
+  std::vector<ConformanceCase> cases = OddSizeCases(dtype());
+  for (const ConformanceCase& c : EveryOptionCases(dtype())) cases.push_back(c);
+  for (const ConformanceCase& c : cases) RunConformanceCase(sharded, c);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     AllDTypes, CudaShardTest,
     ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
@@ -155,6 +177,26 @@ TEST(CudaShardSemanticsTest, ShardedEngineWritesDeviceDestinations) {
     EXPECT_EQ(dw.Read(), want->grad_weight.data);
     EXPECT_EQ(db.Read(), want->grad_bias->data);
   }
+}
+
+// NCCL loads, and a communicator over the one device sums its one part (the
+// reduce of a server with several devices, which needs more GPUs to run
+// whole: issue 23's run).
+TEST(CudaShardSemanticsTest, NcclSumOverOneDevice) {
+  std::string why;
+  if (cuda_test::Engine(&why) == nullptr) {
+    if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why;
+    GTEST_SKIP() << "no CUDA device: " << why;
+  }
+  absl::StatusOr<std::unique_ptr<PartialSum>> sum = NcclSum({0});
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  const std::vector<float> values = {1.5f, -2.0f, 3.25f};
+  DeviceBytes part(values.size() * 4);
+  ASSERT_EQ(cudaMemcpy(part.data, values.data(), part.size, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_TRUE((*sum)->SumIntoFirst({static_cast<float*>(part.data)}, 3).ok());
+  std::vector<float> back(3);
+  ASSERT_EQ(cudaMemcpy(back.data(), part.data, part.size, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(back, values);
 }
 
 }  // namespace

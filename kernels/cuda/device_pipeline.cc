@@ -94,6 +94,7 @@ absl::StatusOr<Gradients> BackwardFromLse(const CallContext& call, const DeviceI
   FLCE_RETURN_IF_ERROR(RecomputeGradients(call, in, rows, lse, stored, dx.as<float>(), dw_out,
                                           wdtype, db.bytes() > 0 ? db.as<float>() : nullptr));
   if (spec.grad_hidden_addend && !spec.weight_grads_only && in.n * in.h > 0) {
+    if (spec.grad_hidden_addend_ready) FLCE_RETURN_IF_ERROR(spec.grad_hidden_addend_ready());
     FLCE_RETURN_IF_ERROR(lane.Check(LaunchAccumulate(spec.grad_hidden_addend->data,
                                                      DType::kFloat32, dx.data(), DType::kFloat32,
                                                      in.n * in.h, 1.0f, lane.stream()),
