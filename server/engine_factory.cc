@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/sharded_engine.h"
+#include "kernels/spread_engine.h"
 #include "kernels/status_macros.h"
 #include "spdlog/spdlog.h"
 
@@ -75,6 +76,10 @@ absl::StatusOr<std::unique_ptr<LossEngine>> CreateMultiDeviceEngine(const Engine
     }
     engines.push_back(std::move(*engine));
   }
+  if (options.cuda_devices_mode == "spread") {
+    SPDLOG_INFO("{} CUDA engines, each request on one of them", devices.size());
+    return std::make_unique<SpreadEngine>(std::move(engines));
+  }
   const std::set<int> distinct(devices.begin(), devices.end());
   absl::StatusOr<std::unique_ptr<PartialSum>> sum =
       distinct.size() == 1 ? DeviceLocalSum(devices[0]) : NcclSum(devices);
@@ -100,6 +105,11 @@ absl::StatusOr<std::unique_ptr<LossEngine>> CreateEngine(const std::string& back
   if (distinct.size() > 1 && distinct.size() != options.cuda_devices.size()) {
     return absl::InvalidArgumentError(
         "--cuda_devices: distinct devices, or one device repeated (engines sharing it)");
+  }
+  if (options.cuda_devices_mode != "shard" && options.cuda_devices_mode != "spread") {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_devices_mode: unknown value '",
+                                                   options.cuda_devices_mode,
+                                                   "'; expected shard or spread"));
   }
   if (options.cuda_devices.size() > 1) {
     if (backend != "cuda" && backend != "auto") {

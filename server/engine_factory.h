@@ -26,6 +26,9 @@ struct EngineOptions {
   // added on it): the several-engine path on one GPU, for tests. Empty or
   // one device: one engine.
   std::vector<int> cuda_devices;
+  // With several cuda_devices: "shard" every problem over them, or
+  // "spread" requests over them whole (kernels/spread_engine.h).
+  std::string cuda_devices_mode = "shard";
 };
 
 // True if this build has the CUDA engine.

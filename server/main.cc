@@ -107,6 +107,9 @@ ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
           "comma-separated CUDA device ordinals: an engine on each, every problem sharded by "
           "vocabulary over them, dX's parts summed with NCCL (a device repeated: engines "
           "sharing it); overrides --cuda_device");
+ABSL_FLAG(std::string, cuda_devices_mode, "shard",
+          "with several --cuda_devices: shard every problem over them, or spread requests "
+          "over them whole");
 ABSL_FLAG(int, cuda_lanes, flce::CudaEngineOptions().lanes,
           "CUDA engine: concurrent calls (streams)");
 ABSL_FLAG(flce::ByteCount, cuda_chunk_bytes,
@@ -263,6 +266,7 @@ int main(int argc, char** argv) {
     }
     options.engine.cuda_devices.push_back(ordinal);
   }
+  options.engine.cuda_devices_mode = absl::GetFlag(FLAGS_cuda_devices_mode);
   options.engine.cuda.lanes = absl::GetFlag(FLAGS_cuda_lanes);
   options.engine.cuda.chunk_bytes = absl::GetFlag(FLAGS_cuda_chunk_bytes).bytes;
   options.engine.cuda.min_slice_columns = absl::GetFlag(FLAGS_cuda_min_slice_columns);

@@ -144,6 +144,14 @@ if [ -z "$ARGS" ] || want smoke; then
   "$bin/flce" smoke --matrix --n=257 --h=129 --v=8191 > "$OUT/smoke_two_engines.log" 2>&1 || status=1
   grep -E '^(PASS|FAIL)' "$OUT/smoke_two_engines.log" | sort | uniq -c
   kill -TERM "$server"; wait "$server" || status=1
+  echo "== flce smoke --matrix against --backend=cuda --cuda_devices=0,0 --cuda_devices_mode=spread"
+  "$bin/flce_server" --backend=cuda --cuda_devices=0,0 --cuda_devices_mode=spread --insecure \
+    --listen_address=127.0.0.1:50051 > "$OUT/server_spread.log" 2>&1 &
+  server=$!
+  for _ in $(seq 100); do "$bin/flce" health > /dev/null 2>&1 && break; sleep 0.1; done
+  "$bin/flce" smoke --matrix --n=257 --h=129 --v=8191 > "$OUT/smoke_spread.log" 2>&1 || status=1
+  grep -E '^PASS:|^FAIL' "$OUT/smoke_spread.log"
+  kill -TERM "$server"; wait "$server" || status=1
 fi
 
 if [ -z "$ARGS" ] || want bench; then
