@@ -118,6 +118,8 @@ class PutWeightReactor final : public ReadStream {
     has_bias_ = h.has_bias();
     const int64_t elem = DTypeSize(dtype_);
     total_ = (shape_[0] * shape_[1] + (has_bias_ ? shape_[0] : 0)) * elem;
+    // The memory of a version gone, where there is one: no fresh pages.
+    payload_ = weights_->TakeSpare(name_, principal(), total_);
     FLCE_ASSIGN_OR_RETURN(hold_, weights_->Reserve(name_, total_));
     if (h.has_source()) FLCE_RETURN_IF_ERROR(TakeSource(h));
     return absl::OkStatus();

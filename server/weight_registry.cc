@@ -65,19 +65,75 @@ bool ByteBudget::TryReserve(int64_t bytes) {
   return true;
 }
 
+void SpareWeights::Keep(const std::string& key, std::string storage, BudgetHold hold) {
+  if (static_cast<int64_t>(storage.capacity()) < kMinBytes) return;
+  std::vector<Spare> dropped;  // freed after the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = spares_.begin(); it != spares_.end();) {
+    if (it->key == key) {
+      dropped.push_back(std::move(*it));
+      it = spares_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (spares_.size() >= kMaxSpares) {
+    dropped.push_back(std::move(spares_.front()));
+    spares_.erase(spares_.begin());
+  }
+  storage.clear();
+  spares_.push_back(Spare{key, std::move(storage), std::move(hold)});
+}
+
+std::string SpareWeights::Take(const std::string& key, int64_t bytes) {
+  std::optional<Spare> taken;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = spares_.begin(); it != spares_.end(); ++it) {
+      if (it->key == key) {
+        taken = std::move(*it);
+        spares_.erase(it);
+        break;
+      }
+    }
+  }
+  if (!taken || static_cast<int64_t>(taken->storage.capacity()) < bytes) return std::string();
+  return std::move(taken->storage);
+}
+
+bool SpareWeights::Clear() {
+  std::vector<Spare> dropped;
+  absl::MutexLock lock(&mu_);
+  dropped.swap(spares_);
+  return !dropped.empty();
+}
+
+int64_t SpareWeights::bytes() const {
+  absl::MutexLock lock(&mu_);
+  int64_t total = 0;
+  for (const Spare& spare : spares_) total += spare.hold.bytes();
+  return total;
+}
+
 RegisteredWeight::RegisteredWeight(std::string name, int64_t version, std::string principal,
                                    HostTensor weight, std::optional<HostTensor> bias,
                                    std::shared_ptr<ByteBudget> device_budget,
-                                   BudgetHold host_hold)
+                                   BudgetHold host_hold, std::shared_ptr<SpareWeights> spares,
+                                   std::string spare_key)
     : name_(std::move(name)),
       version_(version),
       principal_(std::move(principal)),
       weight_(std::move(weight)),
       bias_(std::move(bias)),
       device_budget_(std::move(device_budget)),
-      host_hold_(std::move(host_hold)) {}
+      host_hold_(std::move(host_hold)),
+      spares_(std::move(spares)),
+      spare_key_(std::move(spare_key)) {}
 
-RegisteredWeight::~RegisteredWeight() { ReleaseDevice(device_reserved_.load()); }
+RegisteredWeight::~RegisteredWeight() {
+  ReleaseDevice(device_reserved_.load());
+  if (spares_ != nullptr) spares_->Keep(spare_key_, std::move(weight_.data), std::move(host_hold_));
+}
 
 bool RegisteredWeight::ReserveDevice(int64_t bytes) {
   if (device_budget_ != nullptr && !device_budget_->TryReserve(bytes)) return false;
@@ -288,10 +344,23 @@ absl::Status WeightRegistry::OverBudget(const std::string& name, int64_t bytes) 
 
 absl::StatusOr<BudgetHold> WeightRegistry::Reserve(const std::string& name,
                                                    int64_t bytes) const {
-  FLCE_RETURN_IF_ERROR(CheckHostMemory(bytes, host_available_(),
-                                       absl::StrCat("weight memory: ", name)));
-  if (!host_budget_->TryReserve(bytes)) return OverBudget(name, bytes);
+  // Spares yield to an upload that needs their room (in the budget, or in
+  // the host's memory).
+  absl::Status memory =
+      CheckHostMemory(bytes, host_available_(), absl::StrCat("weight memory: ", name));
+  if (!memory.ok() && spares_->Clear()) {
+    memory = CheckHostMemory(bytes, host_available_(), absl::StrCat("weight memory: ", name));
+  }
+  FLCE_RETURN_IF_ERROR(memory);
+  if (!host_budget_->TryReserve(bytes) && !(spares_->Clear() && host_budget_->TryReserve(bytes))) {
+    return OverBudget(name, bytes);
+  }
   return BudgetHold(host_budget_, bytes);
+}
+
+std::string WeightRegistry::TakeSpare(const std::string& name, const std::string& principal,
+                                      int64_t bytes) {
+  return spares_->Take(Key(principal, name), bytes);
 }
 
 absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
@@ -317,7 +386,8 @@ absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
       if (replaced.use_count() == 1) replaced.reset();
     }
     hold = BudgetHold();
-    if (!host_budget_->TryReserve(bytes)) {
+    if (!host_budget_->TryReserve(bytes) &&
+        !(spares_->Clear() && host_budget_->TryReserve(bytes))) {
       absl::Status over = OverBudget(name, bytes);
       if (replaced != nullptr) latest_[key] = std::move(replaced);
       return over;
@@ -329,7 +399,8 @@ absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
   if (fresh) ForgetRetiredNames();
   auto registered = std::make_shared<RegisteredWeight>(name, version, principal,
                                                        std::move(weight), std::move(bias),
-                                                       device_budget_, std::move(hold));
+                                                       device_budget_, std::move(hold), spares_,
+                                                       key);
   replaced = std::move(latest_[key]);
   latest_[key] = registered;
   return registered;

@@ -78,15 +78,47 @@ class BudgetHold {
   int64_t bytes_ = 0;
 };
 
+// Memory of versions gone, kept for their name's next upload: a put of a
+// gigabyte weight into fresh pages spends most of its time in the kernel
+// clearing them (bench/RESULTS.md), so a training loop's weight sync reuses
+// the version before last's instead. A spare keeps its budget hold (it is
+// memory held), yields it to any upload or put that needs the room, and is
+// kept only for weights of at least kMinBytes, at most kMaxSpares of them.
+class SpareWeights {
+ public:
+  static constexpr int64_t kMinBytes = int64_t{1} << 20;
+  static constexpr size_t kMaxSpares = 8;
+  // Keeps `storage` (with the hold of its bytes) for `key`'s next upload.
+  void Keep(const std::string& key, std::string storage, BudgetHold hold);
+  // The spare of `key` if its capacity holds `bytes` (emptied, capacity
+  // kept; its hold released), else an empty string (a spare too small is
+  // freed).
+  std::string Take(const std::string& key, int64_t bytes);
+  // Frees every spare; true if there was one.
+  bool Clear();
+  // Bytes the spares hold.
+  int64_t bytes() const;
+
+ private:
+  struct Spare {
+    std::string key, storage;
+    BudgetHold hold;
+  };
+  mutable absl::Mutex mu_;
+  std::vector<Spare> spares_ ABSL_GUARDED_BY(mu_);  // oldest first
+};
+
 class RegisteredWeight {
  public:
   // Device copies and sums are taken from `device_budget` (none without);
   // `host_hold` is the host budget the tensors take, given back with the
-  // version.
+  // version, or with the weight's memory to `spares` (under `spare_key`),
+  // when given.
   RegisteredWeight(std::string name, int64_t version, std::string principal,
                    HostTensor weight, std::optional<HostTensor> bias,
                    std::shared_ptr<ByteBudget> device_budget = nullptr,
-                   BudgetHold host_hold = BudgetHold());
+                   BudgetHold host_hold = BudgetHold(),
+                   std::shared_ptr<SpareWeights> spares = nullptr, std::string spare_key = "");
   ~RegisteredWeight();
   RegisteredWeight(const RegisteredWeight&) = delete;
   RegisteredWeight& operator=(const RegisteredWeight&) = delete;
@@ -181,7 +213,7 @@ class RegisteredWeight {
   const std::string name_;
   const int64_t version_;
   const std::string principal_;
-  const HostTensor weight_;
+  HostTensor weight_;  // never changed; its memory moves to spares_ when destroyed
   const std::optional<HostTensor> bias_;
   mutable absl::Mutex mu_;
   std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
@@ -193,7 +225,9 @@ class RegisteredWeight {
   // grad_ += grad (or grad_ = grad when empty: no copy).
   void MergeGrad(Grad grad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const std::shared_ptr<ByteBudget> device_budget_;
-  const BudgetHold host_hold_;
+  BudgetHold host_hold_;  // moves to spares_ with the weight's memory
+  const std::shared_ptr<SpareWeights> spares_;
+  const std::string spare_key_;
   std::atomic<int64_t> device_reserved_{0};  // of device_budget_, released when destroyed
   // Takes `bytes` of the device budget (always, without one).
   bool ReserveDevice(int64_t bytes);
@@ -229,6 +263,11 @@ class WeightRegistry {
   // the host's available memory.
   absl::StatusOr<BudgetHold> Reserve(const std::string& name, int64_t bytes) const;
 
+  // Memory for an upload of `bytes` to `name`: a spare of the name's
+  // earlier versions when one is large enough (SpareWeights), else empty.
+  // Call before Reserve: the spare's bytes leave the budget.
+  std::string TakeSpare(const std::string& name, const std::string& principal, int64_t bytes);
+
   // Validates the name (INVALID_ARGUMENT) and stores the weight as the
   // name's next version. Its bytes come from `hold` (from Reserve) when it
   // holds them, else from the budget now, after the version it replaces
@@ -247,8 +286,9 @@ class WeightRegistry {
   bool Delete(const std::string& name, const std::string& principal);
   std::vector<std::shared_ptr<RegisteredWeight>> List(const std::string& principal) const;
 
-  // Host bytes of every version alive and of the uploads in progress.
-  int64_t bytes_in_use() const { return host_budget_->used(); }
+  // Host bytes of every version alive and of the uploads in progress (the
+  // spares not counted: they yield to anything that needs the room).
+  int64_t bytes_in_use() const { return host_budget_->used() - spares_->bytes(); }
   int64_t memory_budget_bytes() const { return host_budget_->limit(); }
   // Device bytes the weights hold now.
   int64_t device_bytes_in_use() const { return device_budget_->used(); }
@@ -261,6 +301,7 @@ class WeightRegistry {
   const std::shared_ptr<ByteBudget> host_budget_;
   const std::shared_ptr<ByteBudget> device_budget_;
   const std::function<int64_t()> host_available_;
+  const std::shared_ptr<SpareWeights> spares_ = std::make_shared<SpareWeights>();
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<RegisteredWeight>> latest_
       ABSL_GUARDED_BY(mu_);

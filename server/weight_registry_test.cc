@@ -69,6 +69,31 @@ TEST(WeightRegistryTest, ReservedUploadsCountUntilTheyEnd) {
   EXPECT_EQ(small.bytes_in_use(), 0);
 }
 
+// A replaced version's memory (a weight of a MiB or more) is kept for the
+// name's next upload, outside bytes_in_use, and yields to anything that
+// needs its room.
+TEST(WeightRegistryTest, ReplacedMemoryIsReusedAndYields) {
+  const int64_t bytes = int64_t{1} << 20;  // 512 × 512 fp32
+  WeightRegistry registry(3 * bytes, int64_t{1} << 30, [] { return int64_t{1} << 40; });
+  ASSERT_TRUE(registry.Put("w", "", Weight(512, 512, 1.0f), std::nullopt).ok());
+  auto v2 = registry.Put("w", "", Weight(512, 512, 2.0f), std::nullopt);  // v1 becomes a spare
+  ASSERT_TRUE(v2.ok());
+  EXPECT_EQ(registry.bytes_in_use(), bytes);
+  EXPECT_TRUE(registry.TakeSpare("w", "bob", bytes).empty());  // another principal's name
+  std::string spare = registry.TakeSpare("w", "", bytes);
+  EXPECT_GE(static_cast<int64_t>(spare.capacity()), bytes);
+  EXPECT_TRUE(spare.empty());
+  EXPECT_TRUE(registry.TakeSpare("w", "", bytes).empty());  // taken once
+  // A spare yields to another name's upload that needs its room.
+  v2 = absl::StatusOr<std::shared_ptr<RegisteredWeight>>();
+  ASSERT_TRUE(registry.Put("w", "", Weight(512, 512, 3.0f), std::nullopt).ok());  // v2 spare
+  EXPECT_EQ(registry.bytes_in_use(), bytes);
+  auto hold = registry.Reserve("x", 2 * bytes);
+  ASSERT_TRUE(hold.ok()) << hold.status();
+  EXPECT_TRUE(registry.TakeSpare("w", "", bytes).empty());
+  EXPECT_EQ(registry.bytes_in_use(), 3 * bytes);
+}
+
 TEST(WeightRegistryTest, NamesAreCheckedAndPerPrincipal) {
   WeightRegistry registry(1 << 20);
   EXPECT_THAT(registry.Put("bad name", "", Weight(1, 1, 0), std::nullopt),
