@@ -50,9 +50,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
                        ::testing::Values(Layout::kTokenChunks, Layout::kVocabularySlices)),
     [](const auto& info) {
-      return std::string(DTypeName(std::get<0>(info.param))) +
-             (std::get<1>(info.param) == Layout::kTokenChunks ? "_token_chunks"
-                                                              : "_vocabulary_slices");
+      return cuda_test::DTypeLayoutName(std::get<0>(info.param), std::get<1>(info.param));
     });
 
 // The benchmark's stage timing names every stage of a run and times each.

@@ -124,9 +124,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
                        ::testing::Values(Layout::kTokenChunks, Layout::kVocabularySlices)),
     [](const auto& info) {
-      return std::string(DTypeName(std::get<0>(info.param))) +
-             (std::get<1>(info.param) == Layout::kTokenChunks ? "_token_chunks"
-                                                              : "_vocabulary_slices");
+      return cuda_test::DTypeLayoutName(std::get<0>(info.param), std::get<1>(info.param));
     });
 
 // The sharded engine on one GPU with X and W in device memory and the

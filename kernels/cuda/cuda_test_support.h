@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_engine.h"
+#include "kernels/dtype.h"
 
 namespace flce {
 namespace cuda_test {
@@ -29,6 +30,12 @@ enum class Layout {
   kTokenChunks,      // token chunks, like Forward (slices of every row do not fit)
   kVocabularySlices  // all rows at once, vocabulary slices of 16+ columns
 };
+
+// The test name of a (dtype, layout) parameter: "bf16_token_chunks", ...
+inline std::string DTypeLayoutName(DType dtype, Layout layout) {
+  return std::string(DTypeName(dtype)) +
+         (layout == Layout::kTokenChunks ? "_token_chunks" : "_vocabulary_slices");
+}
 
 // Two engines for the whole binary, both with a small chunk budget so that
 // every case runs several token chunks (at least kCudaMinChunkRows rows each)

@@ -58,6 +58,39 @@ __device__ __forceinline__ int64_t LocalColumn(const RowParams& p, int64_t t) {
   return j >= p.col0 && j < p.col0 + p.cols ? j - p.col0 : -1;
 }
 
+// One pack of a whole row (its columns j0 … j0 + P − 1) into the row's
+// online statistics: z' = Transform in place in x, the running maximum and
+// its first index (the pack's maximum first, one rescale per pack; its
+// index only when it is a new running maximum, which is rare), the sum
+// relative to it (a NaN or +inf logit turns it into NaN, which marks the
+// row), and with label smoothing Σ w_j z'_j (the class weights of the
+// vocabulary ids first + j).
+template <bool kPlain, int P>
+__device__ __forceinline__ void AddPack(const RowParams& p, int64_t j0, float (&x)[P],
+                                        SoftmaxState& s, float& weighted_z) {
+  float m = -CUDART_INF_F;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    x[k] = Transform<kPlain>(p, x[k], j0 + k);
+    m = fmaxf(m, x[k]);
+  }
+  if (m > s.max) {
+    int k = 0;
+    while (k + 1 < P && x[k] != m) ++k;
+    s.sum *= FastExp(s.max - m);
+    s.max = m;
+    s.argmax = j0 + k;
+  }
+#pragma unroll
+  for (int k = 0; k < P; ++k) s.sum += FastExp(x[k] - s.max);
+  if (!kPlain && p.label_smoothing > 0.0f) {
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      weighted_z += (p.class_weight != nullptr ? p.class_weight[p.first + j0 + k] : 1.0f) * x[k];
+    }
+  }
+}
+
 // Writes a row's scaled gradient (zeros for an ignored row) over its
 // columns [col0, col0 + cols) at z, from its logits at src (which may be
 // z). Each element is read and written by the same thread. zt, the
@@ -123,30 +156,7 @@ __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
   bool nan = false;
   using Packs = RowPacks<T, kVec>;
   Packs::template ForEach<kWriteGrad>(z, p.vocab, [&](int64_t j0, float(&x)[Packs::P]) {
-    // The pack's maximum first (one rescale per pack); its index only when
-    // it is a new running maximum (first index on ties), which is rare.
-    float m = -CUDART_INF_F;
-#pragma unroll
-    for (int k = 0; k < Packs::P; ++k) {
-      x[k] = Transform<kPlain>(p, x[k], j0 + k);
-      m = fmaxf(m, x[k]);
-    }
-    if (m > s.max) {
-      int k = 0;
-      while (k + 1 < Packs::P && x[k] != m) ++k;
-      s.sum *= FastExp(s.max - m);
-      s.max = m;
-      s.argmax = j0 + k;
-    }
-    // A NaN or +inf logit turns the sum into NaN (below), which marks the row.
-#pragma unroll
-    for (int k = 0; k < Packs::P; ++k) s.sum += FastExp(x[k] - s.max);
-    if (!kPlain && p.label_smoothing > 0.0f) {
-#pragma unroll
-      for (int k = 0; k < Packs::P; ++k) {
-        weighted_z += (p.class_weight != nullptr ? p.class_weight[j0 + k] : 1.0f) * x[k];
-      }
-    }
+    AddPack<kPlain>(p, j0, x, s, weighted_z);
   });
   nan = isnan(s.sum);
   s = BlockCombine<true>(s, shared_state);
@@ -216,27 +226,7 @@ __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
   float weighted_z = 0.0f;
   using Packs = RowPacks<T, kVec>;
   Packs::template ForEach<false>(z, p.vocab, [&](int64_t j0, float(&x)[Packs::P]) {
-    float m = -CUDART_INF_F;
-#pragma unroll
-    for (int k = 0; k < Packs::P; ++k) {
-      x[k] = Transform<kPlain>(p, x[k], j0 + k);
-      m = fmaxf(m, x[k]);
-    }
-    if (m > s.max) {
-      int k = 0;
-      while (k + 1 < Packs::P && x[k] != m) ++k;
-      s.sum *= FastExp(s.max - m);
-      s.max = m;
-      s.argmax = j0 + k;
-    }
-#pragma unroll
-    for (int k = 0; k < Packs::P; ++k) s.sum += FastExp(x[k] - s.max);
-    if (smoothing) {
-#pragma unroll
-      for (int k = 0; k < Packs::P; ++k) {
-        weighted_z += (p.class_weight != nullptr ? p.class_weight[p.first + j0 + k] : 1.0f) * x[k];
-      }
-    }
+    AddPack<kPlain>(p, j0, x, s, weighted_z);
   });
   // A NaN z' (or +inf, whose exp(inf − inf) is NaN) makes the row's sum NaN.
   const bool nan = BlockAny(isnan(s.sum));
