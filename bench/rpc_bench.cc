@@ -96,6 +96,7 @@ int Transfers(const std::string& address) {
       auto client = LossClient::Create(address, options);
       const std::string name = absl::StrCat("transfer_", mib, "_", connections > 0 ? transport : "one", connections);
       std::vector<double> put_ms, take_ms;
+      std::string grad_memory(w.data.size(), '\0');
       for (int i = 0; i < 1 + absl::GetFlag(FLAGS_iters); ++i) {
         const absl::Time start = absl::Now();
         auto info = client->PutWeight(name, w.view(), std::nullopt);
@@ -115,8 +116,10 @@ int Transfers(const std::string& address) {
         b.session_id = fwd->session_id;
         b.accumulate_weight_grad = true;
         if (!client->Backward(b).ok()) return 1;
+        // Into memory kept from take to take (a training loop's .grad).
         const absl::Time take_start = absl::Now();
-        auto grad = client->TakeWeightGrad(name);
+        auto grad = client->TakeWeightGrad(name, 0, DType::kFloat32,
+                                           LossClient::TakeInto{&grad_memory[0], nullptr});
         const double take = absl::ToDoubleMilliseconds(absl::Now() - take_start);
         if (!grad.ok()) {
           std::fprintf(stderr, "TakeWeightGrad: %s\n", grad.status().ToString().c_str());

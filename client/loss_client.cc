@@ -518,7 +518,10 @@ absl::StatusOr<std::vector<v1::WeightInfo>> LossClient::ListWeights() {
 }
 
 absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, int64_t version,
-                                                      DType dtype) {
+                                                      DType dtype, std::optional<TakeInto> into) {
+  if (into && into->weight == nullptr) {
+    return absl::InvalidArgumentError("into: needs the weight's memory (into.weight)");
+  }
   v1::TakeWeightGradRequest request;
   request.mutable_weight()->set_name(name);
   request.mutable_weight()->set_version(version);
@@ -556,16 +559,33 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
   const int64_t v = status.ok() ? out.weight.shape(0) : 0;
   const int64_t h = status.ok() ? out.weight.shape(1) : 0;
   const int64_t elem = DTypeSize(got);
+  const bool has_bias = out.weight.has_bias();
+  if (status.ok() && into && has_bias && into->bias == nullptr) {
+    // The take stays with the server: the next one asks for it again.
+    status = absl::InvalidArgumentError("into: the weight has a bias; into.bias is needed");
+  }
+  // The results' memory: the caller's, or new tensors.
+  char* weight_to = nullptr;
+  char* bias_to = nullptr;
+  if (status.ok()) {
+    auto destination = [&](std::vector<int64_t> shape, void* caller, HostTensor& tensor) {
+      if (caller != nullptr) {
+        tensor.dtype = got;
+        tensor.shape = std::move(shape);
+        return static_cast<char*>(caller);
+      }
+      tensor = HostTensor(got, std::move(shape));
+      return &tensor.data[0];
+    };
+    weight_to = destination({v, h}, into ? into->weight : nullptr, out.grad_weight);
+    if (has_bias) bias_to = destination({v}, into ? into->bias : nullptr, out.grad_bias.emplace());
+  }
   if (status.ok() && bulk != nullptr) {
     // Straight from the region into the results.
-    out.grad_weight = HostTensor(got, {v, h});
-    status = bulk->Read(region, 0, &out.grad_weight.data[0], v * h * elem);
-    if (status.ok() && out.weight.has_bias()) {
-      out.grad_bias = HostTensor(got, {v});
-      status = bulk->Read(region, v * h * elem, &out.grad_bias->data[0], v * elem);
-    }
+    status = bulk->Read(region, 0, weight_to, v * h * elem);
+    if (status.ok() && has_bias) status = bulk->Read(region, v * h * elem, bias_to, v * elem);
   }
-  const int64_t expected = bulk != nullptr ? 0 : (v * h + (out.weight.has_bias() ? v : 0)) * elem;
+  const int64_t expected = bulk != nullptr ? 0 : (v * h + (has_bias ? v : 0)) * elem;
   if (status.ok() && static_cast<int64_t>(bytes.size()) != expected) {
     status = absl::DataLossError(absl::StrCat("TakeWeightGrad: received ", bytes.size(),
                                               " bytes, expected ", expected));
@@ -581,13 +601,8 @@ absl::StatusOr<WeightGrad> LossClient::TakeWeightGrad(const std::string& name, i
   }
   FLCE_RETURN_IF_ERROR(status);
   if (bulk != nullptr) return out;
-  out.grad_weight = HostTensor(got, {v, h});
-  std::memcpy(&out.grad_weight.data[0], bytes.data(), static_cast<size_t>(v * h * elem));
-  if (out.weight.has_bias()) {
-    out.grad_bias = HostTensor(got, {v});
-    std::memcpy(&out.grad_bias->data[0], bytes.data() + v * h * elem,
-                static_cast<size_t>(v * elem));
-  }
+  std::memcpy(weight_to, bytes.data(), static_cast<size_t>(v * h * elem));
+  if (has_bias) std::memcpy(bias_to, bytes.data() + v * h * elem, static_cast<size_t>(v * elem));
   return out;
 }
 

@@ -192,8 +192,18 @@ class LossClient {
   // keeps the take until the next TakeWeightGrad of the version: if this
   // one did not arrive whole, this client's next one gets it again. A large
   // one comes over the bulk connections when this client put the weight.
+  // With `into`, the bytes go into the caller's memory (W's gradient at
+  // into->weight, [V, H] in `dtype`; b's at into->bias when the weight has
+  // a bias), as PyTorch's `out=`: memory already touched takes them at the
+  // bus's rate, where new tensors fault in fresh pages. The returned
+  // tensors then have dtype and shape but no bytes.
+  struct TakeInto {
+    void* weight = nullptr;
+    void* bias = nullptr;
+  };
   absl::StatusOr<WeightGrad> TakeWeightGrad(const std::string& name, int64_t version = 0,
-                                            DType dtype = DType::kFloat32);
+                                            DType dtype = DType::kFloat32,
+                                            std::optional<TakeInto> into = std::nullopt);
   // grpc.health.v1 status of `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
       const std::string& service = "");

@@ -389,6 +389,21 @@ TEST_F(RegionTest, TheCppClientMovesLargeWeightsOverSeveralConnections) {
     EXPECT_EQ(counted("BulkRead", gets, bulk && http ? 4 : 0), bulk && http ? 4 : 0);
     EXPECT_EQ(counted("WriteRegion", writes, bulk && !http ? 4 : 0), bulk && !http ? 4 : 0);
     EXPECT_EQ(counted("ReadRegion", reads, bulk && !http ? 4 : 0), bulk && !http ? 4 : 0);
+    // The same gradient again, into the caller's memory (`into`).
+    fwd = client->Forward(args);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    back.session_id = fwd->session_id;
+    ASSERT_TRUE(client->Backward(back).ok());
+    std::string dw(grads.back().grad_weight.data.size(), '\0'), db(v * 4, '\0');
+    auto into = client->TakeWeightGrad(name, 0, DType::kFloat32,
+                                       LossClient::TakeInto{dw.data(), db.data()});
+    ASSERT_TRUE(into.ok()) << into.status();
+    EXPECT_TRUE(into->grad_weight.data.empty());
+    EXPECT_EQ(into->grad_weight.shape, grads.back().grad_weight.shape);
+    EXPECT_EQ(dw, grads.back().grad_weight.data);
+    EXPECT_EQ(db, grads.back().grad_bias->data);
+    EXPECT_THAT(client->TakeWeightGrad(name, 0, DType::kFloat32, LossClient::TakeInto{}).status(),
+                StatusIs(Code::kInvalidArgument, HasSubstr("into.weight")));
   }
   for (int i : {1, 2}) {
     EXPECT_EQ(grads[0].grad_weight.data, grads[i].grad_weight.data);
