@@ -359,8 +359,8 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
   Unadmit(principal, 0);
   if (memory == nullptr) {
     return absl::FailedPreconditionError(
-        "cuda_ipc_handle: this server's backend cannot read GPU memory; run the server with "
-        "--backend=cuda");
+        "cuda_ipc_handle: this server's engine offers no GPU memory (the cpu backend, or "
+        "several --cuda_devices); CUDA IPC needs --backend=cuda on one device");
   }
   absl::StatusOr<std::unique_ptr<DeviceBlock>> imported = memory->ImportCudaIpc(handle);
   if (!imported.ok()) return imported.status();
@@ -394,8 +394,8 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpcEvent(
   }
   if (memory == nullptr) {
     return absl::FailedPreconditionError(
-        "cuda_ipc_event_handle: this server's backend has no GPU; run the server with "
-        "--backend=cuda");
+        "cuda_ipc_event_handle: this server's engine offers no GPU memory (the cpu backend, "
+        "or several --cuda_devices); CUDA IPC needs --backend=cuda on one device");
   }
   // Counted among the regions like any other.
   if (absl::Status admitted = Admit(principal, 0); !admitted.ok()) return admitted;

@@ -19,7 +19,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "client/loss_client.h"
 #include "gmock/gmock.h"
@@ -62,6 +64,18 @@ ServerOptions TestOptions() {
   // problem in that many vocabulary shards (--vocab_shards).
   if (const char* shards = std::getenv("FLCE_TEST_VOCAB_SHARDS")) {
     o.engine.vocab_shards = std::atoi(shards);
+  }
+  // FLCE_TEST_CUDA_DEVICES ("0,0", "0,1"): the suite on a server over an
+  // engine per listed device (--cuda_devices), FLCE_TEST_CUDA_DEVICES_MODE
+  // sharding or spreading.
+  if (const char* devices = std::getenv("FLCE_TEST_CUDA_DEVICES")) {
+    for (absl::string_view d : absl::StrSplit(devices, ',')) {
+      int ordinal = 0;
+      if (absl::SimpleAtoi(d, &ordinal)) o.engine.cuda_devices.push_back(ordinal);
+    }
+  }
+  if (const char* mode = std::getenv("FLCE_TEST_CUDA_DEVICES_MODE")) {
+    o.engine.cuda_devices_mode = mode;
   }
   o.workers = 2;
   o.reap_interval = absl::Milliseconds(50);
@@ -608,11 +622,12 @@ TEST_F(ServerTest, AccumulatingMicroBatchesEqualsOneConcatenatedBatch) {
       auto acc = SmallChunkClient(address_)->TakeWeightGrad(name);
       ASSERT_TRUE(acc.ok()) << acc.status();
       EXPECT_EQ(acc->accumulated_backwards, 3);
-      // The CUDA server keeps W and the sum on the GPU; the CPU one cannot.
+      // A server whose engine offers device memory (CUDA on one device)
+      // keeps W and the sum on the GPU; the others cannot.
       grpc::ClientContext context;
       v1::GetStatsResponse stats;
       ASSERT_TRUE(stub_->GetStats(&context, v1::GetStatsRequest(), &stats).ok());
-      if (Backend() == "cuda") {
+      if (server_->engine().device_memory() != nullptr) {
         EXPECT_GT(stats.weight_device_memory_bytes(), 0);
       } else {
         EXPECT_EQ(stats.weight_device_memory_bytes(), 0);
@@ -1150,9 +1165,10 @@ TEST_F(ServerTest, CudaIpcRegistrationErrorsHaveTheirCodes) {
               StatusIs(Code::kInvalidArgument, HasSubstr("cuda_ipc_event_handle: expected 64")));
   EXPECT_THAT(register_event(std::string(64, '\0'), 8),
               StatusIs(Code::kInvalidArgument, HasSubstr("an event region has none")));
-  // A handle no process exported: the CPU backend cannot map GPU memory at
-  // all; the CUDA backend fails to open it and keeps serving.
-  if (Backend() == "cpu") {
+  // A handle no process exported: an engine without device memory (the
+  // CPU backend, several devices) cannot map GPU memory at all; the CUDA
+  // engine on one device fails to open it and keeps serving.
+  if (server_->engine().device_memory() == nullptr) {
     EXPECT_THAT(register_handle(std::string(64, '\0'), 0),
                 StatusIs(Code::kFailedPrecondition, HasSubstr("--backend=cuda")));
     EXPECT_THAT(register_event(std::string(64, '\0'), 0),

@@ -62,6 +62,15 @@ if [ -z "$ARGS" ] || want tests; then
     --gtest_output="xml:$OUT/server_integration_sharded_gpu_test.xml" \
     > "$OUT/server_integration_sharded_gpu_test.log" 2>&1 || status=1
   tail -3 "$OUT/server_integration_sharded_gpu_test.log"
+  # And on servers over two engines sharing the GPU (--cuda_devices=0,0):
+  # every problem sharded over them, then requests spread over them.
+  for mode in shard spread; do
+    REQUIRE_GPU=1 FLCE_TEST_BACKEND=cuda FLCE_TEST_CUDA_DEVICES=0,0 FLCE_TEST_CUDA_DEVICES_MODE=$mode \
+      "$bin/server_integration_gpu_test" --gtest_filter='-ServerTimingTest.*' \
+      --gtest_output="xml:$OUT/server_integration_two_engines_${mode}_gpu_test.xml" \
+      > "$OUT/server_integration_two_engines_${mode}_gpu_test.log" 2>&1 || status=1
+    tail -3 "$OUT/server_integration_two_engines_${mode}_gpu_test.log"
+  done
   REQUIRE_GPU=1 "$bin/sticky_error_gpu_test" --gtest_output="xml:$OUT/sticky_error_gpu_test.xml" \
     > "$OUT/sticky_error_gpu_test.log" 2>&1 || status=1
   tail -3 "$OUT/sticky_error_gpu_test.log"
