@@ -10,6 +10,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -498,7 +499,8 @@ TEST_F(ServerTest, InfoAndHealth) {
   EXPECT_EQ(info->backend(), Backend());
   EXPECT_FALSE(info->version().empty());
   EXPECT_EQ(info->limits().max_sessions(), 1024);
-  EXPECT_EQ(info->devices_size(), 1);
+  // One device, or one per engine of a --cuda_devices server.
+  EXPECT_EQ(info->devices_size(), std::max<size_t>(1, TestOptions().engine.cuda_devices.size()));
   auto health = client_->CheckHealth("flce.v1.LossService");
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
@@ -1103,7 +1105,10 @@ TEST_F(ServerTest, NonFiniteLogitsAreServedAndCountedAsForwardReruns) {
   ASSERT_TRUE(client_->Backward(back).ok());
   // Only the CUDA engine's unsharded STORE_GRADS has one-pass rows to rerun
   // (a shard's Forward makes statistics in one pass that never reruns).
-  const int64_t reruns = Backend() == "cuda" && std::getenv("FLCE_TEST_VOCAB_SHARDS") == nullptr;
+  const EngineOptions engine = TestOptions().engine;
+  const bool sharded = engine.vocab_shards > 1 ||
+                       (engine.cuda_devices.size() > 1 && engine.cuda_devices_mode == "shard");
+  const int64_t reruns = Backend() == "cuda" && !sharded;
   grpc::ClientContext context;
   v1::GetStatsResponse stats;
   ASSERT_TRUE(stub_->GetStats(&context, v1::GetStatsRequest(), &stats).ok());
@@ -1430,6 +1435,7 @@ TEST(ServerStartTest, BadOptionsAndMissingBackends) {
   auto cpu_options = [] {
     ServerOptions o = TestOptions();
     o.backend = "cpu";
+    o.engine.cuda_devices.clear();
     return o;
   };
   ServerOptions o = cpu_options();
