@@ -140,14 +140,7 @@ TEST(CudaShardSemanticsTest, ShardedEngineWritesDeviceDestinations) {
   spec.bias = true;
   spec.options.label_smoothing = 0.1f;
   const OwnedProblem p = MakeRandomProblem(spec);
-  DeviceBytes x(p.hidden.data.size()), w(p.weight.data.size());
-  ASSERT_EQ(cudaMemcpy(x.data, p.hidden.data.data(), x.size, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(w.data, p.weight.data.data(), w.size, cudaMemcpyHostToDevice), cudaSuccess);
-  LossProblem on_device = p.view();
-  on_device.hidden.data = x.data;
-  on_device.hidden.space = MemorySpace::kCuda;
-  on_device.weight.data = w.data;
-  on_device.weight.space = MemorySpace::kCuda;
+  const cuda_test::ProblemOnDevice on_device(p);
   for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
     SCOPED_TRACE(BackwardModeName(mode));
     ForwardSpec fs;
@@ -155,7 +148,7 @@ TEST(CudaShardSemanticsTest, ShardedEngineWritesDeviceDestinations) {
     fs.mode = mode;
     auto host_fwd = sharded.Forward(p.view(), fs, nullptr);
     ASSERT_TRUE(host_fwd.ok()) << host_fwd.status();
-    auto fwd = sharded.Forward(on_device, fs, nullptr);
+    auto fwd = sharded.Forward(on_device.view, fs, nullptr);
     ASSERT_TRUE(fwd.ok()) << fwd.status();
     EXPECT_EQ(fwd->loss.data, host_fwd->loss.data);
     auto want = sharded.Backward(*host_fwd->saved, {}, nullptr);

@@ -79,6 +79,24 @@ struct DeviceBytes {
   size_t size;
 };
 
+// `p` with X and W copied into device memory this owns (the problem a
+// same-host worker's tensors make).
+struct ProblemOnDevice {
+  explicit ProblemOnDevice(const OwnedProblem& p)
+      : x(p.hidden.data.size()), w(p.weight.data.size()), view(p.view()) {
+    EXPECT_EQ(cudaMemcpy(x.data, p.hidden.data.data(), x.size, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(w.data, p.weight.data.data(), w.size, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    view.hidden.data = x.data;
+    view.hidden.space = MemorySpace::kCuda;
+    view.weight.data = w.data;
+    view.weight.space = MemorySpace::kCuda;
+  }
+  DeviceBytes x, w;
+  LossProblem view;
+};
+
 }  // namespace cuda_test
 }  // namespace flce
 

@@ -205,14 +205,8 @@ TEST(CudaEngineSemanticsTest, DeviceResidentInputsAreReadInPlace) {
   spec.bias = true;
   const OwnedProblem p = MakeRandomProblem(spec);
   const int64_t x_bytes = p.hidden.data.size(), w_bytes = p.weight.data.size();
-  DeviceBytes x(x_bytes), w(w_bytes);
-  ASSERT_EQ(cudaMemcpy(x.data, p.hidden.data.data(), x_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(w.data, p.weight.data.data(), w_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  LossProblem on_device = p.view();
-  on_device.hidden.data = x.data;
-  on_device.hidden.space = MemorySpace::kCuda;
-  on_device.weight.data = w.data;
-  on_device.weight.space = MemorySpace::kCuda;
+  cuda_test::ProblemOnDevice device_copy(p);
+  LossProblem& on_device = device_copy.view;
   for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
     SCOPED_TRACE(BackwardModeName(mode));
     ForwardSpec fs;
