@@ -18,7 +18,7 @@ class ShardedState : public SavedState {
  public:
   std::vector<std::unique_ptr<SavedState>> parts;
   HostTensor lse;  // fp32 [N], the combined one
-  std::vector<int64_t> firsts, sizes;
+  std::vector<int64_t> firsts;  // each shard's first vocabulary id
   int64_t n = 0, h = 0, v = 0;
   DType dtype = DType::kFloat32;
   bool has_bias = false;
@@ -129,11 +129,7 @@ absl::StatusOr<ForwardResult> ShardedEngine::Forward(const LossProblem& problem,
   std::vector<ForwardResult> parts(count);
   std::vector<const ShardStats*> stats;
   auto state = std::make_unique<ShardedState>();
-  for (int k = 0; k < count; ++k) {
-    const LossProblem part = Shard(problem, k);
-    state->firsts.push_back(part.shard->first);
-    state->sizes.push_back(part.vocab());
-  }
+  for (int k = 0; k < count; ++k) state->firsts.push_back(Shard(problem, k).shard->first);
   // Shards of different engines at once (a thread each), each engine's in turn.
   FLCE_RETURN_IF_ERROR(ForEachEngine(count, [&](int k) -> absl::Status {
     FLCE_ASSIGN_OR_RETURN(parts[k], EngineOf(k).Forward(Shard(problem, k), part_spec, cancelled));
