@@ -404,6 +404,9 @@ TEST_F(RegionTest, TheCppClientMovesLargeWeightsOverSeveralConnections) {
     EXPECT_EQ(db, grads.back().grad_bias->data);
     EXPECT_THAT(client->TakeWeightGrad(name, 0, DType::kFloat32, LossClient::TakeInto{}).status(),
                 StatusIs(Code::kInvalidArgument, HasSubstr("into.weight")));
+    // That take's reads, counted before the next configuration's baseline.
+    EXPECT_EQ(counted("BulkRead", gets, bulk && http ? 8 : 0), bulk && http ? 8 : 0);
+    EXPECT_EQ(counted("ReadRegion", reads, bulk && !http ? 8 : 0), bulk && !http ? 8 : 0);
   }
   for (int i : {1, 2}) {
     EXPECT_EQ(grads[0].grad_weight.data, grads[i].grad_weight.data);
