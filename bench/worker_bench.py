@@ -22,7 +22,8 @@ tensors.
 
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
-  [--iters 10] [--warmup 3] [--json PATH] [--breakdown] [--phases] [--pieces 4]
+  [--iters 10] [--warmup 3] [--json PATH] [--breakdown] [--phases] [--timeline]
+  [--profile K] [--pieces 4]
 Needs PyTorch, the flce package and server_process.py on PYTHONPATH.
 """
 
@@ -203,6 +204,125 @@ class Phases:
         self.steps = []
 
 
+class Timeline:
+    """When, within each step, the worker and the server reached each point
+    of the call, on the host's one monotonic clock (same host): the
+    worker's functions entered and left (wrapped in place, the first call
+    of each per step), its stream's progress (CUDA events recorded after
+    the forward and after the backward, placed on the host's clock from an
+    event recorded at the step's start), and the server's stamps of its
+    Forward and Backward (its DEBUG timeline lines). Medians over the steps,
+    ms from the step's start."""
+
+    TARGETS = (  # (module, attribute, short name)
+        ("flce.client", "Client.forward", "client.forward"),
+        ("flce.call_channel", "CallChannel.submit", "channel.submit"),
+        ("flce.call_channel", "CallChannel.accepted", "channel.accepted"),
+        ("flce.cuda_ipc", "CudaIpcRegistry.wait_fence", "wait_fence"),
+        ("flce.call_channel", "CallChannel.finish", "channel.finish"),
+        ("flce.torch_loss", "_RemoteFunction.backward", "function.backward"),
+        ("flce.torch_loss", "RemoteLinearCrossEntropy.forward", "module.forward"),
+        ("torch", "Tensor.backward", "loss.backward"),
+        ("torch", "Tensor.cpu", "tensor.cpu"),
+        ("torch", "full", "torch.full"),
+    )
+
+    def __init__(self):
+        import importlib
+
+        self.step = None
+        self.steps = []
+        for module, attribute, name in self.TARGETS:
+            holder = importlib.import_module(module)
+            *path, last = attribute.split(".")
+            for part in path:
+                holder = getattr(holder, part)
+            static = isinstance(vars(holder).get(last), staticmethod)
+            setattr(holder, last, self._timed(getattr(holder, last), name, static))
+
+    def _timed(self, original, name, static):
+        timeline = self
+
+        def timed(*args, **kwargs):
+            step = timeline.step
+            if step is None or name + " in" in step:
+                return original(*args, **kwargs)
+            step[name + " in"] = time.monotonic()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                step[name + " out"] = time.monotonic()
+                if name in ("module.forward", "loss.backward") and "gpu start" in step:
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record()
+                    step["gpu after " + name] = event
+        return staticmethod(timed) if static else timed
+
+    def wrap(self, step):
+        def run(h, w, t):
+            self.step = {}
+            if h.is_cuda:
+                self.step["gpu start"] = torch.cuda.Event(enable_timing=True)
+                self.step["gpu start"].record()
+            self.step["start"] = time.monotonic()
+            try:
+                return step(h, w, t)
+            finally:
+                self.step["end"] = time.monotonic()
+                self.steps.append(self.step)
+                self.step = None
+        return run
+
+    def print(self, shape, transport, skip, server):
+        """Prints the medians; `server`'s log gives its stamps."""
+        if any("gpu start" in step for step in self.steps):
+            torch.cuda.synchronize()
+        lines = re.findall(r"rpc=(\w+) timeline start_mono_us=(\d+)((?: \w+=\+\d+)*)",
+                           server.read_log())
+        calls = []
+        for rpc, start_us, marks in lines:
+            start = int(start_us) / 1e6
+            stamps = {"start": start}
+            for stage, offset in re.findall(r"(\w+)=\+(\d+)", marks):
+                stamps[stage] = start + int(offset) / 1e6
+            calls.append((rpc, start, stamps))
+        points = {}
+        for step in self.steps[skip:]:
+            t0 = step["start"]
+            for key, value in step.items():
+                if key == "start" or key == "gpu start":
+                    continue
+                if isinstance(value, torch.cuda.Event):
+                    value = t0 + step["gpu start"].elapsed_time(value) / 1e3
+                points.setdefault("worker " + key, []).append((value - t0) * 1e3)
+            for rpc, start, stamps in calls:
+                if t0 <= start <= step["end"]:
+                    for stage, at in stamps.items():
+                        points.setdefault(f"server {rpc} {stage}", []).append((at - t0) * 1e3)
+        rows = sorted((statistics.median(v), k) for k, v in points.items())
+        print(f"  {shape} {transport} timeline (ms from the step's start, medians of "
+              f"{len(self.steps) - skip} steps):", flush=True)
+        for at, key in rows:
+            print(f"    {at:8.3f}  {key}", flush=True)
+        self.steps = []
+
+
+def profiled(step, profiler, skip):
+    """`step` with `profiler` on for each call after the first `skip`."""
+    calls = [0]
+
+    def run(h, w, t):
+        calls[0] += 1
+        if calls[0] <= skip:
+            return step(h, w, t)
+        profiler.enable()
+        try:
+            return step(h, w, t)
+        finally:
+            profiler.disable()
+    return run
+
+
 def server_ms(server, rpc, count):
     """The server's own time (receipt to answer, its access log) of the last
     `count` calls of `rpc`."""
@@ -243,13 +363,21 @@ def main(argv):
     parser.add_argument("--phases", action="store_true",
                         help="also print the time each step spends in the worker path's "
                              "functions (wrapped in place)")
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="also profile the timed steps of each transport (cProfile) and "
+                             "print the K functions with the most time of their own")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also print when, within a step, the worker and the server "
+                             "reached each point of the call (the server logs at DEBUG level)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     transports = [t for t in args.transports.split(",") if t]
     phases = Phases() if args.phases else None
+    timeline = Timeline() if args.timeline else None
     server = ServerProcess(args.server_binary, f"--backend={args.backend}",
-                           "--enable_shared_memory", f"--max_message_bytes={1 << 30}")
+                           "--enable_shared_memory", f"--max_message_bytes={1 << 30}",
+                           *(("--log_level=debug",) if args.timeline else ()))
     rows = []
     try:
         client = flce.Client(server.address, max_message_bytes=1 << 30)
@@ -286,6 +414,14 @@ def main(argv):
                 step = flce_step(module)
                 if phases is not None:
                     step = phases.wrap(step)
+                if timeline is not None:
+                    step = timeline.wrap(step)
+                profiler = None
+                if args.profile:
+                    import cProfile
+
+                    profiler = cProfile.Profile()
+                    step = profiled(step, profiler, args.warmup)
                 try:
                     times, extra, engine = time_steps(step, hidden, weight, target,
                                                       args.warmup, args.iters)
@@ -295,6 +431,18 @@ def main(argv):
                     module.close()
                 if phases is not None:
                     phases.print(shape, transport, args.warmup)
+                if timeline is not None:
+                    timeline.print(shape, transport, args.warmup, server)
+                if profiler is not None:
+                    import io
+                    import pstats
+
+                    text = io.StringIO()
+                    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(
+                        args.profile)
+                    print(f"  {shape} {transport} profile of {args.iters} steps:\n"
+                          + "\n".join("    " + line for line in text.getvalue().splitlines()
+                                       if line.strip()), flush=True)
                 worker_ms = statistics.median(times)
                 engine_ms = statistics.median(s["engine"] for s in engine)
                 row = {"shape": shape, "dtype": args.dtype, "transport": transport,

@@ -209,6 +209,7 @@ class CallChannel::ChannelCall : public Call {
     const absl::Status answered = GuardMemory(
         [&] { return channel_->Answer(seq_, status, status.ok() ? response() : nullptr, &sent); },
         record_.rpc());
+    record_.Stamp("answered");
     record_.AddBytes(0, sent);
     record_.SetAnswer(answered);
     record_.Over(nullptr);  // delivered: answered OK into the region
@@ -326,7 +327,10 @@ void CallChannel::Take(uint32_t seq) {
         "call channel: its region was shrunk by its owner; the channel is closed"));
     return;
   }
-  if (call->Parse(bytes)) call->Serve();
+  if (call->Parse(bytes)) {
+    call->record().Stamp("parsed");
+    call->Serve();
+  }
 }
 
 void CallChannel::Loop() {

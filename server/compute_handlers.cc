@@ -108,7 +108,10 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
                                              v1::ForwardResponse* response, absl::Time queued) {
   const absl::Time engine_start = absl::Now();
   absl::StatusOr<ForwardOutcome> outcome =
-      core_->Forward(forward, principal, CancelFor(call), [call] { call->Started(); });
+      core_->Forward(forward, principal, CancelFor(call), [call] {
+        call->record().Stamp("accepted");
+        call->Started();
+      });
   metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
   metrics_->RecordEngine(call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),
                          outcome.ok() ? forward.problem.rows() : 0);
@@ -119,6 +122,7 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
       if (!delivered) core_->Release(id, principal);
     });
   }
+  call->record().Stamp("forward");
   if (eager != nullptr) {
     // The gradients now, into the caller's memory; the session stays for
     // a Backward that needs another grad_output.
@@ -142,10 +146,14 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
       EncodeGradient(std::move(*grads->grad_bias), true, slices.grad_bias_out(),
                      back->mutable_grad_bias());
     }
+    call->record().Stamp("backward");
   }
   FLCE_RETURN_IF_ERROR(CheckAlive(*call, "while computing"));
   ForwardResult& r = outcome->result;
-  if (forward.loss_out) FLCE_RETURN_IF_ERROR(WriteLoss(r.loss, *forward.loss_out));
+  if (forward.loss_out) {
+    FLCE_RETURN_IF_ERROR(WriteLoss(r.loss, *forward.loss_out));
+    call->record().Stamp("loss");
+  }
   if (r.shard_stats) {
     v1::ShardStats* stats = response->mutable_shard_stats();
     MoveToProto(std::move(r.shard_stats->max), stats->mutable_max());
@@ -191,6 +199,7 @@ void LossServiceImpl::StartForward(Call* call, const std::string& principal,
     call->Reply(decoded.status());
     return;
   }
+  call->record().Stamp("decoded");
   call->record().SetDetail(ProblemDetail(decoded->problem));
   // Refused before any compute rather than computed and then undeliverable.
   const int64_t response_bytes = ForwardResponseBytes(*decoded);
@@ -244,6 +253,7 @@ void LossServiceImpl::StartBackward(Call* call, const std::string& principal,
     done(decoded.status());
     return;
   }
+  call->record().Stamp("decoded");
   decoded->max_response_bytes = max_response_bytes;
   call->record().SetDetail(SessionDetail(decoded->session_id));
   // The session is consumed only once the gradients reached the client.
@@ -255,6 +265,7 @@ void LossServiceImpl::StartBackward(Call* call, const std::string& principal,
         const absl::Time engine_start = absl::Now();
         absl::StatusOr<BackwardOutcome> grads =
             core_->Backward(*backward, principal, CancelFor(call));
+        call->record().Stamp("computed");
         metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
         metrics_->RecordEngine(
             call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),

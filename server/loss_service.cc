@@ -82,6 +82,7 @@ void LossServiceImpl::Run(Call* call, std::function<absl::Status(absl::Time)> wo
   const absl::Time queued = absl::Now();
   const char* rpc = call->record().rpc();
   auto task = [=]() {
+    call->record().Stamp("running");
     absl::Status status = CheckAlive(*call, "while queued");
     if (status.ok()) status = GuardMemory([&] { return work(queued); }, rpc);
     done(status);

@@ -1,5 +1,7 @@
 #include "server/rpc_call.h"
 
+#include <time.h>
+
 #include <chrono>
 #include <limits>
 
@@ -69,6 +71,12 @@ absl::Status SerializeMessage(const google::protobuf::Message& message, int64_t 
   return FromGrpcStatus(status);
 }
 
+int64_t CallRecord::MonotonicNanos() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
 absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
   const std::chrono::system_clock::time_point deadline = context->deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
@@ -100,6 +108,15 @@ absl::StatusCode CallRecord::Over(const grpc::CallbackServerContext* context) {
   SPDLOG_INFO("rpc={} {}{}{}code={} ms={:.1f}{}", rpc_,
               via_ != nullptr ? absl::StrCat("via=", via_, " ") : std::string(), detail_, note,
               absl::StatusCodeToString(code), ms, error);
+  if (stamps_ > 0 && spdlog::should_log(spdlog::level::debug)) {
+    std::string marks;
+    for (int i = 0; i < stamps_; ++i) {
+      absl::StrAppendFormat(&marks, " %s=+%d", marks_[i].stage,
+                            (marks_[i].ns - start_mono_ns_) / 1000);
+    }
+    spdlog::debug("rpc={} timeline start_mono_us={}{} over=+{}", rpc_, start_mono_ns_ / 1000, marks,
+                  (MonotonicNanos() - start_mono_ns_) / 1000);
+  }
   if (metrics_ != nullptr) {
     metrics_->RecordRpc(rpc_, code, ms / 1e3);
     metrics_->AddBytes(rpc_, received_, sent_);

@@ -10,7 +10,7 @@
 # BENCH_SHAPES, GEMM_CHUNK_ROWS, GEMM_ALGOS and GEMM_FLAGS (more gemm_algos
 # flags, e.g. --full=false); rpc reads RPC_SHAPE and RPC_FLAGS (e.g.
 # "--transfer_mib=64,1024 --connections=0,1,2,4,8"); worker
-# (bench/worker_bench.py) reads WORKER_TRANSPORTS and WORKER_FLAGS; bulk
+# (bench/worker_bench.py) reads WORKER_TRANSPORTS, WORKER_FLAGS and WORKER_MPS; bulk
 # (bench/bulk_bench.py) reads BULK_FLAGS.
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
@@ -185,11 +185,18 @@ if want rpc && [ -n "$ARGS" ]; then
     --iters=10 ${rpc_flags[@]+"${rpc_flags[@]}"} 2>&1 | tee "$OUT/rpc_bench.txt" || status=1
 fi
 if want worker && [ -n "$ARGS" ]; then
-  echo "== worker_bench --transports=${WORKER_TRANSPORTS:-cuda_ipc}"
   read -r -a worker_flags <<< "${WORKER_FLAGS:-}"
-  python3 /tmp/flce/python/worker_bench.py "$bin/flce_server" \
-    --transports="${WORKER_TRANSPORTS:-cuda_ipc}" --json="$OUT/worker_bench.json" \
-    ${worker_flags[@]+"${worker_flags[@]}"} 2>&1 | tee "$OUT/worker_bench.txt" || status=1
+  # WORKER_MPS=1: once more with the worker and the server as clients of
+  # one MPS daemon (the GPU then runs both without switching contexts).
+  for mps in "" ${WORKER_MPS:+mps}; do
+    echo "== worker_bench --transports=${WORKER_TRANSPORTS:-cuda_ipc}${mps:+ under MPS}"
+    [ -n "$mps" ] && nvidia-cuda-mps-control -d
+    python3 /tmp/flce/python/worker_bench.py "$bin/flce_server" \
+      --transports="${WORKER_TRANSPORTS:-cuda_ipc}" --json="$OUT/worker_bench${mps:+_mps}.json" \
+      ${worker_flags[@]+"${worker_flags[@]}"} 2>&1 | tee "$OUT/worker_bench${mps:+_mps}.txt" \
+      || status=1
+    [ -n "$mps" ] && { echo quit | nvidia-cuda-mps-control; }
+  done
 fi
 if want latency && [ -n "$ARGS" ]; then
   echo "== same_host_latency ${LATENCY_FLAGS:-}"
