@@ -62,17 +62,6 @@ class DeviceMemory {
   // host memory, after all of the engine's work queued before the call.
   virtual absl::Status CopyToHost(const void* device, void* host, int64_t bytes) = 0;
 
-  // Copies `bytes` of device memory (an ImportCudaIpc block) to host memory
-  // once `ready` (an ImportCudaIpcEvent event, or null) has completed, in
-  // stream order (no device-wide synchronisation: the engine's work goes
-  // on); complete when it returns. For the small tensors a same-host
-  // client leaves in its GPU memory that the server validates on the host
-  // (targets, class weights). UNIMPLEMENTED where there is no device.
-  virtual absl::Status CopyToHostAfter(const DeviceEvent* ready, const void* device, void* host,
-                                       int64_t bytes) {
-    return absl::UnimplementedError("device memory: no stream-ordered copies on this engine");
-  }
-
   // Copies `bytes` of host memory into an Allocate block, complete when it
   // returns.
   virtual absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) = 0;

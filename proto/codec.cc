@@ -170,8 +170,7 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& tensor, const std::string& f
     if (memory->space != MemorySpace::kHost && !allow_device) {
       return absl::InvalidArgumentError(
           absl::StrCat(field,
-                       ": GPU memory (a CUDA IPC region) is accepted for hidden, weight, target and "
-                       "options.class_weight only; "
+                       ": GPU memory (a CUDA IPC region) is accepted for hidden and weight only; "
                        "send it inline or through POSIX shared memory"));
     }
     view.data = memory->data;

@@ -4,7 +4,6 @@
 // Conversions between the flce.v1 wire types and the plain types of
 // kernels/: tensors, enums and statuses.
 
-#include <cstring>
 #include <string>
 
 #include "absl/status/status.h"
@@ -63,20 +62,6 @@ class SliceResolver {
   virtual absl::StatusOr<const DeviceEvent*> ResolveEvent(const std::string& region_id,
                                                           const std::string& field) const {
     return absl::NotFoundError(field + ": unknown event region");
-  }
-  // Copies the `bytes` at `slice` into `host`: host memory at once, GPU
-  // memory (a CUDA IPC region) once `ready` (the call's ready event, or
-  // null) has completed. Errors as Resolve's; FAILED_PRECONDITION where
-  // GPU memory cannot be copied (a resolver without a device).
-  virtual absl::Status CopyToHost(const SliceRef& slice, int64_t bytes, void* host,
-                                  const DeviceEvent* ready, const std::string& field) const {
-    absl::StatusOr<SliceMemory> memory = Resolve(slice, bytes, field);
-    if (!memory.ok()) return memory.status();
-    if (memory->space != MemorySpace::kHost) {
-      return absl::FailedPreconditionError(field + ".shm: GPU memory cannot be read here");
-    }
-    std::memcpy(host, memory->data, bytes);
-    return absl::OkStatus();
   }
   // After a call: OK unless memory resolved by this resolver was taken
   // away under it (a client shrank its shared-memory object), in which case

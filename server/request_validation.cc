@@ -44,18 +44,10 @@ absl::Status CheckSameDType(const TensorView& view, const std::string& field, DT
   return absl::OkStatus();
 }
 
-// A tensor in shared memory (`tensor.shm()`, viewed as `view`) becomes a
-// view of a private host copy, kept in `call`, so that what is checked is
-// what is computed on: a POSIX region's bytes at once, a CUDA IPC region's
-// once the request's ready event has completed (the client's GPU work that
-// wrote them), in stream order.
-absl::StatusOr<TensorView> Privatize(const v1::Tensor& tensor, const TensorView& view,
-                                     const std::string& field, const SliceResolver& shm,
-                                     const DeviceEvent* ready, ForwardCall& call) {
-  auto copy = std::make_shared<HostTensor>(view.dtype, view.shape);
-  FLCE_RETURN_IF_ERROR(shm.CopyToHost(ToSliceRef(tensor.shm()),
-                                      static_cast<int64_t>(copy->data.size()), copy->data.data(),
-                                      ready, field));
+// A view of shared memory becomes a view of a private copy, kept in `call`,
+// so that what is checked is what is computed on.
+TensorView Privatize(const TensorView& view, ForwardCall& call) {
+  auto copy = std::make_shared<const HostTensor>(CopyTensor(view));
   call.copies.push_back(copy);
   return copy->view();
 }
@@ -191,14 +183,8 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
     p.bias = bias;
   }
 
-  // Targets and class weights may lie in the client's GPU memory (CUDA
-  // IPC): copied here, they are checked before the call is accepted.
-  FLCE_ASSIGN_OR_RETURN(p.target, Required(r.has_target(), r.target(), "target", resolver,
-                                           /*allow_device=*/true));
-  if (r.target().has_shm()) {
-    FLCE_ASSIGN_OR_RETURN(p.target,
-                          Privatize(r.target(), p.target, "target", *resolver, p.ready, call));
-  }
+  FLCE_ASSIGN_OR_RETURN(p.target, Required(r.has_target(), r.target(), "target", resolver));
+  if (r.target().has_shm()) p.target = Privatize(p.target, call);
   if (p.target.dtype != DType::kInt32 && p.target.dtype != DType::kInt64) {
     return Invalid(absl::StrCat("target: dtype ", DTypeName(p.target.dtype),
                                 " not supported; expected int32 or int64"));
@@ -207,18 +193,15 @@ absl::StatusOr<ForwardCall> DecodeForward(const v1::ForwardRequest& r,
 
   FLCE_RETURN_IF_ERROR(CheckOptions(r.options(), p.options));
   if (r.options().has_class_weight()) {
-    FLCE_ASSIGN_OR_RETURN(TensorView cw, ViewOf(r.options().class_weight(), "options.class_weight",
-                                                resolver, /*allow_device=*/true));
+    FLCE_ASSIGN_OR_RETURN(TensorView cw,
+                          ViewOf(r.options().class_weight(), "options.class_weight", resolver));
     if (cw.dtype != DType::kFloat32) {
       return Invalid(absl::StrCat("options.class_weight: dtype ", DTypeName(cw.dtype),
                                   " not supported; expected fp32"));
     }
     FLCE_RETURN_IF_ERROR(CheckShape(cw, "options.class_weight", {full_v},
                                     p.shard ? "[vocab_shard.full_vocab]" : "[V]"));
-    if (r.options().class_weight().has_shm()) {
-      FLCE_ASSIGN_OR_RETURN(cw, Privatize(r.options().class_weight(), cw, "options.class_weight",
-                                          *resolver, p.ready, call));
-    }
+    if (r.options().class_weight().has_shm()) cw = Privatize(cw, call);
     const float* w = static_cast<const float*>(cw.data);
     for (int64_t j = 0; j < full_v; ++j) {
       if (!(w[j] >= 0.0f) || !std::isfinite(w[j])) {

@@ -4,12 +4,10 @@
 #include "server/request_validation.h"
 
 #include <cmath>
-#include <cstring>
 #include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "client/loss_client.h"
 #include "gmock/gmock.h"
@@ -105,86 +103,6 @@ TEST_F(RequestValidationTest, ValidatedSharedMemoryIsCopied) {
   std::fill(region.begin(), region.end(), '\xff');
   EXPECT_EQ(std::string(static_cast<const char*>(call->problem.target.data), static_cast<size_t>(t)),
             valid_.target().data());
-}
-
-// A resolver whose one region stands for a client's GPU memory (a CUDA
-// IPC region): views of it say so, and copies out of it record the event
-// they were ordered after.
-class GpuRegion : public SliceResolver {
- public:
-  GpuRegion(std::string* memory, const DeviceEvent* event) : memory_(memory), event_(event) {}
-  absl::StatusOr<SliceMemory> Resolve(const SliceRef& slice, int64_t bytes,
-                                      const std::string&) const override {
-    if (slice.offset + bytes > static_cast<int64_t>(memory_->size())) {
-      return absl::InvalidArgumentError("out of the region");
-    }
-    return SliceMemory{&(*memory_)[slice.offset], MemorySpace::kCuda};
-  }
-  absl::StatusOr<const DeviceEvent*> ResolveEvent(const std::string&,
-                                                  const std::string&) const override {
-    return event_;
-  }
-  absl::Status CopyToHost(const SliceRef& slice, int64_t bytes, void* host,
-                          const DeviceEvent* ready, const std::string& field) const override {
-    copies_after.push_back(ready);
-    fields.push_back(field);
-    std::memcpy(host, memory_->data() + slice.offset, bytes);
-    return absl::OkStatus();
-  }
-  mutable std::vector<const DeviceEvent*> copies_after;
-  mutable std::vector<std::string> fields;
-
- private:
-  std::string* memory_;
-  const DeviceEvent* event_;
-};
-
-class NoEvent : public DeviceEvent {
- public:
-  void* native() const override { return nullptr; }
-};
-
-// Targets and class weights in a client's GPU memory are copied to the
-// host once the call's ready event has completed and checked there, like
-// any others; hidden states are read in place.
-TEST_F(RequestValidationTest, TargetsAndClassWeightsInGpuMemoryAreCopiedAfterTheReadyEvent) {
-  const std::string& target = valid_.target().data();
-  const std::string& weights = valid_.options().class_weight().data();
-  std::string region = target + weights + valid_.hidden().data();
-  v1::ForwardRequest r = valid_;
-  auto place = [&](v1::Tensor* tensor, int64_t offset) {
-    tensor->clear_data();
-    tensor->mutable_shm()->set_region_id("gpu");
-    tensor->mutable_shm()->set_offset(offset);
-  };
-  place(r.mutable_target(), 0);
-  place(r.mutable_options()->mutable_class_weight(), static_cast<int64_t>(target.size()));
-  place(r.mutable_hidden(), static_cast<int64_t>(target.size() + weights.size()));
-  r.set_ready_event("event");
-  NoEvent event;
-  auto gpu = std::make_shared<GpuRegion>(&region, &event);
-  auto call = DecodeForward(r, weights_, "", gpu);
-  ASSERT_TRUE(call.ok()) << call.status();
-  EXPECT_EQ(gpu->fields, (std::vector<std::string>{"target", "options.class_weight"}));
-  EXPECT_EQ(gpu->copies_after, (std::vector<const DeviceEvent*>{&event, &event}));
-  EXPECT_EQ(call->problem.target.space, MemorySpace::kHost);
-  EXPECT_EQ(std::string(static_cast<const char*>(call->problem.target.data), target.size()),
-            target);
-  EXPECT_EQ(call->problem.class_weight->space, MemorySpace::kHost);
-  EXPECT_EQ(call->problem.hidden.space, MemorySpace::kCuda);
-  EXPECT_EQ(call->problem.hidden.data, region.data() + target.size() + weights.size());
-  // A bad id in GPU memory is OUT_OF_RANGE like one inline.
-  region[0] = 9;  // row 0's int64 id, little-endian: 9 is outside [0, 7)
-  for (int i = 1; i < 8; ++i) region[i] = 0;
-  EXPECT_THAT(DecodeForward(r, weights_, "", gpu).status(),
-              StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("target[0] = 9")));
-  // A bias stays host memory only.
-  v1::ForwardRequest b = r;
-  place(b.mutable_bias(), 0);
-  EXPECT_THAT(DecodeForward(b, weights_, "", gpu).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("bias: GPU memory (a CUDA IPC region) is accepted for hidden, "
-                                 "weight, target and options.class_weight only")));
 }
 
 TEST_F(RequestValidationTest, MissingTensors) {

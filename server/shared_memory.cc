@@ -37,15 +37,13 @@ std::string UnknownRegion(const std::string& region_id) {
 }  // namespace
 
 SharedRegion::SharedRegion(void* base, int64_t bytes, MemorySpace space,
-                           std::function<void()> release, int fd, int guard_slot,
-                           DeviceMemory* device)
+                           std::function<void()> release, int fd, int guard_slot)
     : base_(base),
       bytes_(bytes),
       space_(space),
       release_(std::move(release)),
       fd_(fd),
-      guard_slot_(guard_slot),
-      device_(device) {}
+      guard_slot_(guard_slot) {}
 
 SharedRegion::SharedRegion(const DeviceEvent* event, std::function<void()> release)
     : base_(nullptr),
@@ -117,20 +115,6 @@ class SharedMemoryRegistry::Holds : public SliceResolver {
     absl::MutexLock lock(&mu_);
     held_.push_back(region);
     return SliceMemory{region->base() + slice.offset, region->space()};
-  }
-
-  absl::Status CopyToHost(const SliceRef& slice, int64_t bytes, void* host,
-                          const DeviceEvent* ready, const std::string& field) const override {
-    FLCE_ASSIGN_OR_RETURN(const SliceMemory memory, Resolve(slice, bytes, field));
-    if (memory.space == MemorySpace::kHost) {
-      std::memcpy(host, memory.data, bytes);
-      return absl::OkStatus();
-    }
-    std::shared_ptr<SharedRegion> region = registry_->Lookup(slice.region_id, principal_);
-    if (region == nullptr || region->device() == nullptr) {
-      return absl::NotFoundError(absl::StrCat(field, ".shm: ", UnknownRegion(slice.region_id)));
-    }
-    return region->device()->CopyToHostAfter(ready, memory.data, host, bytes);
   }
 
   absl::StatusOr<const DeviceEvent*> ResolveEvent(const std::string& region_id,
@@ -389,13 +373,11 @@ absl::StatusOr<RegisteredRegion> SharedMemoryRegistry::RegisterCudaIpc(
   if (absl::Status admitted = Admit(principal, mapped); !admitted.ok()) return admitted;
   void* base = (*imported)->data();
   std::shared_ptr<DeviceBlock> mapping = std::move(*imported);
-  return Add(std::make_shared<SharedRegion>(
-                 base, mapped, MemorySpace::kCuda,
-                 [this, principal, mapped, mapping]() mutable {
-                   mapping.reset();
-                   Unadmit(principal, mapped);
-                 },
-                 /*fd=*/-1, /*guard_slot=*/-1, memory),
+  return Add(std::make_shared<SharedRegion>(base, mapped, MemorySpace::kCuda,
+                                            [this, principal, mapped, mapping]() mutable {
+                                              mapping.reset();
+                                              Unadmit(principal, mapped);
+                                            }),
              principal);
 }
 

@@ -57,11 +57,9 @@ class SharedRegion {
  public:
   // `release` unmaps the memory; it runs when the region is destroyed.
   // `fd` (POSIX regions; -1 otherwise) is the object, kept open to check
-  // its size at each use; `guard_slot` its SigbusGuard slot (-1: none);
-  // `device` the device memory GPU memory was mapped through (copies out
-  // of it go through it).
+  // its size at each use; `guard_slot` its SigbusGuard slot (-1: none).
   SharedRegion(void* base, int64_t bytes, MemorySpace space, std::function<void()> release,
-               int fd = -1, int guard_slot = -1, DeviceMemory* device = nullptr);
+               int fd = -1, int guard_slot = -1);
   // A registered event instead of memory (no bytes); `release` closes it.
   SharedRegion(const DeviceEvent* event, std::function<void()> release);
   // Memory of the server's own (`server_memory`); `release` frees it.
@@ -81,8 +79,6 @@ class SharedRegion {
   bool broken() const;
   // The event of an event region; null for memory.
   const DeviceEvent* event() const { return event_; }
-  // GPU memory's device memory (null for host memory and events).
-  DeviceMemory* device() const { return device_; }
   // A client's POSIX object (shm_name).
   bool posix() const { return fd_ >= 0; }
   // The server's own memory (server_memory), which WriteRegion and
@@ -102,7 +98,6 @@ class SharedRegion {
   const int fd_;
   const int guard_slot_;
   const DeviceEvent* const event_ = nullptr;
-  DeviceMemory* const device_ = nullptr;
   const bool server_memory_ = false;
   std::atomic<int64_t> last_used_ns_{absl::GetCurrentTimeNanos()};
 };

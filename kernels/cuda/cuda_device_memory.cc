@@ -140,32 +140,6 @@ absl::Status CudaDeviceMemory::CopyToHost(const void* device, void* host, int64_
   return health_.Check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "copy to host");
 }
 
-CudaDeviceMemory::~CudaDeviceMemory() {
-  absl::MutexLock lock(&copy_mu_);
-  if (copy_stream_ != nullptr) {
-    cudaSetDevice(device_);
-    cudaStreamDestroy(copy_stream_);
-  }
-}
-
-absl::Status CudaDeviceMemory::CopyToHostAfter(const DeviceEvent* ready, const void* device,
-                                               void* host, int64_t bytes) {
-  FLCE_RETURN_IF_ERROR(SetDevice());
-  absl::MutexLock lock(&copy_mu_);
-  if (copy_stream_ == nullptr) {
-    FLCE_RETURN_IF_ERROR(health_.Check(
-        cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "copy stream"));
-  }
-  if (ready != nullptr) {
-    FLCE_RETURN_IF_ERROR(health_.Check(
-        cudaStreamWaitEvent(copy_stream_, static_cast<cudaEvent_t>(ready->native()), 0),
-        "wait for the client's event"));
-  }
-  FLCE_RETURN_IF_ERROR(health_.Check(
-      cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, copy_stream_), "copy to host"));
-  return health_.Check(cudaStreamSynchronize(copy_stream_), "copy to host");
-}
-
 absl::Status CudaDeviceMemory::CopyToDevice(const void* host, void* device, int64_t bytes) {
   FLCE_RETURN_IF_ERROR(SetDevice());
   return health_.Check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device");

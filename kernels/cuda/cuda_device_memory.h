@@ -13,9 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/cuda/device_health.h"
 #include "kernels/device_memory.h"
 
@@ -27,7 +25,6 @@ class CudaDeviceMemory final : public DeviceMemory {
   // On CUDA device `device`; `health` must outlive this (blocks may outlive
   // it).
   CudaDeviceMemory(int device, DeviceHealth& health) : device_(device), health_(health) {}
-  ~CudaDeviceMemory() override;
 
   absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(const std::string& handle) override;
   absl::StatusOr<std::unique_ptr<DeviceEvent>> ImportCudaIpcEvent(
@@ -36,9 +33,6 @@ class CudaDeviceMemory final : public DeviceMemory {
   // Waits for all of the device's work first (the engine's lanes are
   // non-blocking streams).
   absl::Status CopyToHost(const void* device, void* host, int64_t bytes) override;
-  // On a stream of its own (non-blocking), one copy at a time.
-  absl::Status CopyToHostAfter(const DeviceEvent* ready, const void* device, void* host,
-                               int64_t bytes) override;
   absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host, int64_t bytes) override;
   absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) override;
 
@@ -56,8 +50,6 @@ class CudaDeviceMemory final : public DeviceMemory {
   DeviceHealth& health_;
   const std::shared_ptr<std::atomic<int64_t>> allocated_ =
       std::make_shared<std::atomic<int64_t>>(0);
-  absl::Mutex copy_mu_;
-  cudaStream_t copy_stream_ ABSL_GUARDED_BY(copy_mu_) = nullptr;  // made at the first copy
 };
 
 }  // namespace internal_cuda

@@ -592,33 +592,29 @@ class Client:
 
             # Contiguous copies (if any) live until the call is over: the
             # server reads them.
-            # Through CUDA IPC, GPU tensors stay where they are: the server
-            # reads them (the targets and class weights it checks, copied
-            # after this process's queued work) without this process
-            # waiting for its GPU.
-            def place(tensor, out):
-                if ipc is not None and _is_cuda(tensor):
-                    tensor = tensor.contiguous()
-                    ipc.place(tensor, out)
-                else:
-                    put(tensor, out)
-                return tensor
-
-            hidden = place(hidden, r.hidden)
-            target = place(target, r.target)
+            if ipc is not None and _is_cuda(hidden):
+                hidden = hidden.contiguous()
+                ipc.place(hidden, r.hidden)
+            else:
+                put(hidden, r.hidden)
+            put(target, r.target)
             if weight_name:
                 r.weight_ref.name = weight_name
                 r.weight_ref.version = weight_version
             elif weight is not None:
-                weight = place(weight, r.weight)
+                if ipc is not None and _is_cuda(weight):
+                    weight = weight.contiguous()
+                    ipc.place(weight, r.weight)
+                else:
+                    put(weight, r.weight)
                 if bias is not None:
                     put(bias, r.bias)
+            pending.inputs = (hidden, weight)
             set_loss_options(r.options, ignore_index=ignore_index, reduction=reduction,
                              label_smoothing=label_smoothing, logit_softcap=logit_softcap,
                              z_loss_scale=z_loss_scale)
             if class_weight is not None:
-                class_weight = place(class_weight, r.options.class_weight)
-            pending.inputs = (hidden, weight, target, class_weight)
+                put(class_weight, r.options.class_weight)
             r.need_backward = need_backward
             r.backward_mode = _MODES[backward_mode]
             if vocab_shard is not None:
