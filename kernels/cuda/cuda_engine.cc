@@ -131,7 +131,7 @@ int64_t CudaEngine::device_memory_bytes() const {
 }
 
 int64_t CudaEngine::SavedStateBytes(const LossProblem& problem, BackwardMode mode) const {
-  return internal_cuda::SavedStateBytes(problem, mode);
+  return internal_cuda::SavedStateBytes(impl_->options, problem, mode);
 }
 
 absl::StatusOr<ForwardResult> CudaEngine::Forward(const LossProblem& problem,

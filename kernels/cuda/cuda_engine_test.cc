@@ -21,6 +21,8 @@
 #include "kernels/engine_conformance.h"
 #include "kernels/reference/accuracy.h"
 #include "kernels/reference/random_problem.h"
+#include "kernels/reference/reference_loss.h"
+#include "kernels/tensor.h"
 
 namespace flce {
 namespace {
@@ -81,6 +83,67 @@ TEST(CudaEngineSemanticsTest, DeviceRunTimesItsStages) {
       ASSERT_TRUE(ms.ok()) << ms.status();
       EXPECT_GT(*ms, 0.0);  // device milliseconds
     }
+  }
+}
+
+// STORE_GRADS of a problem whose rows fit one token chunk keeps its logits
+// (N·V in the input dtype), not fp32 gradients, and its Backward runs the
+// gradient GEMMs: dX alone and then dW alone on the kept state give the
+// bits of one Backward with both, for grad_output 1 and 3, and the results
+// equal those of the same problem cut into several chunks (fp32 gradients
+// summed over the chunks) within the dtype's rounding.
+TEST(CudaEngineSemanticsTest, StoreGradsOfOneChunkKeepsTheLogits) {
+  FLCE_GET_ENGINE_OR_SKIP(engine);
+  CudaEngineOptions options;
+  options.chunk_bytes = 64 << 10;  // 64-row chunks (kCudaMinChunkRows): 5 of them
+  auto chunked = CudaEngine::Create(options);
+  ASSERT_TRUE(chunked.ok()) << chunked.status();
+  RandomProblemSpec spec;
+  spec.rows = 300;
+  spec.hidden = 48;
+  spec.vocab = 2003;
+  spec.dtype = DType::kBFloat16;
+  spec.bias = true;
+  spec.options.z_loss_scale = 1e-3f;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  const int64_t n = spec.rows, h = spec.hidden, v = spec.vocab;
+  ForwardSpec fs;
+  fs.need_backward = true;
+  fs.mode = BackwardMode::kStoreGrads;
+  auto kept = engine->Forward(p.view(), fs, nullptr);
+  auto several = (*chunked)->Forward(p.view(), fs, nullptr);
+  ASSERT_TRUE(kept.ok() && several.ok());
+  EXPECT_EQ(kept->loss.data, several->loss.data);
+  EXPECT_EQ(kept->saved->bytes(), engine->SavedStateBytes(p.view(), fs.mode));
+  EXPECT_GE(kept->saved->bytes(), n * v * 2);
+  EXPECT_LT(kept->saved->bytes(), (n * h + v * h + v) * 4 + n * v * 2);
+  EXPECT_EQ(several->saved->bytes(), (n * h + v * h + v) * int64_t{4});  // the fp32 gradients
+  for (float g : {1.0f, 3.0f}) {
+    SCOPED_TRACE(g);
+    HostTensor g_tensor(DType::kFloat32, {});
+    g_tensor.mutable_data<float>()[0] = g;
+    BackwardSpec all;
+    all.grad_output = g_tensor.view();
+    BackwardSpec hidden = all, weight = all;
+    hidden.hidden_grad_only = true;
+    weight.weight_grads_only = true;
+    auto both = engine->Backward(*kept->saved, all, nullptr);
+    auto dx = engine->Backward(*kept->saved, hidden, nullptr);
+    auto dw = engine->Backward(*kept->saved, weight, nullptr);
+    auto fp32 = (*chunked)->Backward(*several->saved, all, nullptr);
+    ASSERT_TRUE(both.ok() && dx.ok() && dw.ok() && fp32.ok());
+    EXPECT_EQ(dx->grad_hidden.data, both->grad_hidden.data);
+    EXPECT_EQ(dw->grad_weight.data, both->grad_weight.data);
+    ASSERT_TRUE(dw->grad_bias && both->grad_bias);
+    EXPECT_EQ(dw->grad_bias->data, both->grad_bias->data);
+    // The same gradients as the chunked engine's, to bf16's rounding.
+    auto close = [](const HostTensor& got, const HostTensor& want) {
+      const std::vector<float> a = TensorToFloats(got.view()), b = TensorToFloats(want.view());
+      return RelativeL2Error(a, std::vector<double>(b.begin(), b.end()));
+    };
+    EXPECT_LT(close(both->grad_hidden, fp32->grad_hidden), 4e-3);
+    EXPECT_LT(close(both->grad_weight, fp32->grad_weight), 4e-3);
+    EXPECT_LT(close(*both->grad_bias, *fp32->grad_bias), 4e-3);
   }
 }
 

@@ -51,6 +51,62 @@ absl::StatusOr<Gradients> BackwardStored(const CallContext& call, StoredGradient
   return out;
 }
 
+// STORE_GRADS of one chunk: the gradient GEMMs from the kept logits, with
+// grad_output `scale` folded into dW's GEMM (its one rounding, straight
+// into a device destination that is not accumulated) and into dX's and
+// db's narrowing.
+absl::StatusOr<Gradients> BackwardKept(const CallContext& call, const KeptLogits& kept,
+                                       const BackwardSpec& spec, float scale) {
+  const Lane& lane = call.lane;
+  const DeviceInputs& in = *kept.inputs;
+  const DType dtype = spec.hidden_dtype(in.dtype);
+  const DType wdtype = spec.weight_dtype(in.dtype);
+  const bool want_dx = !spec.weight_grads_only;
+  const bool want_dw = !spec.hidden_grad_only;
+  const float* factor = kept.one_pass ? kept.row_factor.as<float>() : nullptr;
+  DeviceBuffer dx;
+  if (want_dx || (want_dw && factor != nullptr)) {
+    FLCE_ASSIGN_OR_RETURN(dx, lane.Allocate(in.n * in.h * 4));
+  }
+  // An accumulating destination gets dW added only once all of it is made.
+  const bool dw_in_place = spec.grad_weight_to &&
+                           spec.grad_weight_to->space == MemorySpace::kCuda &&
+                           !spec.grad_weight_to->accumulate;
+  DeviceBuffer dw, db;
+  if (want_dw && !dw_in_place) {
+    FLCE_ASSIGN_OR_RETURN(dw, lane.Allocate(in.v * in.h * DTypeSize(wdtype)));
+  }
+  void* dw_out = !want_dw ? nullptr : dw_in_place ? spec.grad_weight_to->data : dw.data();
+  if (want_dw && in.bias.bytes() > 0) {
+    FLCE_ASSIGN_OR_RETURN(db, lane.Allocate(in.v * 4));
+  }
+  FLCE_RETURN_IF_ERROR(ChunkGradients(call, in, 0, in.n, kept.logits.data(), factor,
+                                      /*first=*/true, dx.bytes() > 0 ? dx.as<float>() : nullptr,
+                                      want_dx, dw_out, wdtype, scale,
+                                      db.bytes() > 0 ? db.as<float>() : nullptr));
+  Gradients out;
+  if (want_dx) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
+                          DeliverGradient(lane, dx.data(), DType::kFloat32, {in.n, in.h}, dtype,
+                                          scale, spec.grad_hidden_to));
+    Mark(call.clock, "narrowing dX");
+  }
+  if (!want_dw) return out;
+  if (spec.grad_weight_to && spec.grad_weight_to->accumulate) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverGradient(lane, dw.data(), wdtype, {in.v, in.h},
+                                                           wdtype, 1.0f, spec.grad_weight_to));
+  } else {
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverFinalGradient(lane, dw_out, {in.v, in.h}, wdtype,
+                                                                spec.grad_weight_to));
+  }
+  if (db.bytes() > 0) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_bias, DeliverGradient(lane, db.data(), DType::kFloat32, {in.v},
+                                                         wdtype, scale, spec.grad_bias_to));
+    Mark(call.clock, "narrowing db");
+  }
+  return out;
+}
+
 // The gradients from per-row lse on the device: RECOMPUTE's saved lse, or
 // the whole vocabulary's for a shard (whose stored logits, if any, stand in
 // for the logits GEMM). A shard's dX gets spec.grad_hidden_addend added in
@@ -222,11 +278,15 @@ absl::StatusOr<DeviceForward> ShardForwardOnDevice(const CallContext& call,
 
 }  // namespace
 
-int64_t SavedStateBytes(const LossProblem& p, BackwardMode mode) {
+int64_t SavedStateBytes(const CudaEngineOptions& options, const LossProblem& p,
+                        BackwardMode mode) {
   const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
   if (p.shard) {
     return DeviceInputBytes(p) +
            (mode == BackwardMode::kStoreGrads ? n * v * DTypeSize(p.hidden.dtype) : 0);
+  }
+  if (mode == BackwardMode::kStoreGrads && OneChunk(options, n, v, p.hidden.dtype)) {
+    return DeviceInputBytes(p) + n * v * DTypeSize(p.hidden.dtype) + n * 4;
   }
   if (mode == BackwardMode::kStoreGrads) {
     return (n * h + v * h + (p.bias ? v : 0)) * int64_t{4};
@@ -250,7 +310,11 @@ absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
   FLCE_RETURN_IF_ERROR(RowScales(call, in, nullptr, 0, rows));
   Mark(call.clock, "row scales and reductions");
   std::unique_ptr<StoredGradients> grads;
-  if (store) {
+  std::unique_ptr<KeptLogits> kept;
+  if (store && OneChunk(call.options, n, in.v, in.dtype)) {
+    kept = std::make_unique<KeptLogits>();
+    FLCE_ASSIGN_OR_RETURN(kept->logits, lane.Allocate(n * in.v * DTypeSize(in.dtype)));
+  } else if (store) {
     grads = std::make_unique<StoredGradients>();
     grads->dtype = in.dtype;
     grads->n = n;
@@ -271,10 +335,11 @@ absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
   // The chunks, the totals and the per-row results the spec asks for,
   // downloaded; waits for them.
   auto run = [&](Pass pass) -> absl::Status {
-    FLCE_RETURN_IF_ERROR(
-        RunChunks(call, in, pass, rows, nullptr, store ? grads->dx.as<float>() : nullptr,
-                  store ? grads->dw.as<float>() : nullptr,
-                  store && grads->db.bytes() > 0 ? grads->db.as<float>() : nullptr));
+    FLCE_RETURN_IF_ERROR(RunChunks(
+        call, in, pass, rows, nullptr, grads ? grads->dx.as<float>() : nullptr,
+        grads ? grads->dw.as<float>() : nullptr,
+        grads && grads->db.bytes() > 0 ? grads->db.as<float>() : nullptr,
+        kept ? kept->logits.data() : nullptr));
     FLCE_RETURN_IF_ERROR(lane.Check(LaunchReduceRows(rows.outputs(), n, rows.denom.as<double>(),
                                                      divide, rows.totals.as<double>(), s),
                                     "reduce rows"));
@@ -327,7 +392,12 @@ absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
   }
   result.num_valid = num_valid;
   result.num_correct = static_cast<int64_t>(totals[2]);
-  if (store) {
+  if (kept) {
+    kept->one_pass = first == Pass::kLossAndGradOnePass && !out.reran;
+    kept->row_factor = std::move(rows.row_factor);
+    kept->inputs = std::move(in_ptr);
+    result.saved = std::move(kept);
+  } else if (store) {
     result.saved = std::move(grads);
   } else if (spec.need_backward) {
     auto saved = std::make_unique<RecomputeState>();
@@ -351,6 +421,8 @@ absl::StatusOr<Gradients> BackwardOnDevice(const CallContext& call, SavedState& 
   absl::StatusOr<Gradients> out;
   if (auto* stored = dynamic_cast<StoredGradients*>(&state)) {
     out = BackwardStored(call, *stored, spec, g.empty() ? 1.0f : g[0]);
+  } else if (auto* kept = dynamic_cast<KeptLogits*>(&state)) {
+    out = BackwardKept(call, *kept, spec, g.empty() ? 1.0f : g[0]);
   } else if (auto* saved = dynamic_cast<RecomputeState*>(&state)) {
     out = BackwardFromLse(call, *saved->inputs, saved->lse.as<float>(), nullptr, spec, g);
   } else if (shard != nullptr) {

@@ -29,13 +29,32 @@ struct PipelineParts {
   LanePool& lanes;
 };
 
-// STORE_GRADS: the gradients for grad_output 1, fp32, on the device.
+// STORE_GRADS over several token chunks: the gradients for grad_output 1,
+// fp32, on the device (dW summed over the chunks).
 class StoredGradients : public SavedState {
  public:
   DType dtype = DType::kFloat32;
   int64_t n = 0, h = 0, v = 0;
   DeviceBuffer dx, dw, db;
   int64_t bytes() const override { return dx.bytes() + dw.bytes() + db.bytes(); }
+};
+
+// STORE_GRADS of a problem whose rows fit one token chunk: the gradient in
+// the logit form the Forward's row kernel left ([N, V] in the input dtype,
+// the chunk buffer itself), its per-row factors (`one_pass`: each row of
+// `logits` is to be multiplied by its factor; else `logits` is the
+// gradient and the factors are unused), and the inputs (as RecomputeState)
+// for the dX and dW GEMMs, which Backward runs with grad_output known: dW
+// comes out of its GEMM in its final dtype, rounded once (no fp32 dW to
+// write, keep and narrow), at most the chunk's bytes are kept, and a repeated
+// Backward reads them again.
+class KeptLogits : public SavedState {
+ public:
+  std::shared_ptr<const DeviceInputs> inputs;
+  DeviceBuffer logits;      // [N, V], input dtype
+  DeviceBuffer row_factor;  // fp32 [N]
+  bool one_pass = false;
+  int64_t bytes() const override { return inputs->bytes() + logits.bytes() + row_factor.bytes(); }
 };
 
 // RECOMPUTE: the inputs (X and W borrowed where they were on the device,
@@ -60,9 +79,11 @@ class ShardState : public SavedState {
   int64_t bytes() const override { return inputs->bytes() + logits.bytes(); }
 };
 
-// Bytes the saved state of `mode` holds for `problem` (StoredGradients,
-// RecomputeState or ShardState with the inputs MakeDeviceInputs makes).
-int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode);
+// Bytes the saved state of `mode` holds for `problem` under `options`
+// (StoredGradients, KeptLogits, RecomputeState or ShardState with the
+// inputs MakeDeviceInputs makes).
+int64_t SavedStateBytes(const CudaEngineOptions& options, const LossProblem& problem,
+                        BackwardMode mode);
 
 struct DeviceForward {
   ForwardResult result;
@@ -74,7 +95,8 @@ struct DeviceForward {
 // pass where OnePassRows allows, run again with two when a row leaves its
 // range; RECOMPUTE and evaluation: the loss alone); the totals and the
 // per-row results `spec` asks for, downloaded. Waits for them. With
-// spec.need_backward, result.saved holds `in` (RECOMPUTE) or the gradients.
+// spec.need_backward, result.saved holds `in` (RECOMPUTE), the kept
+// logits (STORE_GRADS in one chunk) or the gradients (STORE_GRADS).
 // A shard (in->shard): its statistics instead (result.shard_stats) and a
 // ShardState.
 absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,

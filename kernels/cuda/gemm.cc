@@ -29,8 +29,7 @@ cublasComputeType_t ComputeType(const GemmShape& g) {
 }
 
 absl::Status RunDefault(DeviceHealth& health, cublasHandle_t blas, const GemmShape& g,
-                        const void* a, const void* b, float beta, void* c) {
-  const float alpha = 1.0f;
+                        const void* a, const void* b, float beta, void* c, float alpha = 1.0f) {
   return health.Check(
       cublasGemmEx(blas, g.op_a, g.op_b, static_cast<int>(g.m), static_cast<int>(g.n),
                    static_cast<int>(g.k), &alpha, a, CudaType(g.a_type), static_cast<int>(g.lda), b,
@@ -119,8 +118,7 @@ std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Candidates(cublasLtHandle_t
 
 absl::Status LtGemm::Run(cublasLtHandle_t lt, cudaStream_t stream, const cublasLtMatmulAlgo_t& algo,
                          const void* a, const void* b, float beta, void* c, void* workspace,
-                         size_t workspace_bytes) const {
-  const float alpha = 1.0f;
+                         size_t workspace_bytes, float alpha) const {
   return health_.Check(cublasLtMatmul(lt, desc_, &alpha, a, la_, b, lb_, &beta, c, lc_, c, lc_,
                                       &algo, workspace, workspace_bytes, stream),
                        "cublasLtMatmul");
@@ -163,7 +161,8 @@ GemmRunner::Counts GemmRunner::counts() const {
 }
 
 absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const GemmShape& g,
-                             const void* a, const void* b, float beta, void* c, bool tune) {
+                             const void* a, const void* b, float beta, void* c, bool tune,
+                             float alpha) {
   if (g.m == 0 || g.n == 0) return absl::OkStatus();
   if (inject_fault_.exchange(false)) {
     // A trap on the GEMM's stream, waited for: the context is gone when the
@@ -174,7 +173,7 @@ absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const Gem
   }
   if (!tuning_.enabled || !tune || 2.0 * g.m * g.n * g.k < tuning_.min_flop ||
       !LtAligned(a, b, c)) {
-    return RunDefault(health_, blas, g, a, b, beta, c);
+    return RunDefault(health_, blas, g, a, b, beta, c, alpha);
   }
   std::shared_ptr<const Choice> choice;
   bool full = false;
@@ -186,23 +185,24 @@ absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const Gem
   }
   if (choice == nullptr) {
     // Only beta 0 may overwrite C with trials.
-    if (beta != 0.0f || full) return RunDefault(health_, blas, g, a, b, beta, c);
-    FLCE_ASSIGN_OR_RETURN(choice, Tune(blas, stream, g, a, b, c));
+    if (beta != 0.0f || full) return RunDefault(health_, blas, g, a, b, beta, c, alpha);
+    FLCE_ASSIGN_OR_RETURN(choice, Tune(blas, stream, g, a, b, c, alpha));
     absl::MutexLock lock(&mu_);
     choices_.emplace(g, choice);  // a concurrent tuning of g may have won: either is valid
     return absl::OkStatus();      // Tune left the result in C
   }
-  if (choice->lt == nullptr) return RunDefault(health_, blas, g, a, b, beta, c);
-  return choice->lt->Run(lt_, stream, choice->algo, a, b, beta, c);
+  if (choice->lt == nullptr) return RunDefault(health_, blas, g, a, b, beta, c, alpha);
+  return choice->lt->Run(lt_, stream, choice->algo, a, b, beta, c, nullptr, 0, alpha);
 }
 
 absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(cublasHandle_t blas,
                                                                            cudaStream_t stream,
                                                                            const GemmShape& g,
                                                                            const void* a,
-                                                                           const void* b, void* c) {
+                                                                           const void* b, void* c,
+                                                                           float alpha) {
   auto choice = std::make_shared<Choice>();
-  auto run_default = [&] { return RunDefault(health_, blas, g, a, b, 0.0f, c); };
+  auto run_default = [&] { return RunDefault(health_, blas, g, a, b, 0.0f, c, alpha); };
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer hash_buffer, DeviceBuffer::Allocate(8, stream, health_));
   auto* hash = hash_buffer.as<unsigned long long>();
   // The hash of C's bits as they are now.
@@ -225,7 +225,8 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(cubla
   std::vector<cublasLtMatmulHeuristicResult_t> results;
   if (lt_gemm.ok()) results = (*lt_gemm)->Candidates(lt_, kCandidates, 0);
   auto run = [&](const cublasLtMatmulAlgo_t* algo) {
-    return algo == nullptr ? run_default() : (*lt_gemm)->Run(lt_, stream, *algo, a, b, 0.0f, c);
+    return algo == nullptr ? run_default()
+                           : (*lt_gemm)->Run(lt_, stream, *algo, a, b, 0.0f, c, nullptr, 0, alpha);
   };
   for (const cublasLtMatmulHeuristicResult_t& result : results) {
     const cublasLtMatmulAlgo_t& algo = result.algo;

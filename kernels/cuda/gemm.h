@@ -61,9 +61,10 @@ class LtGemm {
   // `workspace_bytes` (none when the heuristic has none).
   std::vector<cublasLtMatmulHeuristicResult_t> Candidates(cublasLtHandle_t lt, int count,
                                                           size_t workspace_bytes) const;
+  // C = alpha·op(A)·op(B) + beta·C.
   absl::Status Run(cublasLtHandle_t lt, cudaStream_t stream, const cublasLtMatmulAlgo_t& algo,
                    const void* a, const void* b, float beta, void* c, void* workspace = nullptr,
-                   size_t workspace_bytes = 0) const;
+                   size_t workspace_bytes = 0, float alpha = 1.0f) const;
 
  private:
   explicit LtGemm(DeviceHealth& health) : health_(health) {}
@@ -108,10 +109,12 @@ class GemmRunner {
   GemmRunner(const GemmRunner&) = delete;
   GemmRunner& operator=(const GemmRunner&) = delete;
 
-  // On `stream`, which `blas` is bound to. m == 0 or n == 0 is a no-op.
-  // tune = false: this call runs the default whatever the shape's choice.
+  // C = alpha·op(A)·op(B) + beta·C on `stream`, which `blas` is bound to
+  // (alpha scales the fp32 products before C's one rounding). m == 0 or
+  // n == 0 is a no-op. tune = false: this call runs the default whatever
+  // the shape's choice.
   absl::Status Run(cublasHandle_t blas, cudaStream_t stream, const GemmShape& g, const void* a,
-                   const void* b, float beta, void* c, bool tune = true);
+                   const void* b, float beta, void* c, bool tune = true, float alpha = 1.0f);
 
   struct Counts {
     int tuned = 0;        // shapes timed
@@ -129,7 +132,7 @@ class GemmRunner {
   GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt, DeviceHealth& health);
   absl::StatusOr<std::shared_ptr<const Choice>> Tune(cublasHandle_t blas, cudaStream_t stream,
                                                      const GemmShape& g, const void* a,
-                                                     const void* b, void* c);
+                                                     const void* b, void* c, float alpha);
 
   const GemmTuning tuning_;
   const cublasLtHandle_t lt_;

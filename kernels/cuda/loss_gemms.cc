@@ -12,9 +12,9 @@ namespace {
 absl::Status Gemm(const GemmLane& g, bool tune, cublasOperation_t op_a, cublasOperation_t op_b,
                   int64_t m, int64_t n, int64_t k, const void* a, DType a_type, int64_t lda,
                   const void* b, DType b_type, int64_t ldb, float beta, void* c, DType c_type,
-                  int64_t ldc) {
+                  int64_t ldc, float alpha = 1.0f) {
   const GemmShape shape{op_a, op_b, m, n, k, a_type, lda, b_type, ldb, c_type, ldc};
-  return g.runner.Run(g.lane.blas(), g.lane.stream(), shape, a, b, beta, c, tune);
+  return g.runner.Run(g.lane.blas(), g.lane.stream(), shape, a, b, beta, c, tune, alpha);
 }
 
 }  // namespace
@@ -38,12 +38,12 @@ absl::Status ChunkDxGemm(const GemmLane& g, const DeviceInputs& in, int64_t coun
 }
 
 absl::Status ChunkDwGemm(const GemmLane& g, const DeviceInputs& in, const void* x, int64_t count,
-                         const void* dz, bool first, float* dw) {
-  // Column-major view: dWᵀ (H×V, ld H) = A·op(B) with
+                         const void* dz, bool first, void* dw, DType dw_type, float alpha) {
+  // Column-major view: dWᵀ (H×V, ld H) = alpha·A·op(B) with
   //   A = X_c as column-major H×count (ld H), op N;
   //   B = dZ as column-major V×count (ld V), op T → count×V.
   return Gemm(g, true, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count, x, in.dtype, in.h, dz, in.dtype,
-              in.v, first ? 0.0f : 1.0f, dw, DType::kFloat32, in.h);
+              in.v, first ? 0.0f : 1.0f, dw, dw_type, in.h, alpha);
 }
 
 absl::Status SliceLogitsGemm(const GemmLane& g, const DeviceInputs& in, int64_t c0, int64_t cols,

@@ -35,11 +35,12 @@ absl::Status ChunkLogitsGemm(const GemmLane& g, const DeviceInputs& in, int64_t 
 absl::Status ChunkDxGemm(const GemmLane& g, const DeviceInputs& in, int64_t count, const void* dz,
                          float* dx_c);
 
-// dW[V, H] (fp32) = dZᵀ · X_c (first chunk: overwrites, so dW needs no
-// zeroing) or += (later chunks), for `count` rows of X at x (input dtype)
-// and their gradient dz [count, V]. Tuned.
+// dW[V, H] (`dw_type`: fp32 for an accumulator over chunks, or the final
+// dtype when one GEMM makes all of it) = alpha · dZᵀ · X_c (first chunk:
+// overwrites, so dW needs no zeroing) or += (later chunks), for `count`
+// rows of X at x (input dtype) and their gradient dz [count, V]. Tuned.
 absl::Status ChunkDwGemm(const GemmLane& g, const DeviceInputs& in, const void* x, int64_t count,
-                         const void* dz, bool first, float* dw);
+                         const void* dz, bool first, void* dw, DType dw_type, float alpha = 1.0f);
 
 // logits_s[N, cols] (input dtype) = X · W[c0 : c0 + cols]ᵀ.
 absl::Status SliceLogitsGemm(const GemmLane& g, const DeviceInputs& in, int64_t c0, int64_t cols,

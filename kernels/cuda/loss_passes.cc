@@ -26,6 +26,65 @@ absl::Status RowScales(const CallContext& call, const DeviceInputs& in, const fl
       "row scales");
 }
 
+bool OneChunk(const CudaEngineOptions& options, int64_t n, int64_t v, DType dtype) {
+  return n > 0 && ChunkRows(options, n, v, dtype) >= n;
+}
+
+absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int64_t r0,
+                            int64_t count, const void* dz, const float* row_factor, bool first,
+                            float* dx_c, bool want_dx, void* dw, DType dw_type, float alpha,
+                            float* db) {
+  const Lane& lane = call.lane;
+  cudaStream_t s = lane.stream();
+  if (row_factor != nullptr) {
+    // Each row holds its gradient over its factor: the dW GEMM takes X_c's
+    // rows times their factors, rounded to the input dtype, from the
+    // chunk's dX rows (fp32, so large enough; the dX GEMM overwrites them
+    // next), dX's rows are scaled after their GEMM, and the bias column
+    // sums weigh each row by its factor.
+    if (dw != nullptr) {
+      FLCE_RETURN_IF_ERROR(lane.Check(
+          LaunchScaleRows(in.x_row(r0), dx_c, in.dtype, row_factor + r0, count, in.h, s),
+          "scale X rows"));
+      Mark(call.clock, "scale X rows");
+      FLCE_RETURN_IF_ERROR(
+          ChunkDwGemm(call.gemm(), in, dx_c, count, dz, first, dw, dw_type, alpha));
+      Mark(call.clock, dw_type != DType::kFloat32 ? "dW GEMM, final dtype"
+                       : first                     ? "dW GEMM, fp32, beta 0"
+                                                   : "dW GEMM, fp32, beta 1");
+    }
+    if (want_dx) {
+      FLCE_RETURN_IF_ERROR(ChunkDxGemm(call.gemm(), in, count, dz, dx_c));
+      Mark(call.clock, "dX GEMM");
+      FLCE_RETURN_IF_ERROR(lane.Check(
+          LaunchScaleRows(dx_c, dx_c, DType::kFloat32, row_factor + r0, count, in.h, s),
+          "scale dX rows"));
+      Mark(call.clock, "scale dX rows");
+    }
+  } else {
+    if (want_dx) {
+      FLCE_RETURN_IF_ERROR(ChunkDxGemm(call.gemm(), in, count, dz, dx_c));
+      Mark(call.clock, "dX GEMM");
+    }
+    if (dw != nullptr) {
+      FLCE_RETURN_IF_ERROR(
+          ChunkDwGemm(call.gemm(), in, in.x_row(r0), count, dz, first, dw, dw_type, alpha));
+      Mark(call.clock, dw_type != DType::kFloat32 ? "dW GEMM, final dtype"
+                       : first                     ? "dW GEMM, fp32, beta 0"
+                                                   : "dW GEMM, fp32, beta 1");
+    }
+  }
+  if (db != nullptr && dw != nullptr) {
+    FLCE_RETURN_IF_ERROR(lane.Check(LaunchColumnSums(dz, in.dtype, count, in.v, in.v,
+                                                     row_factor != nullptr ? row_factor + r0
+                                                                           : nullptr,
+                                                     !first, db, s),
+                                    "bias gradient"));
+    Mark(call.clock, "bias gradient");
+  }
+  return absl::OkStatus();
+}
+
 // Chunks are as large as the budget allows (chunk_plan.h): every chunk after
 // the first re-reads and re-writes the fp32 dW accumulator, which costs more
 // than the row kernel does (measured: two half-size buffers alternating so
@@ -33,16 +92,18 @@ absl::Status RowScales(const CallContext& call, const DeviceInputs& in, const fl
 // one buffer; bench/RESULTS.md).
 //
 // kLossAndGradOnePass reads each logit once: the row kernel leaves
-// unnormalised exponentials and per-row factors, the chunk's X rows scaled
-// by them (into its dX rows, which the dX GEMM overwrites after) feed the
-// dW GEMM, and the dX rows are scaled after theirs.
+// unnormalised exponentials and per-row factors (ChunkGradients applies
+// them).
 absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pass,
                        const RowBuffers& rows, const float* lse_in, float* dx, float* dw,
-                       float* db) {
+                       float* db, void* keep) {
   const Lane& lane = call.lane;
   cudaStream_t s = lane.stream();
   const bool grad = pass != Pass::kLoss;
-  const int64_t chunk = ChunkRows(call.options, in.n, in.v, in.dtype);
+  const int64_t chunk = keep != nullptr ? in.n : ChunkRows(call.options, in.n, in.v, in.dtype);
+  if (keep != nullptr && !OneChunk(call.options, in.n, in.v, in.dtype)) {
+    return absl::InternalError("kept logits asked for a problem of several chunks");
+  }
   const bool one_pass = pass == Pass::kLossAndGradOnePass;
   if (one_pass && !OnePassRows(call.options, in)) {
     return absl::InternalError("one-pass rows asked for rows that need two passes");
@@ -50,69 +111,42 @@ absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pas
   float* row_factor = one_pass ? rows.row_factor.as<float>() : nullptr;
   if (one_pass)
     FLCE_RETURN_IF_ERROR(lane.Check(cudaMemsetAsync(rows.redo.data(), 0, 4, s), "clear redo"));
-  if (grad && in.n == 0) {
+  if (grad && keep == nullptr && in.n == 0) {
     FLCE_RETURN_IF_ERROR(lane.Check(cudaMemsetAsync(dw, 0, in.v * in.h * 4, s), "zero dW"));
     if (db) FLCE_RETURN_IF_ERROR(lane.Check(cudaMemsetAsync(db, 0, in.v * 4, s), "zero db"));
   }
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer logits,
-                        lane.Allocate(std::min(chunk, in.n) * in.v * DTypeSize(in.dtype)));
+  DeviceBuffer buffer;
+  if (keep == nullptr) {
+    FLCE_ASSIGN_OR_RETURN(buffer,
+                          lane.Allocate(std::min(chunk, in.n) * in.v * DTypeSize(in.dtype)));
+  }
+  void* logits = keep != nullptr ? keep : buffer.data();
   for (int64_t r0 = 0; r0 < in.n; r0 += chunk) {
     if (call.Cancelled()) return absl::CancelledError("cancelled between chunks");
     const int64_t count = std::min(chunk, in.n - r0);
-    FLCE_RETURN_IF_ERROR(ChunkLogitsGemm(call.gemm(), in, r0, count, logits.data()));
+    FLCE_RETURN_IF_ERROR(ChunkLogitsGemm(call.gemm(), in, r0, count, logits));
     Mark(call.clock, "logits GEMM");
     const RowParams params = in.Params(r0, count);
     if (pass == Pass::kGradFromLse) {
-      FLCE_RETURN_IF_ERROR(lane.Check(LaunchGradientRows(params, logits.data(), in.dtype, lse_in,
+      FLCE_RETURN_IF_ERROR(lane.Check(LaunchGradientRows(params, logits, in.dtype, lse_in,
                                                          rows.row_scale.as<float>(), s),
                                       "gradient rows"));
     } else if (one_pass) {
       FLCE_RETURN_IF_ERROR(
-          lane.Check(LaunchOnePassRows(params, logits.data(), in.dtype, rows.row_scale.as<float>(),
+          lane.Check(LaunchOnePassRows(params, logits, in.dtype, rows.row_scale.as<float>(),
                                        rows.outputs(), row_factor, rows.redo.as<int32_t>(), s),
                      "one-pass rows"));
     } else {
       FLCE_RETURN_IF_ERROR(
-          lane.Check(LaunchForwardRows(params, logits.data(), in.dtype, grad,
+          lane.Check(LaunchForwardRows(params, logits, in.dtype, grad,
                                        rows.row_scale.as<float>(), rows.outputs(), s),
                      "forward rows"));
     }
     Mark(call.clock, "row kernel");
-    if (!grad) continue;
-    float* dx_c = dx + r0 * in.h;
-    const bool first = r0 == 0;
-    if (one_pass) {
-      // Each row holds its gradient over its factor: the dW GEMM takes X_c's
-      // rows times their factors, rounded to the input dtype, from the
-      // chunk's dX rows (fp32, so large enough; the dX GEMM overwrites them
-      // next), dX's rows are scaled after their GEMM, and the bias column
-      // sums weigh each row by its factor.
-      FLCE_RETURN_IF_ERROR(
-          lane.Check(LaunchScaleRows(in.x_row(r0), dx_c, in.dtype, row_factor + r0, count, in.h, s),
-                     "scale X rows"));
-      Mark(call.clock, "scale X rows");
-      FLCE_RETURN_IF_ERROR(ChunkDwGemm(call.gemm(), in, dx_c, count, logits.data(), first, dw));
-      Mark(call.clock, first ? "dW GEMM, fp32, beta 0" : "dW GEMM, fp32, beta 1");
-      FLCE_RETURN_IF_ERROR(ChunkDxGemm(call.gemm(), in, count, logits.data(), dx_c));
-      Mark(call.clock, "dX GEMM");
-      FLCE_RETURN_IF_ERROR(
-          lane.Check(LaunchScaleRows(dx_c, dx_c, DType::kFloat32, row_factor + r0, count, in.h, s),
-                     "scale dX rows"));
-      Mark(call.clock, "scale dX rows");
-    } else {
-      FLCE_RETURN_IF_ERROR(ChunkDxGemm(call.gemm(), in, count, logits.data(), dx_c));
-      Mark(call.clock, "dX GEMM");
-      FLCE_RETURN_IF_ERROR(
-          ChunkDwGemm(call.gemm(), in, in.x_row(r0), count, logits.data(), first, dw));
-      Mark(call.clock, first ? "dW GEMM, fp32, beta 0" : "dW GEMM, fp32, beta 1");
-    }
-    if (db) {
-      FLCE_RETURN_IF_ERROR(
-          lane.Check(LaunchColumnSums(logits.data(), in.dtype, count, in.v, in.v,
-                                      one_pass ? row_factor + r0 : nullptr, r0 > 0, db, s),
-                     "bias gradient"));
-      Mark(call.clock, "bias gradient");
-    }
+    if (!grad || keep != nullptr) continue;
+    FLCE_RETURN_IF_ERROR(ChunkGradients(call, in, r0, count, logits, row_factor, r0 == 0,
+                                        dx + r0 * in.h, /*want_dx=*/true, dw, DType::kFloat32,
+                                        1.0f, db));
   }
   return absl::OkStatus();
 }

@@ -49,14 +49,35 @@ bool OnePassRows(const CudaEngineOptions& options, const DeviceInputs& in);
 absl::Status RowScales(const CallContext& call, const DeviceInputs& in, const float* grad_output,
                        int64_t grad_output_count, RowBuffers& rows);
 
+// Whether all of the problem's rows fit one token chunk (chunk_plan.h):
+// then STORE_GRADS can keep the chunk's logits instead of gradients.
+bool OneChunk(const CudaEngineOptions& options, int64_t n, int64_t v, DType dtype);
+
 // The token-chunk loop. dx, dw, db are fp32 device outputs that the
 // gradient passes overwrite (db may be null; all null for kLoss). lse_in:
 // the saved lse, for kGradFromLse. With kLossAndGradOnePass, rows.redo
 // says afterwards whether the results are void and the call must run again
-// with kLossAndGrad.
+// with kLossAndGrad. With `keep`, a [N, V] buffer in the input dtype
+// (REQUIRES OneChunk), every row goes through its logits GEMM and row
+// kernel into it and no gradient GEMM runs (dx, dw, db unused): the
+// gradient in its logit form stays there for ChunkGradients.
 absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pass,
                        const RowBuffers& rows, const float* lse_in, float* dx, float* dw,
-                       float* db);
+                       float* db, void* keep = nullptr);
+
+// The gradient GEMMs of rows [r0, r0 + count) from dz [count, V], their
+// gradient in the logit form a row kernel left (row_factor: the one-pass
+// kernel's per-row factors, which each row of dz is to be multiplied by;
+// null: dz is the gradient). dX_c (fp32 [count, H], overwritten) when
+// `want_dx`; dW (`dw_type`, alpha times the gradient; overwritten when
+// `first`, else added to) and db (fp32, not scaled; likewise; may be null)
+// unless dw is null. The one-pass dW GEMM reads X's scaled rows from
+// dx_c's memory, so dx_c is REQUIRED with row_factor and dw even when dX is
+// not wanted.
+absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int64_t r0,
+                            int64_t count, const void* dz, const float* row_factor, bool first,
+                            float* dx_c, bool want_dx, void* dw, DType dw_type, float alpha,
+                            float* db);
 
 // The RECOMPUTE backward: dX (fp32 [N, H]), dW ([V, H] in `wdtype`, device
 // memory) and db (fp32 [V], or null) for the row scales in `rows` and the

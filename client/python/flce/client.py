@@ -543,7 +543,9 @@ class Client:
         With ``shm``, the tensors travel through that shared-memory region;
         with ``cuda_ipc``, hidden and weight on the GPU are read by the
         server from this process's GPU memory, in stream order after the
-        work queued before the call (see :mod:`flce.cuda_ipc`). With
+        work queued before the call (see :mod:`flce.cuda_ipc`); keep them
+        alive and unchanged until the session's last backward(), which may
+        read them again. With
         ``backward_into`` = (dX, dW, db) CUDA tensors (db None without a
         bias) and ``cuda_ipc``, the same call also runs Backward for the
         upstream gradient ``backward_grad_output`` (None: 1) and writes the

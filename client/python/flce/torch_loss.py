@@ -153,10 +153,10 @@ class _RemoteFunction(torch.autograd.Function):
             return loss
         ctx.pending = None
         ctx.session = _Session(module.client, result.session_id) if result.session_id else None
-        # A RECOMPUTE session reads X and W again in Backward: through CUDA
+        # The session may read X and W again in Backward (RECOMPUTE, and
+        # STORE_GRADS of one token chunk, which keeps logits): through CUDA
         # IPC they must stay alive (and unchanged) until then.
-        ctx.keep = ((hidden, weight) if module.cuda_ipc and result.backward_mode == "recompute"
-                    else None)
+        ctx.keep = (hidden, weight) if module.cuda_ipc and result.session_id else None
         module._last = result
         if not result.loss.shape:
             # A scalar: made on the device by a fill (no copy to wait for).
