@@ -73,6 +73,9 @@ ABSL_FLAG(bool, cuda_tune_gemms, true,
           "the floor is then also timed with tuned algorithms, printed under the row");
 ABSL_FLAG(bool, cuda_one_pass_rows, true,
           "CUDA engine: STORE_GRADS reads each logit once where it can (false: twice)");
+ABSL_FLAG(bool, cuda_keep_chunk_logits, true,
+          "CUDA engine: STORE_GRADS in one chunk keeps the logits, dW made in Backward in its "
+          "final dtype (false: fp32 gradients in Forward)");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
           "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
 ABSL_FLAG(std::string, vocab_shards, "",
@@ -342,6 +345,7 @@ int RunCuda() {
   }
   options.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
   options.one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
+  options.keep_chunk_logits = absl::GetFlag(FLAGS_cuda_keep_chunk_logits);
   auto engine = CudaEngine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());

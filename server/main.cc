@@ -124,6 +124,10 @@ ABSL_FLAG(bool, cuda_tune_gemms, flce::CudaEngineOptions().tune_gemms,
 ABSL_FLAG(bool, cuda_one_pass_rows, flce::CudaEngineOptions().one_pass_rows,
           "CUDA engine: STORE_GRADS reads each logit once where it can (bf16/fp32 without "
           "label smoothing); false: always twice");
+ABSL_FLAG(bool, cuda_keep_chunk_logits, flce::CudaEngineOptions().keep_chunk_logits,
+          "CUDA engine: STORE_GRADS of a batch whose rows fit one logits chunk keeps the "
+          "logits and makes dX and dW in Backward, dW in its final dtype; false: fp32 "
+          "gradients made in Forward");
 ABSL_FLAG(std::string, tls_cert_file, "",
           "PEM certificate chain of the server: serve TLS (with --tls_key_file)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
@@ -272,6 +276,7 @@ int main(int argc, char** argv) {
   options.engine.cuda.min_slice_columns = absl::GetFlag(FLAGS_cuda_min_slice_columns);
   options.engine.cuda.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
   options.engine.cuda.one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
+  options.engine.cuda.keep_chunk_logits = absl::GetFlag(FLAGS_cuda_keep_chunk_logits);
 
   absl::StatusOr<std::unique_ptr<flce::LossServer>> server =
       flce::LossServer::Start(options);

@@ -33,6 +33,11 @@ struct CudaEngineOptions {
   // rows fall outside the one-pass kernel's range runs again with two
   // passes (forward_reruns()). Off: always two passes (benchmarks compare).
   bool one_pass_rows = true;
+  // STORE_GRADS of a problem whose rows fit one chunk keeps the chunk's
+  // logits and runs the gradient GEMMs in Backward, dW in its final dtype
+  // (KeptLogits in device_pipeline.h). Off: fp32 gradients made in Forward,
+  // as over several chunks (benchmarks compare).
+  bool keep_chunk_logits = true;
 };
 
 }  // namespace flce

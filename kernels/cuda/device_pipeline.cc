@@ -285,7 +285,7 @@ int64_t SavedStateBytes(const CudaEngineOptions& options, const LossProblem& p,
     return DeviceInputBytes(p) +
            (mode == BackwardMode::kStoreGrads ? n * v * DTypeSize(p.hidden.dtype) : 0);
   }
-  if (mode == BackwardMode::kStoreGrads && OneChunk(options, n, v, p.hidden.dtype)) {
+  if (mode == BackwardMode::kStoreGrads && KeepsChunkLogits(options, n, v, p.hidden.dtype)) {
     return DeviceInputBytes(p) + n * v * DTypeSize(p.hidden.dtype) + n * 4;
   }
   if (mode == BackwardMode::kStoreGrads) {
@@ -311,7 +311,7 @@ absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
   Mark(call.clock, "row scales and reductions");
   std::unique_ptr<StoredGradients> grads;
   std::unique_ptr<KeptLogits> kept;
-  if (store && OneChunk(call.options, n, in.v, in.dtype)) {
+  if (store && KeepsChunkLogits(call.options, n, in.v, in.dtype)) {
     kept = std::make_unique<KeptLogits>();
     FLCE_ASSIGN_OR_RETURN(kept->logits, lane.Allocate(n * in.v * DTypeSize(in.dtype)));
   } else if (store) {

@@ -26,8 +26,8 @@ absl::Status RowScales(const CallContext& call, const DeviceInputs& in, const fl
       "row scales");
 }
 
-bool OneChunk(const CudaEngineOptions& options, int64_t n, int64_t v, DType dtype) {
-  return n > 0 && ChunkRows(options, n, v, dtype) >= n;
+bool KeepsChunkLogits(const CudaEngineOptions& options, int64_t n, int64_t v, DType dtype) {
+  return options.keep_chunk_logits && n > 0 && ChunkRows(options, n, v, dtype) >= n;
 }
 
 absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int64_t r0,
@@ -101,7 +101,7 @@ absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pas
   cudaStream_t s = lane.stream();
   const bool grad = pass != Pass::kLoss;
   const int64_t chunk = keep != nullptr ? in.n : ChunkRows(call.options, in.n, in.v, in.dtype);
-  if (keep != nullptr && !OneChunk(call.options, in.n, in.v, in.dtype)) {
+  if (keep != nullptr && !KeepsChunkLogits(call.options, in.n, in.v, in.dtype)) {
     return absl::InternalError("kept logits asked for a problem of several chunks");
   }
   const bool one_pass = pass == Pass::kLossAndGradOnePass;

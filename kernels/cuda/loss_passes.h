@@ -49,16 +49,17 @@ bool OnePassRows(const CudaEngineOptions& options, const DeviceInputs& in);
 absl::Status RowScales(const CallContext& call, const DeviceInputs& in, const float* grad_output,
                        int64_t grad_output_count, RowBuffers& rows);
 
-// Whether all of the problem's rows fit one token chunk (chunk_plan.h):
-// then STORE_GRADS can keep the chunk's logits instead of gradients.
-bool OneChunk(const CudaEngineOptions& options, int64_t n, int64_t v, DType dtype);
+// Whether STORE_GRADS keeps the chunk's logits instead of gradients
+// (CudaEngineOptions::keep_chunk_logits, and all of the problem's rows fit
+// one token chunk: chunk_plan.h).
+bool KeepsChunkLogits(const CudaEngineOptions& options, int64_t n, int64_t v, DType dtype);
 
 // The token-chunk loop. dx, dw, db are fp32 device outputs that the
 // gradient passes overwrite (db may be null; all null for kLoss). lse_in:
 // the saved lse, for kGradFromLse. With kLossAndGradOnePass, rows.redo
 // says afterwards whether the results are void and the call must run again
 // with kLossAndGrad. With `keep`, a [N, V] buffer in the input dtype
-// (REQUIRES OneChunk), every row goes through its logits GEMM and row
+// (REQUIRES KeepsChunkLogits), every row goes through its logits GEMM and row
 // kernel into it and no gradient GEMM runs (dx, dw, db unused): the
 // gradient in its logit form stays there for ChunkGradients.
 absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pass,
