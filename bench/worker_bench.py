@@ -23,7 +23,7 @@ tensors.
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
   [--iters 10] [--warmup 3] [--json PATH] [--breakdown] [--phases] [--timeline]
-  [--profile K] [--pieces 4]
+  [--profile K] [--server_flags "..."] [--pieces 4]
 Needs PyTorch, the flce package and server_process.py on PYTHONPATH.
 """
 
@@ -356,6 +356,9 @@ def main(argv):
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default="")
+    parser.add_argument("--server_flags", default="",
+                        help="more flce_server flags, space-separated (e.g. an engine option "
+                             "to compare against)")
     parser.add_argument("--pieces", type=int, default=4,
                         help="row pieces of the registered transport (pipeline_pieces)")
     parser.add_argument("--breakdown", action="store_true",
@@ -377,7 +380,8 @@ def main(argv):
     timeline = Timeline() if args.timeline else None
     server = ServerProcess(args.server_binary, f"--backend={args.backend}",
                            "--enable_shared_memory", f"--max_message_bytes={1 << 30}",
-                           *(("--log_level=debug",) if args.timeline else ()))
+                           *(("--log_level=debug",) if args.timeline else ()),
+                           *args.server_flags.split())
     rows = []
     try:
         client = flce.Client(server.address, max_message_bytes=1 << 30)

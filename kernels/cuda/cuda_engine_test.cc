@@ -93,11 +93,13 @@ TEST(CudaEngineSemanticsTest, DeviceRunTimesItsStages) {
 // equal those of the same problem cut into several chunks (fp32 gradients
 // summed over the chunks) within the dtype's rounding.
 TEST(CudaEngineSemanticsTest, StoreGradsOfOneChunkKeepsTheLogits) {
-  FLCE_GET_ENGINE_OR_SKIP(engine);
-  CudaEngineOptions options;
-  options.chunk_bytes = 64 << 10;  // 64-row chunks (kCudaMinChunkRows): 5 of them
-  auto chunked = CudaEngine::Create(options);
-  ASSERT_TRUE(chunked.ok()) << chunked.status();
+  // The suite's engine cuts these 300 rows into chunks of 64; one with the
+  // default budget takes them in one.
+  FLCE_GET_ENGINE_OR_SKIP(chunked_engine);
+  CudaEngine* const chunked = chunked_engine;
+  auto whole = CudaEngine::Create(CudaEngineOptions());
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  CudaEngine* const engine = whole->get();
   RandomProblemSpec spec;
   spec.rows = 300;
   spec.hidden = 48;
@@ -111,7 +113,7 @@ TEST(CudaEngineSemanticsTest, StoreGradsOfOneChunkKeepsTheLogits) {
   fs.need_backward = true;
   fs.mode = BackwardMode::kStoreGrads;
   auto kept = engine->Forward(p.view(), fs, nullptr);
-  auto several = (*chunked)->Forward(p.view(), fs, nullptr);
+  auto several = chunked->Forward(p.view(), fs, nullptr);
   ASSERT_TRUE(kept.ok() && several.ok());
   EXPECT_EQ(kept->loss.data, several->loss.data);
   EXPECT_EQ(kept->saved->bytes(), engine->SavedStateBytes(p.view(), fs.mode));
@@ -130,7 +132,7 @@ TEST(CudaEngineSemanticsTest, StoreGradsOfOneChunkKeepsTheLogits) {
     auto both = engine->Backward(*kept->saved, all, nullptr);
     auto dx = engine->Backward(*kept->saved, hidden, nullptr);
     auto dw = engine->Backward(*kept->saved, weight, nullptr);
-    auto fp32 = (*chunked)->Backward(*several->saved, all, nullptr);
+    auto fp32 = chunked->Backward(*several->saved, all, nullptr);
     ASSERT_TRUE(both.ok() && dx.ok() && dw.ok() && fp32.ok());
     EXPECT_EQ(dx->grad_hidden.data, both->grad_hidden.data);
     EXPECT_EQ(dw->grad_weight.data, both->grad_weight.data);
