@@ -11,7 +11,8 @@
 // (DeviceRun, kernels/cuda/device_run.h: no host transfers), floor = cuBLAS GEMMs in the
 // input dtype, both timed with CUDA events (median); the extra device memory is the
 // stream-ordered pool's measured high-water mark minus X, W and the dX, dW
-// the run keeps (fp32 accumulators; RECOMPUTE's dW in the input dtype).
+// the run keeps (fp32 sums: STORE_GRADS over several chunks dX and dW, in one chunk and
+// RECOMPUTE dX only, their dW made in the input dtype).
 //
 // Effective rate = 6·N·H·V / time (the useful FLOP of fwd+bwd), as in
 // DESIGN.md §7. Prints a table; --json prints one JSON object per row.

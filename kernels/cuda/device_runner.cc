@@ -33,8 +33,11 @@ class DeviceRunner : public DeviceRun {
       FLCE_ASSIGN_OR_RETURN(db_, lane->Allocate(v * elem));
     }
     // The fp32 sums the gradients are made from: STORE_GRADS' state (dX,
-    // dW), RECOMPUTE's dX.
-    sums_bytes_ = mode_ == BackwardMode::kStoreGrads ? (n * h + v * h) * 4 : n * h * 4;
+    // dW) over several chunks; dX alone in one chunk (dW comes out of its
+    // GEMM in its final dtype) and in RECOMPUTE.
+    const bool fp32_dw = mode_ == BackwardMode::kStoreGrads &&
+                         !KeepsChunkLogits(parts_.options, n, v, problem_.hidden.dtype);
+    sums_bytes_ = fp32_dw ? (n * h + v * h) * 4 : n * h * 4;
     return lane->Synchronize("prepare");
   }
 
