@@ -54,7 +54,10 @@ absl::StatusOr<Gradients> BackwardStored(const CallContext& call, StoredGradient
 // STORE_GRADS of one chunk: the gradient GEMMs from the kept logits, with
 // grad_output `scale` folded into dW's GEMM (its one rounding, straight
 // into a device destination that is not accumulated) and into dX's and
-// db's narrowing.
+// db's narrowing. An fp32 accumulator on the device (a registered weight's
+// sum) takes dW straight from its GEMM too (beta 1), the call's last GEMM,
+// after dX is delivered: a call failing before it leaves the sum as it
+// was.
 absl::StatusOr<Gradients> BackwardKept(const CallContext& call, const KeptLogits& kept,
                                        const BackwardSpec& spec, float scale) {
   const Lane& lane = call.lane;
@@ -68,31 +71,43 @@ absl::StatusOr<Gradients> BackwardKept(const CallContext& call, const KeptLogits
   if (want_dx || (want_dw && factor != nullptr)) {
     FLCE_ASSIGN_OR_RETURN(dx, lane.Allocate(in.n * in.h * 4));
   }
-  // An accumulating destination gets dW added only once all of it is made.
+  // Another accumulating destination (in the input dtype, added to as
+  // autograd adds) gets dW added once all of it is made.
   const bool dw_in_place = spec.grad_weight_to &&
                            spec.grad_weight_to->space == MemorySpace::kCuda &&
                            !spec.grad_weight_to->accumulate;
+  const bool dw_adds = want_dw && spec.grad_weight_to &&
+                       spec.grad_weight_to->space == MemorySpace::kCuda &&
+                       spec.grad_weight_to->accumulate && wdtype == DType::kFloat32;
   DeviceBuffer dw, db;
-  if (want_dw && !dw_in_place) {
+  if (want_dw && !dw_in_place && !dw_adds) {
     FLCE_ASSIGN_OR_RETURN(dw, lane.Allocate(in.v * in.h * DTypeSize(wdtype)));
   }
-  void* dw_out = !want_dw ? nullptr : dw_in_place ? spec.grad_weight_to->data : dw.data();
+  void* dw_out = !want_dw ? nullptr
+                 : dw_in_place || dw_adds ? spec.grad_weight_to->data
+                                          : dw.data();
   if (want_dw && in.bias.bytes() > 0) {
     FLCE_ASSIGN_OR_RETURN(db, lane.Allocate(in.v * 4));
   }
-  FLCE_RETURN_IF_ERROR(ChunkGradients(call, in, 0, in.n, kept.logits.data(), factor,
-                                      /*first=*/true, dx.bytes() > 0 ? dx.as<float>() : nullptr,
-                                      want_dx, dw_out, wdtype, scale,
-                                      db.bytes() > 0 ? db.as<float>() : nullptr));
+  float* const dx_f = dx.bytes() > 0 ? dx.as<float>() : nullptr;
+  float* const db_f = db.bytes() > 0 ? db.as<float>() : nullptr;
+  // dX first (delivered, its fp32 rows then free for the one-pass dW
+  // GEMM's scaled X), dW last.
   Gradients out;
   if (want_dx) {
+    FLCE_RETURN_IF_ERROR(ChunkGradients(call, in, 0, in.n, kept.logits.data(), factor,
+                                        /*first=*/true, dx_f, /*want_dx=*/true, nullptr, wdtype,
+                                        scale, nullptr));
     FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
                           DeliverGradient(lane, dx.data(), DType::kFloat32, {in.n, in.h}, dtype,
                                           scale, spec.grad_hidden_to));
     Mark(call.clock, "narrowing dX");
   }
   if (!want_dw) return out;
-  if (spec.grad_weight_to && spec.grad_weight_to->accumulate) {
+  FLCE_RETURN_IF_ERROR(ChunkGradients(call, in, 0, in.n, kept.logits.data(), factor,
+                                      /*first=*/!dw_adds, dx_f, /*want_dx=*/false, dw_out, wdtype,
+                                      scale, db_f));
+  if (spec.grad_weight_to && spec.grad_weight_to->accumulate && !dw_adds) {
     FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverGradient(lane, dw.data(), wdtype, {in.v, in.h},
                                                            wdtype, 1.0f, spec.grad_weight_to));
   } else {

@@ -78,7 +78,7 @@ absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int
     FLCE_RETURN_IF_ERROR(lane.Check(LaunchColumnSums(dz, in.dtype, count, in.v, in.v,
                                                      row_factor != nullptr ? row_factor + r0
                                                                            : nullptr,
-                                                     !first, db, s),
+                                                     r0 > 0, db, s),
                                     "bias gradient"));
     Mark(call.clock, "bias gradient");
   }

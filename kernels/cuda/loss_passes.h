@@ -71,8 +71,8 @@ absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pas
 // kernel's per-row factors, which each row of dz is to be multiplied by;
 // null: dz is the gradient). dX_c (fp32 [count, H], overwritten) when
 // `want_dx`; dW (`dw_type`, alpha times the gradient; overwritten when
-// `first`, else added to) and db (fp32, not scaled; likewise; may be null)
-// unless dw is null. The one-pass dW GEMM reads X's scaled rows from
+// `first`, else added to) and db (fp32, not scaled; overwritten for the
+// first rows, r0 == 0, else added to; may be null) unless dw is null. The one-pass dW GEMM reads X's scaled rows from
 // dx_c's memory, so dx_c is REQUIRED with row_factor and dw even when dX is
 // not wanted.
 absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int64_t r0,
