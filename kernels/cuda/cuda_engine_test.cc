@@ -50,7 +50,8 @@ TEST_P(CudaEngineTest, LargeVocabulary) { RunAll(LargeVocabularyCases(dtype()));
 INSTANTIATE_TEST_SUITE_P(
     AllDTypes, CudaEngineTest,
     ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
-                       ::testing::Values(Layout::kTokenChunks, Layout::kVocabularySlices)),
+                       ::testing::Values(Layout::kTokenChunks, Layout::kVocabularySlices,
+                                         Layout::kOneChunk)),
     [](const auto& info) {
       return cuda_test::DTypeLayoutName(std::get<0>(info.param), std::get<1>(info.param));
     });

@@ -27,30 +27,37 @@ inline bool RequireGpu() {
 
 // How the RECOMPUTE backward walks the logits.
 enum class Layout {
-  kTokenChunks,      // token chunks, like Forward (slices of every row do not fit)
-  kVocabularySlices  // all rows at once, vocabulary slices of 16+ columns
+  kTokenChunks,       // token chunks, like Forward (slices of every row do not fit)
+  kVocabularySlices,  // all rows at once, vocabulary slices of 16+ columns
+  kOneChunk           // the default budget: a test's rows fit one chunk
 };
 
 // The test name of a (dtype, layout) parameter: "bf16_token_chunks", ...
 inline std::string DTypeLayoutName(DType dtype, Layout layout) {
-  return std::string(DTypeName(dtype)) +
-         (layout == Layout::kTokenChunks ? "_token_chunks" : "_vocabulary_slices");
+  return std::string(DTypeName(dtype)) + (layout == Layout::kTokenChunks       ? "_token_chunks"
+                                          : layout == Layout::kVocabularySlices ? "_vocabulary_slices"
+                                                                                : "_one_chunk");
 }
 
-// Two engines for the whole binary, both with a small chunk budget so that
-// every case runs several token chunks (at least kCudaMinChunkRows rows each)
+// Engines for the whole binary: two with a small chunk budget so that
+// every case of more than kCudaMinChunkRows rows runs several token chunks
 // in Forward, and with it several vocabulary slices or token chunks in the
-// RECOMPUTE backward.
+// RECOMPUTE backward; one with the default budget, in which a test's rows
+// fit one chunk (STORE_GRADS then keeps the logits).
 inline CudaEngine* Engine(std::string* why, Layout layout = Layout::kTokenChunks) {
-  auto make = [](int64_t min_slice_columns) {
+  auto make = [](int64_t chunk_bytes, int64_t min_slice_columns) {
     CudaEngineOptions options;
-    options.chunk_bytes = 64 << 10;
+    if (chunk_bytes > 0) options.chunk_bytes = chunk_bytes;
     options.min_slice_columns = min_slice_columns;
     return new absl::StatusOr<std::unique_ptr<CudaEngine>>(CudaEngine::Create(options));
   };
-  static absl::StatusOr<std::unique_ptr<CudaEngine>>* chunks = make(int64_t{1} << 40);
-  static absl::StatusOr<std::unique_ptr<CudaEngine>>* slices = make(16);
-  auto* engine = layout == Layout::kTokenChunks ? chunks : slices;
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* chunks = make(64 << 10, int64_t{1} << 40);
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* slices = make(64 << 10, 16);
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* whole =
+      make(0, CudaEngineOptions().min_slice_columns);
+  auto* engine = layout == Layout::kTokenChunks       ? chunks
+                 : layout == Layout::kVocabularySlices ? slices
+                                                       : whole;
   if (!engine->ok()) {
     *why = engine->status().ToString();
     return nullptr;

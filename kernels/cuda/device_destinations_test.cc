@@ -39,7 +39,7 @@ RandomProblemSpec DestinationSpec() {
 // given) equal the ones copied to the host, bit for bit: both modes, both
 // RECOMPUTE layouts, dW in the input dtype and in fp32.
 TEST(CudaEngineSemanticsTest, DeviceDestinationsHoldTheHostResults) {
-  for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
+  for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices, Layout::kOneChunk}) {
     FLCE_GET_ENGINE_OR_SKIP(engine, layout);
     RandomProblemSpec spec = DestinationSpec();
     const OwnedProblem p = MakeRandomProblem(spec);
@@ -79,7 +79,7 @@ TEST(CudaEngineSemanticsTest, DeviceDestinationsHoldTheHostResults) {
 // counted in device_memory_bytes() while alive, and round-trips through
 // DeviceMemory::CopyToDevice / CopyToHost.
 TEST(CudaEngineSemanticsTest, AccumulatingDestinationsAddTheScaledGradient) {
-  for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices}) {
+  for (Layout layout : {Layout::kTokenChunks, Layout::kVocabularySlices, Layout::kOneChunk}) {
     FLCE_GET_ENGINE_OR_SKIP(engine, layout);
     RandomProblemSpec spec = DestinationSpec();
     spec.options.reduction = Reduction::kSum;
