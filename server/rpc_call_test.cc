@@ -78,9 +78,9 @@ TEST(CallRecordTest, StampsGoOutAsATimelineAtDebugLevelOnly) {
     record.Over(nullptr);
   }
   EXPECT_THAT(debug.str(), HasSubstr("rpc=Forward code=OK"));
-  EXPECT_THAT(debug.str(), ::testing::ContainsRegex(
-                               "rpc=Forward timeline start_mono_us=[0-9]+ parsed=\\+[0-9]+ "
-                               "answered=\\+[0-9]+ over=\\+[0-9]+"));
+  EXPECT_THAT(debug.str(),
+              ::testing::ContainsRegex("rpc=Forward timeline start_mono_us=[0-9]+ parsed=\\+[0-9]+ "
+                                       "answered=\\+[0-9]+ over=\\+[0-9]+"));
   {
     CapturedLog log(info, spdlog::level::info);
     CallRecord record(nullptr, "Forward");

@@ -34,9 +34,10 @@ enum class Layout {
 
 // The test name of a (dtype, layout) parameter: "bf16_token_chunks", ...
 inline std::string DTypeLayoutName(DType dtype, Layout layout) {
-  return std::string(DTypeName(dtype)) + (layout == Layout::kTokenChunks       ? "_token_chunks"
-                                          : layout == Layout::kVocabularySlices ? "_vocabulary_slices"
-                                                                                : "_one_chunk");
+  return std::string(DTypeName(dtype)) + (layout == Layout::kTokenChunks ? "_token_chunks"
+                                          : layout == Layout::kVocabularySlices
+                                              ? "_vocabulary_slices"
+                                              : "_one_chunk");
 }
 
 // Engines for the whole binary: two with a small chunk budget so that
@@ -55,7 +56,7 @@ inline CudaEngine* Engine(std::string* why, Layout layout = Layout::kTokenChunks
   static absl::StatusOr<std::unique_ptr<CudaEngine>>* slices = make(64 << 10, 16);
   static absl::StatusOr<std::unique_ptr<CudaEngine>>* whole =
       make(0, CudaEngineOptions().min_slice_columns);
-  auto* engine = layout == Layout::kTokenChunks       ? chunks
+  auto* engine = layout == Layout::kTokenChunks        ? chunks
                  : layout == Layout::kVocabularySlices ? slices
                                                        : whole;
   if (!engine->ok()) {

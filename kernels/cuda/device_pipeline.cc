@@ -83,7 +83,7 @@ absl::StatusOr<Gradients> BackwardKept(const CallContext& call, const KeptLogits
   if (want_dw && !dw_in_place && !dw_adds) {
     FLCE_ASSIGN_OR_RETURN(dw, lane.Allocate(in.v * in.h * DTypeSize(wdtype)));
   }
-  void* dw_out = !want_dw ? nullptr
+  void* dw_out = !want_dw                 ? nullptr
                  : dw_in_place || dw_adds ? spec.grad_weight_to->data
                                           : dw.data();
   if (want_dw && in.bias.bytes() > 0) {
@@ -293,8 +293,7 @@ absl::StatusOr<DeviceForward> ShardForwardOnDevice(const CallContext& call,
 
 }  // namespace
 
-int64_t SavedStateBytes(const CudaEngineOptions& options, const LossProblem& p,
-                        BackwardMode mode) {
+int64_t SavedStateBytes(const CudaEngineOptions& options, const LossProblem& p, BackwardMode mode) {
   const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
   if (p.shard) {
     return DeviceInputBytes(p) +
@@ -350,11 +349,11 @@ absl::StatusOr<DeviceForward> ForwardOnDevice(const CallContext& call,
   // The chunks, the totals and the per-row results the spec asks for,
   // downloaded; waits for them.
   auto run = [&](Pass pass) -> absl::Status {
-    FLCE_RETURN_IF_ERROR(RunChunks(
-        call, in, pass, rows, nullptr, grads ? grads->dx.as<float>() : nullptr,
-        grads ? grads->dw.as<float>() : nullptr,
-        grads && grads->db.bytes() > 0 ? grads->db.as<float>() : nullptr,
-        kept ? kept->logits.data() : nullptr));
+    FLCE_RETURN_IF_ERROR(RunChunks(call, in, pass, rows, nullptr,
+                                   grads ? grads->dx.as<float>() : nullptr,
+                                   grads ? grads->dw.as<float>() : nullptr,
+                                   grads && grads->db.bytes() > 0 ? grads->db.as<float>() : nullptr,
+                                   kept ? kept->logits.data() : nullptr));
     FLCE_RETURN_IF_ERROR(lane.Check(LaunchReduceRows(rows.outputs(), n, rows.denom.as<double>(),
                                                      divide, rows.totals.as<double>(), s),
                                     "reduce rows"));

@@ -195,12 +195,9 @@ absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const Gem
   return choice->lt->Run(lt_, stream, choice->algo, a, b, beta, c, nullptr, 0, alpha);
 }
 
-absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(cublasHandle_t blas,
-                                                                           cudaStream_t stream,
-                                                                           const GemmShape& g,
-                                                                           const void* a,
-                                                                           const void* b, void* c,
-                                                                           float alpha) {
+absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
+    cublasHandle_t blas, cudaStream_t stream, const GemmShape& g, const void* a, const void* b,
+    void* c, float alpha) {
   auto choice = std::make_shared<Choice>();
   auto run_default = [&] { return RunDefault(health_, blas, g, a, b, 0.0f, c, alpha); };
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer hash_buffer, DeviceBuffer::Allocate(8, stream, health_));

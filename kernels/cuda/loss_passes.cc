@@ -43,22 +43,22 @@ absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int
     // next), dX's rows are scaled after their GEMM, and the bias column
     // sums weigh each row by its factor.
     if (dw != nullptr) {
-      FLCE_RETURN_IF_ERROR(lane.Check(
-          LaunchScaleRows(in.x_row(r0), dx_c, in.dtype, row_factor + r0, count, in.h, s),
-          "scale X rows"));
+      FLCE_RETURN_IF_ERROR(
+          lane.Check(LaunchScaleRows(in.x_row(r0), dx_c, in.dtype, row_factor + r0, count, in.h, s),
+                     "scale X rows"));
       Mark(call.clock, "scale X rows");
       FLCE_RETURN_IF_ERROR(
           ChunkDwGemm(call.gemm(), in, dx_c, count, dz, first, dw, dw_type, alpha));
       Mark(call.clock, dw_type != DType::kFloat32 ? "dW GEMM, final dtype"
-                       : first                     ? "dW GEMM, fp32, beta 0"
-                                                   : "dW GEMM, fp32, beta 1");
+                       : first                    ? "dW GEMM, fp32, beta 0"
+                                                  : "dW GEMM, fp32, beta 1");
     }
     if (want_dx) {
       FLCE_RETURN_IF_ERROR(ChunkDxGemm(call.gemm(), in, count, dz, dx_c));
       Mark(call.clock, "dX GEMM");
-      FLCE_RETURN_IF_ERROR(lane.Check(
-          LaunchScaleRows(dx_c, dx_c, DType::kFloat32, row_factor + r0, count, in.h, s),
-          "scale dX rows"));
+      FLCE_RETURN_IF_ERROR(
+          lane.Check(LaunchScaleRows(dx_c, dx_c, DType::kFloat32, row_factor + r0, count, in.h, s),
+                     "scale dX rows"));
       Mark(call.clock, "scale dX rows");
     }
   } else {
@@ -70,16 +70,15 @@ absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int
       FLCE_RETURN_IF_ERROR(
           ChunkDwGemm(call.gemm(), in, in.x_row(r0), count, dz, first, dw, dw_type, alpha));
       Mark(call.clock, dw_type != DType::kFloat32 ? "dW GEMM, final dtype"
-                       : first                     ? "dW GEMM, fp32, beta 0"
-                                                   : "dW GEMM, fp32, beta 1");
+                       : first                    ? "dW GEMM, fp32, beta 0"
+                                                  : "dW GEMM, fp32, beta 1");
     }
   }
   if (db != nullptr && dw != nullptr) {
-    FLCE_RETURN_IF_ERROR(lane.Check(LaunchColumnSums(dz, in.dtype, count, in.v, in.v,
-                                                     row_factor != nullptr ? row_factor + r0
-                                                                           : nullptr,
-                                                     r0 > 0, db, s),
-                                    "bias gradient"));
+    FLCE_RETURN_IF_ERROR(lane.Check(
+        LaunchColumnSums(dz, in.dtype, count, in.v, in.v,
+                         row_factor != nullptr ? row_factor + r0 : nullptr, r0 > 0, db, s),
+        "bias gradient"));
     Mark(call.clock, "bias gradient");
   }
   return absl::OkStatus();
@@ -95,8 +94,8 @@ absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int
 // unnormalised exponentials and per-row factors (ChunkGradients applies
 // them).
 absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pass,
-                       const RowBuffers& rows, const float* lse_in, float* dx, float* dw,
-                       float* db, void* keep) {
+                       const RowBuffers& rows, const float* lse_in, float* dx, float* dw, float* db,
+                       void* keep) {
   const Lane& lane = call.lane;
   cudaStream_t s = lane.stream();
   const bool grad = pass != Pass::kLoss;
@@ -128,9 +127,9 @@ absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pas
     Mark(call.clock, "logits GEMM");
     const RowParams params = in.Params(r0, count);
     if (pass == Pass::kGradFromLse) {
-      FLCE_RETURN_IF_ERROR(lane.Check(LaunchGradientRows(params, logits, in.dtype, lse_in,
-                                                         rows.row_scale.as<float>(), s),
-                                      "gradient rows"));
+      FLCE_RETURN_IF_ERROR(lane.Check(
+          LaunchGradientRows(params, logits, in.dtype, lse_in, rows.row_scale.as<float>(), s),
+          "gradient rows"));
     } else if (one_pass) {
       FLCE_RETURN_IF_ERROR(
           lane.Check(LaunchOnePassRows(params, logits, in.dtype, rows.row_scale.as<float>(),
@@ -138,15 +137,15 @@ absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pas
                      "one-pass rows"));
     } else {
       FLCE_RETURN_IF_ERROR(
-          lane.Check(LaunchForwardRows(params, logits, in.dtype, grad,
-                                       rows.row_scale.as<float>(), rows.outputs(), s),
+          lane.Check(LaunchForwardRows(params, logits, in.dtype, grad, rows.row_scale.as<float>(),
+                                       rows.outputs(), s),
                      "forward rows"));
     }
     Mark(call.clock, "row kernel");
     if (!grad || keep != nullptr) continue;
     FLCE_RETURN_IF_ERROR(ChunkGradients(call, in, r0, count, logits, row_factor, r0 == 0,
-                                        dx + r0 * in.h, /*want_dx=*/true, dw, DType::kFloat32,
-                                        1.0f, db));
+                                        dx + r0 * in.h, /*want_dx=*/true, dw, DType::kFloat32, 1.0f,
+                                        db));
   }
   return absl::OkStatus();
 }

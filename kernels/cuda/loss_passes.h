@@ -63,8 +63,8 @@ bool KeepsChunkLogits(const CudaEngineOptions& options, int64_t n, int64_t v, DT
 // kernel into it and no gradient GEMM runs (dx, dw, db unused): the
 // gradient in its logit form stays there for ChunkGradients.
 absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pass,
-                       const RowBuffers& rows, const float* lse_in, float* dx, float* dw,
-                       float* db, void* keep = nullptr);
+                       const RowBuffers& rows, const float* lse_in, float* dx, float* dw, float* db,
+                       void* keep = nullptr);
 
 // The gradient GEMMs of rows [r0, r0 + count) from dz [count, V], their
 // gradient in the logit form a row kernel left (row_factor: the one-pass
@@ -72,8 +72,8 @@ absl::Status RunChunks(const CallContext& call, const DeviceInputs& in, Pass pas
 // null: dz is the gradient). dX_c (fp32 [count, H], overwritten) when
 // `want_dx`; dW (`dw_type`, alpha times the gradient; overwritten when
 // `first`, else added to) and db (fp32, not scaled; overwritten for the
-// first rows, r0 == 0, else added to; may be null) unless dw is null. The one-pass dW GEMM reads X's scaled rows from
-// dx_c's memory, so dx_c is REQUIRED with row_factor and dw even when dX is
+// first rows, r0 == 0, else added to; may be null) unless dw is null. The one-pass dW GEMM reads
+// X's scaled rows from dx_c's memory, so dx_c is REQUIRED with row_factor and dw even when dX is
 // not wanted.
 absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int64_t r0,
                             int64_t count, const void* dz, const float* row_factor, bool first,
