@@ -144,6 +144,19 @@ def time_pull(module, hidden, weight, target):
     return (time.perf_counter() - start) * 1e3
 
 
+def wrap_in_place(module, attribute, wrap):
+    """Replaces `module`'s `attribute` ("Class.method" or "function") with
+    wrap(original, is_staticmethod), for this process."""
+    import importlib
+
+    holder = importlib.import_module(module)
+    *path, name = attribute.split(".")
+    for part in path:
+        holder = getattr(holder, part)
+    static = isinstance(vars(holder).get(name), staticmethod)
+    setattr(holder, name, wrap(getattr(holder, name), static))
+
+
 class Phases:
     """Wall time per step spent in named functions of the worker's path
     (wrapped in place for the benchmark's process; nested calls count in
@@ -162,17 +175,11 @@ class Phases:
     )
 
     def __init__(self):
-        import importlib
-
         self.step = {}
         self.steps = []
         for module, attribute in self.TARGETS:
-            holder = importlib.import_module(module)
-            *path, name = attribute.split(".")
-            for part in path:
-                holder = getattr(holder, part)
-            static = isinstance(vars(holder).get(name), staticmethod)
-            setattr(holder, name, self._timed(getattr(holder, name), attribute, static))
+            wrap_in_place(module, attribute, lambda f, static, label=attribute:
+                          self._timed(f, label, static))
 
     def _timed(self, original, label, static):
         phases = self
@@ -228,17 +235,11 @@ class Timeline:
     )
 
     def __init__(self):
-        import importlib
-
         self.step = None
         self.steps = []
         for module, attribute, name in self.TARGETS:
-            holder = importlib.import_module(module)
-            *path, last = attribute.split(".")
-            for part in path:
-                holder = getattr(holder, part)
-            static = isinstance(vars(holder).get(last), staticmethod)
-            setattr(holder, last, self._timed(getattr(holder, last), name, static))
+            wrap_in_place(module, attribute, lambda f, static, label=name:
+                          self._timed(f, label, static))
 
     def _timed(self, original, name, static):
         timeline = self

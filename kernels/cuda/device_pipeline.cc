@@ -51,6 +51,30 @@ absl::StatusOr<Gradients> BackwardStored(const CallContext& call, StoredGradient
   return out;
 }
 
+// Delivers dW, made at `dw_out` in `wdtype` (a device destination's own
+// memory, or `dw` when `add_dw`: added from there into an accumulating
+// destination), and db (fp32 in `db`, if any, narrowed with `db_scale`)
+// where `spec` says, into `out`.
+absl::Status DeliverWeightGradients(const CallContext& call, const DeviceInputs& in,
+                                    const DeviceBuffer& dw, const void* dw_out, bool add_dw,
+                                    DType wdtype, const DeviceBuffer& db, float db_scale,
+                                    const BackwardSpec& spec, Gradients& out) {
+  const Lane& lane = call.lane;
+  if (add_dw) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverGradient(lane, dw.data(), wdtype, {in.v, in.h},
+                                                           wdtype, 1.0f, spec.grad_weight_to));
+  } else {
+    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverFinalGradient(lane, dw_out, {in.v, in.h}, wdtype,
+                                                                spec.grad_weight_to));
+  }
+  if (db.bytes() > 0) {
+    FLCE_ASSIGN_OR_RETURN(out.grad_bias, DeliverGradient(lane, db.data(), DType::kFloat32, {in.v},
+                                                         wdtype, db_scale, spec.grad_bias_to));
+    Mark(call.clock, "narrowing db");
+  }
+  return absl::OkStatus();
+}
+
 // STORE_GRADS of one chunk: the gradient GEMMs from the kept logits, with
 // grad_output `scale` folded into dW's GEMM (its one rounding, straight
 // into a device destination that is not accumulated) and into dX's and
@@ -107,18 +131,9 @@ absl::StatusOr<Gradients> BackwardKept(const CallContext& call, const KeptLogits
   FLCE_RETURN_IF_ERROR(ChunkGradients(call, in, 0, in.n, kept.logits.data(), factor,
                                       /*first=*/!dw_adds, dx_f, /*want_dx=*/false, dw_out, wdtype,
                                       scale, db_f));
-  if (spec.grad_weight_to && spec.grad_weight_to->accumulate && !dw_adds) {
-    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverGradient(lane, dw.data(), wdtype, {in.v, in.h},
-                                                           wdtype, 1.0f, spec.grad_weight_to));
-  } else {
-    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverFinalGradient(lane, dw_out, {in.v, in.h}, wdtype,
-                                                                spec.grad_weight_to));
-  }
-  if (db.bytes() > 0) {
-    FLCE_ASSIGN_OR_RETURN(out.grad_bias, DeliverGradient(lane, db.data(), DType::kFloat32, {in.v},
-                                                         wdtype, scale, spec.grad_bias_to));
-    Mark(call.clock, "narrowing db");
-  }
+  const bool add_dw = spec.grad_weight_to && spec.grad_weight_to->accumulate && !dw_adds;
+  FLCE_RETURN_IF_ERROR(
+      DeliverWeightGradients(call, in, dw, dw_out, add_dw, wdtype, db, scale, spec, out));
   return out;
 }
 
@@ -180,18 +195,9 @@ absl::StatusOr<Gradients> BackwardFromLse(const CallContext& call, const DeviceI
     Mark(call.clock, "narrowing dX");
   }
   if (spec.hidden_grad_only) return out;
-  if (spec.grad_weight_to && spec.grad_weight_to->accumulate) {
-    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverGradient(lane, dw.data(), wdtype, {in.v, in.h},
-                                                           wdtype, 1.0f, spec.grad_weight_to));
-  } else {
-    FLCE_ASSIGN_OR_RETURN(out.grad_weight, DeliverFinalGradient(lane, dw_out, {in.v, in.h}, wdtype,
-                                                                spec.grad_weight_to));
-  }
-  if (db.bytes() > 0) {
-    FLCE_ASSIGN_OR_RETURN(out.grad_bias, DeliverGradient(lane, db.data(), DType::kFloat32, {in.v},
-                                                         wdtype, 1.0f, spec.grad_bias_to));
-    Mark(call.clock, "narrowing db");
-  }
+  const bool add_dw = spec.grad_weight_to && spec.grad_weight_to->accumulate;
+  FLCE_RETURN_IF_ERROR(
+      DeliverWeightGradients(call, in, dw, dw_out, add_dw, wdtype, db, 1.0f, spec, out));
   return out;
 }
 
