@@ -36,6 +36,9 @@ absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int
                             float* db) {
   const Lane& lane = call.lane;
   cudaStream_t s = lane.stream();
+  const char* const dw_stage = dw_type != DType::kFloat32 ? "dW GEMM, final dtype"
+                               : first                    ? "dW GEMM, fp32, beta 0"
+                                                          : "dW GEMM, fp32, beta 1";
   if (row_factor != nullptr) {
     // Each row holds its gradient over its factor: the dW GEMM takes X_c's
     // rows times their factors, rounded to the input dtype, from the
@@ -49,9 +52,7 @@ absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int
       Mark(call.clock, "scale X rows");
       FLCE_RETURN_IF_ERROR(
           ChunkDwGemm(call.gemm(), in, dx_c, count, dz, first, dw, dw_type, alpha));
-      Mark(call.clock, dw_type != DType::kFloat32 ? "dW GEMM, final dtype"
-                       : first                    ? "dW GEMM, fp32, beta 0"
-                                                  : "dW GEMM, fp32, beta 1");
+      Mark(call.clock, dw_stage);
     }
     if (want_dx) {
       FLCE_RETURN_IF_ERROR(ChunkDxGemm(call.gemm(), in, count, dz, dx_c));
@@ -69,9 +70,7 @@ absl::Status ChunkGradients(const CallContext& call, const DeviceInputs& in, int
     if (dw != nullptr) {
       FLCE_RETURN_IF_ERROR(
           ChunkDwGemm(call.gemm(), in, in.x_row(r0), count, dz, first, dw, dw_type, alpha));
-      Mark(call.clock, dw_type != DType::kFloat32 ? "dW GEMM, final dtype"
-                       : first                    ? "dW GEMM, fp32, beta 0"
-                                                  : "dW GEMM, fp32, beta 1");
+      Mark(call.clock, dw_stage);
     }
   }
   if (db != nullptr && dw != nullptr) {
