@@ -26,11 +26,11 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
-#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -38,12 +38,15 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kernels/cpu/cpu_engine.h"
-#include "kernels/sharded_engine.h"
 #include "kernels/reference/accuracy.h"
 #include "kernels/reference/random_problem.h"
+#include "kernels/sharded_engine.h"
+#include "server/engine_factory.h"
+#include "server/loss_core.h"
 
 #ifdef FLCE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -82,6 +85,10 @@ ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
 ABSL_FLAG(std::string, vocab_shards, "",
           "comma-separated shard counts: also time the served call sharded that many ways "
           "on one engine against the unsharded one");
+ABSL_FLAG(std::string, cuda_devices, "",
+          "comma-separated CUDA devices (e.g. 0,1): also time a registered weight's served "
+          "call through the server's core on the first device alone and sharded over all of "
+          "them (the server's --cuda_devices), in the same process");
 
 namespace flce {
 namespace {
@@ -122,24 +129,24 @@ double MedianMs(int warmup, int iters, F&& run) {
 
 // The bare fp32 GEMMs of the loss at full size (no chunking, no row math).
 double BlasFloorMs(const Shape& s, bool recompute, int warmup, int iters) {
-  std::vector<float> x(s.n * s.h, 0.5f), w(s.v * s.h, 0.25f), z(s.n * s.v, 0.125f),
-      dx(s.n * s.h), dw(s.v * s.h);
+  std::vector<float> x(s.n * s.h, 0.5f), w(s.v * s.h, 0.25f), z(s.n * s.v, 0.125f), dx(s.n * s.h),
+      dw(s.v * s.h);
   return MedianMs(warmup, iters, [&] {
     const int logits_gemms = recompute ? 2 : 1;
     for (int i = 0; i < logits_gemms; ++i) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.n, s.v, s.h, 1.0f, x.data(),
-                  s.h, w.data(), s.h, 0.0f, z.data(), s.v);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.n, s.v, s.h, 1.0f, x.data(), s.h,
+                  w.data(), s.h, 0.0f, z.data(), s.v);
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s.n, s.h, s.v, 1.0f, z.data(),
-                s.v, w.data(), s.h, 0.0f, dx.data(), s.h);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s.v, s.h, s.n, 1.0f, z.data(),
-                s.v, x.data(), s.h, 0.0f, dw.data(), s.h);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s.n, s.h, s.v, 1.0f, z.data(), s.v,
+                w.data(), s.h, 0.0f, dx.data(), s.h);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s.v, s.h, s.n, 1.0f, z.data(), s.v,
+                x.data(), s.h, 0.0f, dw.data(), s.h);
   });
 }
 
 // Forward (need_backward) + Backward; returns the Backward's gradients.
-absl::StatusOr<Gradients> RunOnce(LossEngine& engine, const LossProblem& p,
-                                  BackwardMode mode, ForwardResult* fwd_out) {
+absl::StatusOr<Gradients> RunOnce(LossEngine& engine, const LossProblem& p, BackwardMode mode,
+                                  ForwardResult* fwd_out) {
   ForwardSpec spec;
   spec.need_backward = true;
   spec.mode = mode;
@@ -177,8 +184,8 @@ double ServedMs(LossEngine& engine, const LossProblem& p, BackwardMode mode,
 
 // --vocab_shards: the served call unsharded, then sharded over one engine of
 // make()'s for each count the flag names; one line each.
-void PrintShardRows(const std::function<std::unique_ptr<LossEngine>()>& make,
-                    const LossProblem& p, BackwardMode mode, const BackwardSpec& backward) {
+void PrintShardRows(const std::function<std::unique_ptr<LossEngine>()>& make, const LossProblem& p,
+                    BackwardMode mode, const BackwardSpec& backward) {
   const std::string flag = absl::GetFlag(FLAGS_vocab_shards);
   if (flag.empty()) return;
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
@@ -201,6 +208,56 @@ void PrintShardRows(const std::function<std::unique_ptr<LossEngine>()>& make,
                 sharded_status.ok() ? "" : (" " + sharded_status.ToString()).c_str());
   }
   std::fflush(stdout);
+}
+
+// A registered weight's served call through the server's core (LossCore,
+// as a Forward and a Backward with accumulate_weight_grad): W and the
+// gradient sums where the engine keeps them (its WeightParts), X from host
+// memory, dX back to host memory, dW and db added into the sums. Median
+// ms, then one TakeWeightGrad's gather of the sums into host memory
+// (`take_ms`); the first error in `status`.
+double RegisteredServedMs(LossEngine& engine, const OwnedProblem& p, BackwardMode mode, int warmup,
+                          int iters, double& take_ms, absl::Status& status) {
+  SessionStore sessions(SessionLimits{});
+  WeightRegistry weights(int64_t{1} << 40, int64_t{1} << 40);
+  LossCore core(&engine, &sessions, &weights);
+  std::optional<HostTensor> bias;
+  if (p.bias) bias = CopyTensor(p.bias->view());
+  absl::StatusOr<std::shared_ptr<RegisteredWeight>> registered =
+      weights.Put("w", "", CopyTensor(p.weight.view()), std::move(bias));
+  if (!registered.ok()) {
+    status = registered.status();
+    return 0;
+  }
+  ForwardCall call;
+  call.problem = p.view();
+  call.problem.weight = (*registered)->weight().view();
+  if (p.bias) call.problem.bias = (*registered)->bias()->view();
+  call.weight_ref = *registered;
+  call.need_backward = true;
+  call.requested_mode = mode;
+  const double ms = MedianMs(warmup, iters, [&] {
+    if (!status.ok()) return;
+    absl::StatusOr<ForwardOutcome> fwd = core.Forward(call, "", nullptr);
+    if (!fwd.ok()) {
+      status = fwd.status();
+      return;
+    }
+    BackwardCall back;
+    back.session_id = fwd->session_id;
+    back.accumulate_weight_grad = true;
+    absl::StatusOr<BackwardOutcome> bwd = core.Backward(back, "", nullptr);
+    if (!bwd.ok()) {
+      status = bwd.status();
+      return;
+    }
+    core.Answered(*bwd);
+    core.Settle(*bwd, /*delivered=*/true);
+  });
+  const absl::Time start = absl::Now();
+  if (status.ok()) status = (*registered)->TakeGrad().status();
+  take_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+  return ms;
 }
 
 // The loss options the flags ask for.
@@ -232,9 +289,8 @@ std::string CheckAccuracyOf(LossEngine& engine, DType dtype, BackwardMode mode) 
   const EngineOutputs out = CollectOutputs(fwd, &*grads);
   const AccuracyReport report = CheckAccuracy(p.view(), {}, out);
   char buf[160];
-  std::snprintf(buf, sizeof(buf), "loss %.1e dX %.1e dW %.1e %s",
-                report.entries[0].error, report.entries[3].error,
-                report.entries[4].error, report.ok() ? "ok" : "FAIL");
+  std::snprintf(buf, sizeof(buf), "loss %.1e dX %.1e dW %.1e %s", report.entries[0].error,
+                report.entries[3].error, report.entries[4].error, report.ok() ? "ok" : "FAIL");
   return buf;
 }
 
@@ -256,15 +312,13 @@ BackwardMode ParseMode(const std::string& text) {
 void PrintHeader(bool json, const char* memory_column) {
   if (!json) {
     std::printf("%-20s %-5s %-12s %10s %10s %7s %10s %10s  %s\n", "N×H×V", "dtype", "mode",
-                "engine ms", "floor ms", "ratio", "eff TF/s", memory_column,
-                "accuracy vs fp64");
+                "engine ms", "floor ms", "ratio", "eff TF/s", memory_column, "accuracy vs fp64");
   }
 }
 
-void PrintRow(bool json, const std::string& backend, const std::string& shape_text,
-              const Shape& s, DType dtype, BackwardMode mode, double ms, double floor_ms,
-              double tuned_floor_ms, double extra_gib, const std::string& accuracy,
-              const std::string& error) {
+void PrintRow(bool json, const std::string& backend, const std::string& shape_text, const Shape& s,
+              DType dtype, BackwardMode mode, double ms, double floor_ms, double tuned_floor_ms,
+              double extra_gib, const std::string& accuracy, const std::string& error) {
   const double tflops = 6.0 * s.n * s.h * s.v / (ms * 1e9);
   if (json) {
     std::printf(
@@ -276,9 +330,9 @@ void PrintRow(bool json, const std::string& backend, const std::string& shape_te
         static_cast<long long>(s.v), DTypeName(dtype), BackwardModeName(mode), ms, floor_ms,
         ms / floor_ms, tuned_floor_ms, tflops, extra_gib, accuracy.c_str(), error.c_str());
   } else {
-    std::printf("%-20s %-5s %-12s %10.2f %10.2f %7.3f %10.1f %10.3f  %s%s\n",
-                shape_text.c_str(), DTypeName(dtype), BackwardModeName(mode), ms, floor_ms,
-                ms / floor_ms, tflops, extra_gib, accuracy.c_str(), error.c_str());
+    std::printf("%-20s %-5s %-12s %10.2f %10.2f %7.3f %10.1f %10.3f  %s%s\n", shape_text.c_str(),
+                DTypeName(dtype), BackwardModeName(mode), ms, floor_ms, ms / floor_ms, tflops,
+                extra_gib, accuracy.c_str(), error.c_str());
     if (tuned_floor_ms > 0) {
       std::printf("    floor with the GEMM algorithms tuned as the engine's: %.2f ms, ratio %.3f\n",
                   tuned_floor_ms, ms / tuned_floor_ms);
@@ -314,9 +368,8 @@ int RunCpu() {
   ForEachConfig([&](const std::string& shape_text, const Shape& s, DType dtype,
                     const OwnedProblem& p, BackwardMode mode) {
     bool failed = false;
-    const double ms = MedianMs(warmup, iters, [&] {
-      failed |= !RunOnce(engine, p.view(), mode, nullptr).ok();
-    });
+    const double ms =
+        MedianMs(warmup, iters, [&] { failed |= !RunOnce(engine, p.view(), mode, nullptr).ok(); });
     const double floor_ms = BlasFloorMs(s, mode == BackwardMode::kRecompute, warmup, iters);
     PrintRow(json, "cpu", shape_text, s, dtype, mode, ms, floor_ms, 0.0, 0.0,
              CheckAccuracyOf(engine, dtype, mode), failed ? " (engine error)" : "");
@@ -338,6 +391,53 @@ struct DeviceCopy {
   ~DeviceCopy() { cudaFree(data); }
   void* data = nullptr;
 };
+
+// --cuda_devices: a registered weight's served call on the first device
+// alone, then sharded over every device listed (a --cuda_devices server's
+// engine), in this process; one line each, with the sharded engine's
+// combining times.
+void PrintDeviceRows(const CudaEngineOptions& options, const OwnedProblem& p, BackwardMode mode) {
+  std::vector<int> devices;
+  for (const std::string& text :
+       std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_cuda_devices), ','))) {
+    int device = 0;
+    if (absl::SimpleAtoi(text, &device)) devices.push_back(device);
+  }
+  if (devices.empty()) return;
+  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  double one_ms = 0;
+  for (const std::vector<int>& set : {std::vector<int>{devices[0]}, devices}) {
+    if (set.size() == 1 && one_ms > 0) break;  // (one device listed: done)
+    EngineOptions engine_options;
+    engine_options.cuda = options;
+    engine_options.cuda_devices = set;
+    absl::StatusOr<std::unique_ptr<LossEngine>> engine = CreateEngine("cuda", engine_options);
+    const std::string name = absl::StrJoin(set, ",");
+    if (!engine.ok()) {
+      std::printf("    registered served call, devices %s: %s\n", name.c_str(),
+                  engine.status().ToString().c_str());
+      continue;
+    }
+    absl::Status status;
+    double take_ms = 0;
+    const double ms = RegisteredServedMs(**engine, p, mode, warmup, iters, take_ms, status);
+    std::string combine;
+    if (const auto* sharded = dynamic_cast<const ShardedEngine*>(engine->get())) {
+      const ShardedEngine::CombineTimes t = sharded->last_combine_times();
+      combine = absl::StrFormat(" (statistics combine %.2f ms; dX: wait %.2f ms, sum %.2f ms)",
+                                t.stats_ms, t.dx_wait_ms, t.dx_sum_ms);
+    }
+    if (set.size() == 1) one_ms = ms;
+    std::printf(
+        "    registered served call (X from host, dX to host, dW summed where W is), "
+        "devices %s: %.2f ms%s, take %.1f ms%s%s\n",
+        name.c_str(), ms,
+        set.size() > 1 && one_ms > 0 ? absl::StrFormat(", %.3fx one device", ms / one_ms).c_str()
+                                     : "",
+        take_ms, combine.c_str(), status.ok() ? "" : (" " + status.ToString()).c_str());
+    std::fflush(stdout);
+  }
+}
 
 int RunCuda() {
   CudaEngineOptions options;
@@ -390,7 +490,7 @@ int RunCuda() {
         uint64_t high = 0;
         cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high);
         const int64_t resident = (s.n * s.h + s.v * s.h) * DTypeSize(dtype) +  // X, W
-                                 (*run)->gradient_bytes();                   // dX, dW
+                                 (*run)->gradient_bytes();                     // dX, dW
         extra_gib = (static_cast<double>(high) - resident) / (1 << 30);
         if (status.ok() && absl::GetFlag(FLAGS_cuda_stages)) {
           absl::StatusOr<std::map<std::string, double>> timed = (*run)->RunStages();
@@ -436,9 +536,12 @@ int RunCuda() {
       backward.grad_hidden_to = GradientDestination{dx.data, MemorySpace::kCuda};
       backward.grad_weight_to = GradientDestination{dw.data, MemorySpace::kCuda};
       PrintShardRows(
-          [&]() -> std::unique_ptr<LossEngine> { return std::move(CudaEngine::Create(options).value()); },
+          [&]() -> std::unique_ptr<LossEngine> {
+            return std::move(CudaEngine::Create(options).value());
+          },
           on_device, mode, backward);
     }
+    if (!absl::GetFlag(FLAGS_cuda_devices).empty()) PrintDeviceRows(options, p, mode);
   });
   return failures == 0 ? 0 : 1;
 }

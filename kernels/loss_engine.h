@@ -87,6 +87,13 @@ struct LossProblem {
   // A vocabulary shard (see VocabShard); REQUIRES first + vocab() <=
   // full_vocab, class_weight [full_vocab], targets in [0, full_vocab).
   std::optional<VocabShard> shard;
+  // The weight's rows kept where the engine computes them (a registered
+  // weight's device copies), one view per part of WeightParts(vocab()), in
+  // order; empty: `weight` serves. An engine that splits the vocabulary
+  // over several memories reads each part from here instead of `weight`
+  // (which keeps the dtype and shape, and may stay in host memory); the
+  // rest ignore them. The views' owner goes in device_owner.
+  std::vector<TensorView> weight_parts;
 
   int64_t rows() const { return hidden.dim(0); }
   int64_t hidden_size() const { return hidden.dim(1); }
@@ -138,7 +145,7 @@ struct ShardStats {
   // q_s = Σ_j w_j z'_j over the shard's columns (1 without class weights);
   // with label smoothing only.
   std::optional<HostTensor> weighted_logit_sum;
-  HostTensor argmax;        // int64 [N]: the vocabulary id of the shard's largest z'
+  HostTensor argmax;  // int64 [N]: the vocabulary id of the shard's largest z'
 };
 
 struct ForwardResult {
@@ -190,6 +197,12 @@ struct BackwardSpec {
   // Where given, the engine writes that gradient there; the returned tensor
   // then has its dtype and shape but no bytes.
   std::optional<GradientDestination> grad_hidden_to, grad_weight_to, grad_bias_to;
+  // dW and db by part of the engine's WeightParts(V) (a registered
+  // weight's gradient sums on several devices), in order, instead of
+  // grad_weight_to and grad_bias_to: each part's rows go to its own
+  // destination, in its part's memory. Empty: not used. Only an engine
+  // whose WeightParts has several parts reads them.
+  std::vector<GradientDestination> grad_weight_parts_to, grad_bias_parts_to;
   // When set, the engine writes device destinations only after this event
   // (the worker recorded it after its last use of that memory).
   const DeviceEvent* ready = nullptr;
@@ -232,6 +245,14 @@ using CancelFn = std::function<bool()>;
 struct DeviceInfo {
   std::string name;
   int64_t total_memory_bytes = 0;
+};
+
+// Rows [first, first + rows) of a weight, computed in `memory` (a device's;
+// null: the engine reads them from host memory).
+struct WeightPart {
+  int64_t first = 0;
+  int64_t rows = 0;
+  DeviceMemory* memory = nullptr;
 };
 
 class LossEngine {
@@ -280,6 +301,16 @@ class LossEngine {
 
   // The engine's device memory, or null for an engine without a device.
   virtual DeviceMemory* device_memory() const { return nullptr; }
+
+  // Where a weight of `vocab` rows is best kept between calls (a
+  // registered weight's copies and gradient sums): its rows in consecutive
+  // parts, each in the memory that computes them. One part in
+  // device_memory() by default; a part per vocabulary shard for an engine
+  // that shards over several devices (LossProblem::weight_parts,
+  // BackwardSpec::grad_weight_parts_to).
+  virtual std::vector<WeightPart> WeightParts(int64_t vocab) const {
+    return {WeightPart{0, vocab, device_memory()}};
+  }
 };
 
 }  // namespace flce

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
+#include "absl/time/clock.h"
 #include "kernels/shard_combine.h"
 #include "kernels/status_macros.h"
 
@@ -17,7 +18,7 @@ namespace {
 class ShardedState : public SavedState {
  public:
   std::vector<std::unique_ptr<SavedState>> parts;
-  HostTensor lse;  // fp32 [N], the combined one
+  HostTensor lse;               // fp32 [N], the combined one
   std::vector<int64_t> firsts;  // each shard's first vocabulary id
   int64_t n = 0, h = 0, v = 0;
   DType dtype = DType::kFloat32;
@@ -37,7 +38,8 @@ HostTensor Scalar(double value) {
 
 HostTensor PerRow(const std::vector<double>& values) {
   HostTensor t(DType::kFloat32, {static_cast<int64_t>(values.size())});
-  for (size_t i = 0; i < values.size(); ++i) t.mutable_data<float>()[i] = static_cast<float>(values[i]);
+  for (size_t i = 0; i < values.size(); ++i)
+    t.mutable_data<float>()[i] = static_cast<float>(values[i]);
   return t;
 }
 
@@ -68,6 +70,10 @@ absl::Status ShardedEngine::ForEachEngine(int count,
   return absl::OkStatus();
 }
 
+ShardedEngine::CombineTimes ShardedEngine::last_combine_times() const {
+  return CombineTimes{stats_ms_.load(), dx_wait_ms_.load(), dx_sum_ms_.load()};
+}
+
 std::vector<DeviceInfo> ShardedEngine::devices() const {
   std::vector<DeviceInfo> out;
   for (const auto& e : engines_) {
@@ -91,16 +97,33 @@ absl::Status ShardedEngine::health() const {
   return absl::OkStatus();
 }
 
-int ShardedEngine::Count(const LossProblem& problem) const {
-  return static_cast<int>(std::min<int64_t>(shards_, problem.vocab()));
+int ShardedEngine::Count(int64_t vocab) const {
+  return static_cast<int>(std::min<int64_t>(shards_, vocab));
+}
+
+std::pair<int64_t, int64_t> ShardedEngine::Rows(int64_t vocab, int k) const {
+  const int count = Count(vocab);
+  return {vocab * k / count, vocab * (k + 1) / count};
+}
+
+std::vector<WeightPart> ShardedEngine::WeightParts(int64_t vocab) const {
+  if (engines_.size() == 1) return engines_[0]->WeightParts(vocab);
+  std::vector<WeightPart> parts;
+  for (int k = 0; k < Count(vocab); ++k) {
+    const auto [first, last] = Rows(vocab, k);
+    parts.push_back(WeightPart{first, last - first, EngineOf(k).device_memory()});
+  }
+  return parts;
 }
 
 LossProblem ShardedEngine::Shard(const LossProblem& problem, int k) const {
-  const int count = Count(problem);
   const int64_t v = problem.vocab();
-  const int64_t first = v * k / count, last = v * (k + 1) / count;
+  const auto [first, last] = Rows(v, k);
   LossProblem part = problem;
-  part.weight = RowSlice(problem.weight, first, last - first);
+  // Over several engines the parts are the shards (WeightParts).
+  part.weight = problem.weight_parts.empty() ? RowSlice(problem.weight, first, last - first)
+                                             : problem.weight_parts[k];
+  part.weight_parts.clear();
   if (problem.bias) part.bias = RowSlice(*problem.bias, first, last - first);
   part.shard = VocabShard{first, v};
   return part;
@@ -109,7 +132,9 @@ LossProblem ShardedEngine::Shard(const LossProblem& problem, int k) const {
 int64_t ShardedEngine::SavedStateBytes(const LossProblem& problem, BackwardMode mode) const {
   if (problem.shard) return engines_[0]->SavedStateBytes(problem, mode);
   int64_t total = problem.rows() * 4;  // the combined lse
-  for (int k = 0; k < Count(problem); ++k) total += EngineOf(k).SavedStateBytes(Shard(problem, k), mode);
+  for (int k = 0; k < Count(problem.vocab()); ++k) {
+    total += EngineOf(k).SavedStateBytes(Shard(problem, k), mode);
+  }
   return total;
 }
 
@@ -117,11 +142,18 @@ absl::StatusOr<ForwardResult> ShardedEngine::Forward(const LossProblem& problem,
                                                      const ForwardSpec& spec,
                                                      const CancelFn& cancelled) {
   if (problem.shard) return engines_[0]->Forward(problem, spec, cancelled);
-  const int count = Count(problem);
-  if (engines_.size() > 1 && (problem.hidden.space != MemorySpace::kHost ||
-                              problem.weight.space != MemorySpace::kHost)) {
+  const int count = Count(problem.vocab());
+  if (engines_.size() > 1 &&
+      (problem.hidden.space != MemorySpace::kHost ||
+       (problem.weight.space != MemorySpace::kHost && problem.weight_parts.empty()))) {
     return absl::FailedPreconditionError(
-        "hidden, weight: a sharded engine over several devices reads them from host memory");
+        "hidden, weight: a sharded engine over several devices reads them from host memory "
+        "(or the weight from its parts on the devices)");
+  }
+  if (!problem.weight_parts.empty() &&
+      (engines_.size() == 1 || static_cast<int>(problem.weight_parts.size()) != count)) {
+    return absl::InternalError(absl::StrCat("weight_parts: ", problem.weight_parts.size(),
+                                            " parts, expected those of WeightParts"));
   }
   ForwardSpec part_spec;
   part_spec.need_backward = spec.need_backward;
@@ -137,8 +169,9 @@ absl::StatusOr<ForwardResult> ShardedEngine::Forward(const LossProblem& problem,
     return absl::OkStatus();
   }));
   for (const ForwardResult& r : parts) stats.push_back(&*r.shard_stats);
-  FLCE_ASSIGN_OR_RETURN(CombinedShards combined,
-                        CombineShards(problem, problem.vocab(), stats));
+  const absl::Time combine_start = absl::Now();
+  FLCE_ASSIGN_OR_RETURN(CombinedShards combined, CombineShards(problem, problem.vocab(), stats));
+  stats_ms_ = absl::ToDoubleMilliseconds(absl::Now() - combine_start);
   ForwardResult result;
   result.num_valid = combined.num_valid;
   result.num_correct = combined.num_correct;
@@ -185,7 +218,8 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
     for (const auto* to : {&spec.grad_hidden_to, &spec.grad_weight_to, &spec.grad_bias_to}) {
       if (*to && (*to)->space != MemorySpace::kHost) {
         return absl::FailedPreconditionError(
-            "a sharded engine over several devices writes gradients into host memory only");
+            "a sharded engine over several devices writes gradients into host memory only "
+            "(or dW and db into the weight's parts)");
       }
     }
   }
@@ -227,17 +261,31 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
   absl::BlockingCounter others(std::max(0, std::min(engines, count) - 1));
   std::vector<absl::Status> other_status(engines);
   std::function<absl::Status()> collect = [&]() -> absl::Status {
+    const absl::Time wait_start = absl::Now();
     others.Wait();
+    const absl::Time sum_start = absl::Now();
+    dx_wait_ms_ = absl::ToDoubleMilliseconds(sum_start - wait_start);
     for (const absl::Status& s : other_status) FLCE_RETURN_IF_ERROR(s);
-    return sum_->SumIntoFirst(sums, n * h);
+    absl::Status summed = sum_->SumIntoFirst(sums, n * h);
+    dx_sum_ms_ = absl::ToDoubleMilliseconds(absl::Now() - sum_start);
+    return summed;
   };
   // dW and db: each shard writes its rows in place, into the caller's
   // destination or into tensors made here.
   Gradients out;
   std::optional<GradientDestination> weight_to = spec.grad_weight_to, bias_to = spec.grad_bias_to;
-  auto into = [](HostTensor& tensor, DType dtype, std::vector<int64_t> shape,
-                 std::optional<GradientDestination>& to) {
-    if (to) {
+  // (Or each shard's rows to its own destination: the weight's parts.)
+  const bool weight_parts = !spec.grad_weight_parts_to.empty();
+  if (weight_parts &&
+      (static_cast<int>(spec.grad_weight_parts_to.size()) != count ||
+       (state->has_bias && static_cast<int>(spec.grad_bias_parts_to.size()) != count))) {
+    return absl::InternalError(
+        absl::StrCat("grad_weight_parts_to: ", spec.grad_weight_parts_to.size(),
+                     " parts, expected those of WeightParts"));
+  }
+  auto into = [weight_parts](HostTensor& tensor, DType dtype, std::vector<int64_t> shape,
+                             std::optional<GradientDestination>& to) {
+    if (to || weight_parts) {
       tensor.dtype = dtype;
       tensor.shape = std::move(shape);
     } else {
@@ -253,6 +301,9 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
     std::optional<GradientDestination> part = to;
     if (part) part->data = static_cast<char*>(part->data) + offset;
     return part;
+  };
+  auto part_of = [](const std::vector<GradientDestination>& parts, int k) {
+    return parts.empty() ? std::nullopt : std::optional<GradientDestination>(parts[k]);
   };
   auto run = [&](int k) -> absl::Status {
     const int e = k % engines;
@@ -273,9 +324,17 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
       part_spec.grad_dtype = dx_dtype;
       part_spec.grad_hidden_to = spec.grad_hidden_to;
     }
-    part_spec.grad_weight_to = at(weight_to, state->firsts[k] * h * w_elem);
-    part_spec.grad_bias_to = at(bias_to, state->firsts[k] * w_elem);
-    FLCE_ASSIGN_OR_RETURN(Gradients g, EngineOf(k).Backward(*state->parts[k], part_spec, cancelled));
+    part_spec.grad_weight_parts_to.clear();
+    part_spec.grad_bias_parts_to.clear();
+    if (weight_parts) {
+      part_spec.grad_weight_to = spec.grad_weight_parts_to[k];
+      part_spec.grad_bias_to = part_of(spec.grad_bias_parts_to, k);
+    } else {
+      part_spec.grad_weight_to = at(weight_to, state->firsts[k] * h * w_elem);
+      part_spec.grad_bias_to = at(bias_to, state->firsts[k] * w_elem);
+    }
+    FLCE_ASSIGN_OR_RETURN(Gradients g,
+                          EngineOf(k).Backward(*state->parts[k], part_spec, cancelled));
     if (k == final_shard && !spec.weight_grads_only) out.grad_hidden = std::move(g.grad_hidden);
     return absl::OkStatus();
   };

@@ -24,9 +24,11 @@
 // as the engine takes them). A problem that is itself a shard goes to the
 // first engine whole.
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/loss_engine.h"
@@ -53,6 +55,17 @@ class ShardedEngine : public LossEngine {
     return engines_.size() == 1 ? engines_[0]->device_memory() : nullptr;
   }
   int shards() const { return shards_; }
+  // Over several engines a part per shard, in its engine's memory; over
+  // one, that engine's parts (its shards are slices of them).
+  std::vector<WeightPart> WeightParts(int64_t vocab) const override;
+
+  // Wall-clock ms of the last call's combining (for benchmarks): the
+  // statistics' combine in Forward; in Backward, engine 0's wait for the
+  // other engines' sums of dX and the collective adding them.
+  struct CombineTimes {
+    double stats_ms = 0, dx_wait_ms = 0, dx_sum_ms = 0;
+  };
+  CombineTimes last_combine_times() const;
 
   int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;
   absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
@@ -63,7 +76,9 @@ class ShardedEngine : public LossEngine {
  private:
   // Shard k of `problem`: its rows of the weight and bias.
   LossProblem Shard(const LossProblem& problem, int k) const;
-  int Count(const LossProblem& problem) const;  // shards for this vocabulary
+  int Count(int64_t vocab) const;  // shards for this vocabulary
+  // Shard k's rows of a vocabulary: [first, last).
+  std::pair<int64_t, int64_t> Rows(int64_t vocab, int k) const;
   LossEngine& EngineOf(int k) const { return *engines_[k % engines_.size()]; }
   // run(k) for shards k < count: each engine's shards in turn, different
   // engines' at once (a thread per engine beyond the first). The first error.
@@ -72,6 +87,7 @@ class ShardedEngine : public LossEngine {
   std::vector<std::unique_ptr<LossEngine>> engines_;
   const int shards_;
   std::unique_ptr<PartialSum> sum_;
+  std::atomic<double> stats_ms_{0}, dx_wait_ms_{0}, dx_sum_ms_{0};
 };
 
 }  // namespace flce

@@ -38,14 +38,19 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
                                                  const std::function<void()>& started) {
   // A registered weight is read from its device copy where the engine keeps
   // one: never uploaded or copied per call, and not counted in a session.
+  // On several devices, its rows are kept in parts where they are computed.
   LossProblem problem = call.problem;
   if (call.weight_ref != nullptr) {
-    if (const void* device = call.weight_ref->DeviceWeight(engine_->device_memory())) {
-      problem.weight.data = device;
-      problem.weight.space = MemorySpace::kCuda;
+    std::vector<TensorView> parts =
+        call.weight_ref->DeviceWeight(engine_->WeightParts(problem.vocab()));
+    if (parts.size() == 1) {
+      problem.weight = parts[0];
+    } else {
+      problem.weight_parts = std::move(parts);
     }
   }
-  if (problem.hidden.space == MemorySpace::kCuda || problem.weight.space == MemorySpace::kCuda) {
+  if (problem.hidden.space == MemorySpace::kCuda || problem.weight.space == MemorySpace::kCuda ||
+      !problem.weight_parts.empty()) {
     problem.device_owner =
         std::make_shared<const BorrowedMemory>(BorrowedMemory{call.weight_ref, call.shm});
   }
@@ -179,13 +184,19 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   // recomputes dX: its dW is in the sum already and is dropped.
   std::optional<RegisteredWeight::DeviceGrad> device_grad =
       call.accumulate_weight_grad && !retry
-          ? lease.info.weight->LeaseDeviceGrad(engine_->device_memory())
+          ? lease.info.weight->LeaseDeviceGrad(engine_->WeightParts(lease.info.vocab))
           : std::nullopt;
   if (call.accumulate_weight_grad) {
     spec.weight_grad_dtype = DType::kFloat32;
     if (device_grad) {
-      spec.grad_weight_to = device_grad->dw();
-      spec.grad_bias_to = device_grad->db();
+      std::vector<GradientDestination> dw = device_grad->dw(), db = device_grad->db();
+      if (dw.size() == 1) {
+        spec.grad_weight_to = dw[0];
+        if (!db.empty()) spec.grad_bias_to = db[0];
+      } else {
+        spec.grad_weight_parts_to = std::move(dw);
+        spec.grad_bias_parts_to = std::move(db);
+      }
     }
   }
   // The state must survive an undelivered answer: never handed over, but

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,8 +14,8 @@ namespace flce {
 namespace {
 
 bool IsNameChar(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-         c == '_' || c == '.' || c == '-';
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+         c == '.' || c == '-';
 }
 
 }  // namespace
@@ -38,8 +39,7 @@ void AddInto(HostTensor& sum, const HostTensor& term) {
   const int64_t n = sum.num_elements();
   constexpr int64_t kPiece = int64_t{1} << 30;  // cblas counts are int
   for (int64_t first = 0; first < n; first += kPiece) {
-    cblas_saxpy(static_cast<int>(std::min(kPiece, n - first)), 1.0f, t + first, 1, s + first,
-                1);
+    cblas_saxpy(static_cast<int>(std::min(kPiece, n - first)), 1.0f, t + first, 1, s + first, 1);
   }
 }
 
@@ -117,9 +117,8 @@ int64_t SpareWeights::bytes() const {
 
 RegisteredWeight::RegisteredWeight(std::string name, int64_t version, std::string principal,
                                    HostTensor weight, std::optional<HostTensor> bias,
-                                   std::shared_ptr<ByteBudget> device_budget,
-                                   BudgetHold host_hold, std::shared_ptr<SpareWeights> spares,
-                                   std::string spare_key)
+                                   std::shared_ptr<ByteBudget> device_budget, BudgetHold host_hold,
+                                   std::shared_ptr<SpareWeights> spares, std::string spare_key)
     : name_(std::move(name)),
       version_(version),
       principal_(std::move(principal)),
@@ -165,8 +164,7 @@ void RegisteredWeight::AccumulateGrad(HostTensor dw, std::optional<HostTensor> d
   MergeGrad(Grad{std::move(dw), std::move(db), 1});
 }
 
-absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending,
-                                                                  uint64_t resume) {
+absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending, uint64_t resume) {
   absl::MutexLock device_lock(&device_mu_);
   absl::MutexLock lock(&mu_);
   auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !take_pending_; };
@@ -181,9 +179,9 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending,
   }
   const int64_t device_backwards = device_backwards_.load();
   if (!grad_ && device_backwards == 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "weight ", name_, " version ", version_,
-        ": no gradient accumulated (Backward with accumulate_weight_grad adds one)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("weight ", name_, " version ", version_,
+                     ": no gradient accumulated (Backward with accumulate_weight_grad adds one)"));
   }
   if (device_backwards > 0) {
     Grad device;
@@ -191,21 +189,32 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending,
       device = *std::move(spare_);  // touched and page-locked already
     } else {
       device.dw = HostTensor(DType::kFloat32, weight_.shape);
-      absl::StatusOr<std::unique_ptr<DeviceBlock>> locked = device_memory_->PinHostMemory(
+      absl::StatusOr<std::unique_ptr<DeviceBlock>> locked = device_parts_[0].memory->PinHostMemory(
           device.dw.data.data(), static_cast<int64_t>(device.dw.data.size()));
       if (locked.ok()) device.dw_locked = *std::move(locked);  // else: through staging
     }
     spare_.reset();
     device.db.reset();
     device.backwards = device_backwards;
-    FLCE_RETURN_IF_ERROR(device_memory_->CopyToHost(
-        device_dw_->data(), device.dw.data.data(), static_cast<int64_t>(device.dw.data.size())));
-    if (device_db_ != nullptr) {
-      device.db = HostTensor(DType::kFloat32, {weight_.shape[0]});
-      FLCE_RETURN_IF_ERROR(device_memory_->CopyToHost(
-          device_db_->data(), device.db->data.data(),
-          static_cast<int64_t>(device.db->data.size())));
-    }
+    if (!device_db_.empty()) device.db = HostTensor(DType::kFloat32, {weight_.shape[0]});
+    // Each part's sums into their rows, the parts' copies at once.
+    const int64_t h = weight_.shape[1];
+    std::vector<absl::Status> copied(device_parts_.size());
+    auto copy = [&](size_t k) {
+      const WeightPart& part = device_parts_[k];
+      copied[k] = part.memory->CopyToHost(device_dw_[k]->data(),
+                                          device.dw.mutable_data<float>() + part.first * h,
+                                          part.rows * h * 4);
+      if (copied[k].ok() && device.db) {
+        copied[k] = part.memory->CopyToHost(
+            device_db_[k]->data(), device.db->mutable_data<float>() + part.first, part.rows * 4);
+      }
+    };
+    std::vector<std::thread> threads;
+    for (size_t k = 1; k < device_parts_.size(); ++k) threads.emplace_back(copy, k);
+    copy(0);
+    for (std::thread& t : threads) t.join();
+    for (const absl::Status& c : copied) FLCE_RETURN_IF_ERROR(c);
     device_backwards_ = 0;  // the next Backward overwrites the device sums
     MergeGrad(std::move(device));
   }
@@ -223,45 +232,97 @@ void RegisteredWeight::ConfirmTake(Grad taken, bool hold) {
   Replace(hold ? held_ : spare_, std::move(taken));
 }
 
-const void* RegisteredWeight::DeviceWeight(DeviceMemory* memory) {
-  absl::MutexLock lock(&weight_mu_);
-  if (memory == nullptr) no_device_weight_ = true;  // e.g. the CPU engine: never ask again
-  if (device_weight_ == nullptr && !no_device_weight_) {
-    const int64_t bytes = static_cast<int64_t>(weight_.data.size());
-    if (!ReserveDevice(bytes)) return nullptr;  // the budget is spent: the host copy serves
-    absl::StatusOr<std::unique_ptr<DeviceBlock>> block = memory->Allocate(bytes);
-    if (block.ok() && memory->CopyToDevice(weight_.data.data(), (*block)->data(), bytes).ok()) {
-      device_weight_ = *std::move(block);
-    } else {
+std::vector<std::unique_ptr<DeviceBlock>> RegisteredWeight::AllocateParts(
+    const std::vector<WeightPart>& parts, int64_t bytes_per_row) {
+  std::vector<std::unique_ptr<DeviceBlock>> blocks;
+  for (const WeightPart& part : parts) {
+    const int64_t bytes = part.rows * bytes_per_row;
+    if (!ReserveDevice(bytes)) {
+      FreeParts(blocks);
+      return blocks;
+    }
+    absl::StatusOr<std::unique_ptr<DeviceBlock>> block = part.memory->Allocate(bytes);
+    if (!block.ok()) {
       ReleaseDevice(bytes);
+      FreeParts(blocks);
+      return blocks;
+    }
+    blocks.push_back(*std::move(block));
+  }
+  return blocks;
+}
+
+void RegisteredWeight::FreeParts(std::vector<std::unique_ptr<DeviceBlock>>& blocks) {
+  int64_t total = 0;
+  for (const auto& block : blocks) total += block->bytes();
+  blocks.clear();
+  ReleaseDevice(total);
+}
+
+namespace {
+
+bool HaveMemory(const std::vector<WeightPart>& parts) {
+  if (parts.empty()) return false;
+  for (const WeightPart& part : parts) {
+    if (part.memory == nullptr) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<TensorView> RegisteredWeight::DeviceWeight(const std::vector<WeightPart>& parts) {
+  absl::MutexLock lock(&weight_mu_);
+  // e.g. the CPU engine: never ask again.
+  if (!HaveMemory(parts)) no_device_weight_ = true;
+  const int64_t row_bytes = weight_.shape[1] * DTypeSize(weight_.dtype);
+  if (device_weight_.empty() && !no_device_weight_) {
+    // (An empty answer: the budget is spent, the host copy serves.)
+    std::vector<std::unique_ptr<DeviceBlock>> blocks = AllocateParts(parts, row_bytes);
+    bool copied = !blocks.empty();
+    for (size_t k = 0; copied && k < parts.size(); ++k) {
+      copied = parts[k]
+                   .memory
+                   ->CopyToDevice(weight_.data.data() + parts[k].first * row_bytes,
+                                  blocks[k]->data(), parts[k].rows * row_bytes)
+                   .ok();
+    }
+    if (copied) {
+      device_weight_ = std::move(blocks);
+    } else {
+      FreeParts(blocks);
     }
   }
-  return device_weight_ != nullptr ? device_weight_->data() : nullptr;
+  std::vector<TensorView> views;
+  for (size_t k = 0; k < device_weight_.size(); ++k) {
+    views.push_back(TensorView{weight_.dtype,
+                               {parts[k].rows, weight_.shape[1]},
+                               device_weight_[k]->data(),
+                               MemorySpace::kCuda});
+  }
+  return views;
 }
 
 // The lease holds device_mu_ from here until its destructor: a hand-over
 // the thread-safety analysis cannot follow.
 std::optional<RegisteredWeight::DeviceGrad> RegisteredWeight::LeaseDeviceGrad(
-    DeviceMemory* memory) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    const std::vector<WeightPart>& parts) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   device_mu_.Lock();
-  if (memory == nullptr) no_device_ = true;  // e.g. the CPU engine: never ask again
-  if (device_dw_ == nullptr && !no_device_) {
-    const int64_t v = weight_.shape[0], h = weight_.shape[1];
-    const int64_t bytes = v * h * 4 + (bias_ ? v * 4 : 0);
-    if (ReserveDevice(bytes)) {
-      absl::StatusOr<std::unique_ptr<DeviceBlock>> dw = memory->Allocate(v * h * 4);
-      absl::StatusOr<std::unique_ptr<DeviceBlock>> db = std::unique_ptr<DeviceBlock>();
-      if (dw.ok() && bias_) db = memory->Allocate(v * 4);
-      if (dw.ok() && db.ok()) {
-        device_memory_ = memory;
-        device_dw_ = *std::move(dw);
-        device_db_ = *std::move(db);
-      } else {
-        ReleaseDevice(bytes);
-      }
+  if (!HaveMemory(parts)) no_device_ = true;  // e.g. the CPU engine: never ask again
+  if (device_dw_.empty() && !no_device_) {
+    std::vector<std::unique_ptr<DeviceBlock>> dw = AllocateParts(parts, weight_.shape[1] * 4);
+    std::vector<std::unique_ptr<DeviceBlock>> db;
+    if (!dw.empty() && bias_) {
+      db = AllocateParts(parts, 4);
+      if (db.empty()) FreeParts(dw);
+    }
+    if (!dw.empty()) {
+      device_parts_ = parts;
+      device_dw_ = std::move(dw);
+      device_db_ = std::move(db);
     }
   }
-  if (device_dw_ == nullptr) {
+  if (device_dw_.empty()) {
     device_mu_.Unlock();
     return std::nullopt;
   }
@@ -272,16 +333,27 @@ RegisteredWeight::DeviceGrad::~DeviceGrad() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (weight_ != nullptr) weight_->device_mu_.Unlock();
 }
 
-GradientDestination RegisteredWeight::DeviceGrad::dw() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  return GradientDestination{weight_->device_dw_->data(), MemorySpace::kCuda,
-                             weight_->device_backwards_.load() > 0};
+namespace {
+
+std::vector<GradientDestination> Destinations(
+    const std::vector<std::unique_ptr<DeviceBlock>>& blocks, bool accumulate) {
+  std::vector<GradientDestination> out;
+  for (const auto& block : blocks) {
+    out.push_back(GradientDestination{block->data(), MemorySpace::kCuda, accumulate});
+  }
+  return out;
 }
 
-std::optional<GradientDestination> RegisteredWeight::DeviceGrad::db() const
+}  // namespace
+
+std::vector<GradientDestination> RegisteredWeight::DeviceGrad::dw() const
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (weight_->device_db_ == nullptr) return std::nullopt;
-  return GradientDestination{weight_->device_db_->data(), MemorySpace::kCuda,
-                             weight_->device_backwards_.load() > 0};
+  return Destinations(weight_->device_dw_, weight_->device_backwards_.load() > 0);
+}
+
+std::vector<GradientDestination> RegisteredWeight::DeviceGrad::db() const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  return Destinations(weight_->device_db_, weight_->device_backwards_.load() > 0);
 }
 
 void RegisteredWeight::DeviceGrad::Added() { ++weight_->device_backwards_; }
@@ -297,8 +369,8 @@ int64_t RegisteredWeight::GradSize(const Grad& grad, DType dtype) {
   return (grad.dw.num_elements() + (grad.db ? grad.db->num_elements() : 0)) * DTypeSize(dtype);
 }
 
-absl::Status RegisteredWeight::GradBytesInto(const Grad& grad, DType dtype,
-                                             absl::string_view field, char* out) const {
+absl::Status RegisteredWeight::GradBytesInto(const Grad& grad, DType dtype, absl::string_view field,
+                                             char* out) const {
   FLCE_RETURN_IF_ERROR(CheckGradDType(dtype, field));
   const int64_t dw = grad.dw.num_elements();
   FromFloatInParallel(dtype, grad.dw.data_as<float>(), dw, out);
@@ -335,15 +407,14 @@ WeightRegistry::WeightRegistry(int64_t memory_budget_bytes, int64_t device_budge
       host_available_(host_available ? std::move(host_available) : HostAvailableBytes) {}
 
 absl::Status WeightRegistry::OverBudget(const std::string& name, int64_t bytes) const {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "weight memory: ", name, " needs ", bytes, " bytes, ", host_budget_->used(),
-      " of the budget of ", host_budget_->limit(),
-      " bytes are in use (--weight_memory_bytes: every registered version still held, "
-      "and uploads in progress)"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("weight memory: ", name, " needs ", bytes, " bytes, ", host_budget_->used(),
+                   " of the budget of ", host_budget_->limit(),
+                   " bytes are in use (--weight_memory_bytes: every registered version still held, "
+                   "and uploads in progress)"));
 }
 
-absl::StatusOr<BudgetHold> WeightRegistry::Reserve(const std::string& name,
-                                                   int64_t bytes) const {
+absl::StatusOr<BudgetHold> WeightRegistry::Reserve(const std::string& name, int64_t bytes) const {
   // Spares yield to an upload that needs their room (in the budget, or in
   // the host's memory).
   absl::Status memory =
@@ -367,11 +438,10 @@ absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
     const std::string& name, const std::string& principal, HostTensor weight,
     std::optional<HostTensor> bias, BudgetHold hold) {
   if (!ValidName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header.name: '", name, "' must be 1-128 characters of [A-Za-z0-9_.-]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.name: '", name, "' must be 1-128 characters of [A-Za-z0-9_.-]"));
   }
-  const int64_t bytes =
-      static_cast<int64_t>(weight.data.size() + (bias ? bias->data.size() : 0));
+  const int64_t bytes = static_cast<int64_t>(weight.data.size() + (bias ? bias->data.size() : 0));
   // Declared before the lock: a replaced version is freed after it.
   std::shared_ptr<RegisteredWeight> replaced;
   absl::MutexLock lock(&mu_);
@@ -397,10 +467,9 @@ absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
   auto [last, fresh] = last_version_.try_emplace(key, retired_floor_);
   const int64_t version = ++last->second;
   if (fresh) ForgetRetiredNames();
-  auto registered = std::make_shared<RegisteredWeight>(name, version, principal,
-                                                       std::move(weight), std::move(bias),
-                                                       device_budget_, std::move(hold), spares_,
-                                                       key);
+  auto registered = std::make_shared<RegisteredWeight>(name, version, principal, std::move(weight),
+                                                       std::move(bias), device_budget_,
+                                                       std::move(hold), spares_, key);
   replaced = std::move(latest_[key]);
   latest_[key] = registered;
   return registered;

@@ -15,12 +15,12 @@
 //   anything is allocated); RESOURCE_EXHAUSTED with the numbers past it.
 
 #include <atomic>
-#include <functional>
-#include <utility>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -114,8 +114,8 @@ class RegisteredWeight {
   // `host_hold` is the host budget the tensors take, given back with the
   // version, or with the weight's memory to `spares` (under `spare_key`),
   // when given.
-  RegisteredWeight(std::string name, int64_t version, std::string principal,
-                   HostTensor weight, std::optional<HostTensor> bias,
+  RegisteredWeight(std::string name, int64_t version, std::string principal, HostTensor weight,
+                   std::optional<HostTensor> bias,
                    std::shared_ptr<ByteBudget> device_budget = nullptr,
                    BudgetHold host_hold = BudgetHold(),
                    std::shared_ptr<SpareWeights> spares = nullptr, std::string spare_key = "");
@@ -184,10 +184,11 @@ class RegisteredWeight {
     DeviceGrad(DeviceGrad&& other) noexcept : weight_(other.weight_) { other.weight_ = nullptr; }
     DeviceGrad& operator=(DeviceGrad&&) = delete;
     ~DeviceGrad();
-    // Where the Backward adds dW and db (fp32, device memory); the first
-    // after a TakeGrad overwrites instead.
-    GradientDestination dw() const;
-    std::optional<GradientDestination> db() const;
+    // Where the Backward adds dW and db (fp32, device memory), a
+    // destination per part of the engine's WeightParts (db: none without a
+    // bias); the first Backward after a TakeGrad overwrites instead.
+    std::vector<GradientDestination> dw() const;
+    std::vector<GradientDestination> db() const;
     // The Backward succeeded: its gradients are in the accumulator.
     void Added();
 
@@ -196,18 +197,20 @@ class RegisteredWeight {
     explicit DeviceGrad(RegisteredWeight* weight) : weight_(weight) {}
     RegisteredWeight* weight_;
   };
-  // W in `memory` (the engine's device memory; null for an engine without
-  // one): a copy made on first use, freed with the version; or null when
-  // there is no device memory to give or the device budget is spent (the
-  // host copy serves then; asked again later, but never again after a null
-  // `memory`).
-  const void* DeviceWeight(DeviceMemory* memory);
+  // W's rows by part of the engine's WeightParts (`parts`, the same every
+  // call), each a view of a copy in its part's device memory, made on first
+  // use and freed with the version; or empty when a part has no device
+  // memory (an engine without one), there is none to give or the device
+  // budget is spent (the host copy serves then; asked again later, but
+  // never again after a part without memory).
+  std::vector<TensorView> DeviceWeight(const std::vector<WeightPart>& parts);
 
-  // The device accumulator, allocated from `memory` on first use; nullopt
-  // when there is no device memory to give or the device budget is spent
-  // (the host accumulator of AccumulateGrad serves then). TakeGrad includes
-  // what it holds.
-  std::optional<DeviceGrad> LeaseDeviceGrad(DeviceMemory* memory);
+  // The device accumulator, its sums allocated by part of `parts` (as
+  // DeviceWeight's) on first use; nullopt when a part has no device memory,
+  // there is none to give or the device budget is spent (the host
+  // accumulator of AccumulateGrad serves then). TakeGrad gathers what the
+  // parts hold, each into its rows.
+  std::optional<DeviceGrad> LeaseDeviceGrad(const std::vector<WeightPart>& parts);
 
  private:
   const std::string name_;
@@ -232,16 +235,22 @@ class RegisteredWeight {
   // Takes `bytes` of the device budget (always, without one).
   bool ReserveDevice(int64_t bytes);
   void ReleaseDevice(int64_t bytes);
+  // Blocks of `bytes_per_row` × each part's rows in its memory (zeroed),
+  // or empty (none reserved) when the budget or a device has no room.
+  std::vector<std::unique_ptr<DeviceBlock>> AllocateParts(const std::vector<WeightPart>& parts,
+                                                          int64_t bytes_per_row);
+  // Frees blocks of AllocateParts and gives their bytes back to the budget.
+  void FreeParts(std::vector<std::unique_ptr<DeviceBlock>>& blocks);
   absl::Mutex weight_mu_;
-  std::unique_ptr<DeviceBlock> device_weight_ ABSL_GUARDED_BY(weight_mu_);
+  std::vector<std::unique_ptr<DeviceBlock>> device_weight_ ABSL_GUARDED_BY(weight_mu_);
   bool no_device_weight_ ABSL_GUARDED_BY(weight_mu_) = false;
   // Held by a DeviceGrad, and by TakeGrad; taken before mu_.
   absl::Mutex device_mu_;
-  DeviceMemory* device_memory_ ABSL_GUARDED_BY(device_mu_) = nullptr;
-  std::unique_ptr<DeviceBlock> device_dw_ ABSL_GUARDED_BY(device_mu_);
-  std::unique_ptr<DeviceBlock> device_db_ ABSL_GUARDED_BY(device_mu_);
+  std::vector<WeightPart> device_parts_ ABSL_GUARDED_BY(device_mu_);
+  std::vector<std::unique_ptr<DeviceBlock>> device_dw_ ABSL_GUARDED_BY(device_mu_);
+  std::vector<std::unique_ptr<DeviceBlock>> device_db_ ABSL_GUARDED_BY(device_mu_);
   bool no_device_ ABSL_GUARDED_BY(device_mu_) = false;  // the engine has none
-  std::atomic<int64_t> device_backwards_{0};             // Backwards in the device sums
+  std::atomic<int64_t> device_backwards_{0};            // Backwards in the device sums
 };
 
 class WeightRegistry {
@@ -279,8 +288,7 @@ class WeightRegistry {
                                                         BudgetHold hold = BudgetHold());
 
   // `version` 0 is the latest.
-  absl::StatusOr<std::shared_ptr<RegisteredWeight>> Get(const std::string& name,
-                                                        int64_t version,
+  absl::StatusOr<std::shared_ptr<RegisteredWeight>> Get(const std::string& name, int64_t version,
                                                         const std::string& principal) const;
 
   bool Delete(const std::string& name, const std::string& principal);
@@ -303,8 +311,7 @@ class WeightRegistry {
   const std::function<int64_t()> host_available_;
   const std::shared_ptr<SpareWeights> spares_ = std::make_shared<SpareWeights>();
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<RegisteredWeight>> latest_
-      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<RegisteredWeight>> latest_ ABSL_GUARDED_BY(mu_);
   // The last version of every name put (live or deleted, at most 2^16
   // deleted ones), and the highest version of the deleted names forgotten.
   absl::flat_hash_map<std::string, int64_t> last_version_ ABSL_GUARDED_BY(mu_);

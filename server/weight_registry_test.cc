@@ -251,7 +251,8 @@ class FakeDeviceMemory : public DeviceMemory {
  private:
   class Locked : public DeviceBlock {
    public:
-    Locked(void* host, int64_t bytes, int* unlocks) : host_(host), bytes_(bytes), unlocks_(unlocks) {}
+    Locked(void* host, int64_t bytes, int* unlocks)
+        : host_(host), bytes_(bytes), unlocks_(unlocks) {}
     ~Locked() override { ++*unlocks_; }
     void* data() const override { return host_; }
     int64_t bytes() const override { return bytes_; }
@@ -273,16 +274,22 @@ class FakeDeviceMemory : public DeviceMemory {
   };
 };
 
+// The one part of an engine with one device memory (LossEngine::WeightParts).
+std::vector<WeightPart> Whole(const std::shared_ptr<RegisteredWeight>& w, DeviceMemory* memory) {
+  return {WeightPart{0, w->weight().shape[0], memory}};
+}
+
 // What an engine's Backward does with a DeviceGrad: writes (first) or adds
-// `value` into every element of dW and db.
+// `value` into every element of dW and db, `h` floats a row.
 void AddOnDevice(const RegisteredWeight::DeviceGrad& grad, int64_t v, int64_t h, float value) {
   auto add = [&](const GradientDestination& to, int64_t count) {
     EXPECT_EQ(to.space, MemorySpace::kCuda);
     float* f = static_cast<float*>(to.data);
     for (int64_t i = 0; i < count; ++i) f[i] = (to.accumulate ? f[i] : 0.0f) + value;
   };
-  add(grad.dw(), v * h);
-  if (grad.db()) add(*grad.db(), v);
+  ASSERT_EQ(grad.dw().size(), 1u);
+  add(grad.dw()[0], v * h);
+  if (!grad.db().empty()) add(grad.db()[0], v);
 }
 
 TEST(WeightRegistryTest, DeviceSumsMergeWithTheHostOnTake) {
@@ -290,9 +297,9 @@ TEST(WeightRegistryTest, DeviceSumsMergeWithTheHostOnTake) {
   WeightRegistry registry(1 << 20);
   auto w = *registry.Put("w", "", Weight(3, 2, 0), HostTensor(DType::kFloat32, {3}));
   for (float value : {1.0f, 2.0f}) {
-    auto grad = w->LeaseDeviceGrad(&memory);
+    auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
     ASSERT_TRUE(grad.has_value());
-    EXPECT_EQ(grad->dw().accumulate, value != 1.0f);  // the first overwrites
+    EXPECT_EQ(grad->dw()[0].accumulate, value != 1.0f);  // the first overwrites
     AddOnDevice(*grad, 3, 2, value);
     grad->Added();
   }
@@ -310,8 +317,8 @@ TEST(WeightRegistryTest, DeviceSumsMergeWithTheHostOnTake) {
   EXPECT_THAT(w->TakeGrad(), StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient")));
   // After a take the next Backward overwrites the device sums.
   {
-    auto grad = w->LeaseDeviceGrad(&memory);
-    EXPECT_FALSE(grad->dw().accumulate);
+    auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
+    EXPECT_FALSE(grad->dw()[0].accumulate);
     AddOnDevice(*grad, 3, 2, 4.0f);
     grad->Added();
   }
@@ -329,7 +336,7 @@ TEST(WeightRegistryTest, TakesFromTheDeviceReuseTheLastTakesLockedMemory) {
   const void* first = nullptr;
   for (int step = 0; step < 4; ++step) {
     {
-      auto grad = w->LeaseDeviceGrad(&memory);
+      auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
       AddOnDevice(*grad, 3, 2, 1.0f + step);
       grad->Added();
     }
@@ -345,7 +352,7 @@ TEST(WeightRegistryTest, TakesFromTheDeviceReuseTheLastTakesLockedMemory) {
   EXPECT_EQ(memory.unlocks, 0);
   // A held take that is resumed goes back into the sum, exactly.
   {
-    auto grad = w->LeaseDeviceGrad(&memory);
+    auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
     AddOnDevice(*grad, 3, 2, 10.0f);
     grad->Added();
   }
@@ -353,7 +360,7 @@ TEST(WeightRegistryTest, TakesFromTheDeviceReuseTheLastTakesLockedMemory) {
   const uint64_t id = held->take_id;
   w->ConfirmTake(*std::move(held), /*hold=*/true);
   {
-    auto grad = w->LeaseDeviceGrad(&memory);
+    auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
     AddOnDevice(*grad, 3, 2, 0.5f);
     grad->Added();
   }
@@ -375,13 +382,13 @@ TEST(WeightRegistryTest, AFailedBackwardAddsNothing) {
   WeightRegistry registry(1 << 20);
   auto w = *registry.Put("w", "", Weight(2, 2, 0), std::nullopt);
   {
-    auto grad = w->LeaseDeviceGrad(&memory);
+    auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
     ASSERT_TRUE(grad.has_value());
-    EXPECT_FALSE(grad->db().has_value());
+    EXPECT_TRUE(grad->db().empty());
   }
   EXPECT_EQ(w->accumulated_backwards(), 0);
   EXPECT_THAT(w->TakeGrad(), StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient")));
-  auto again = w->LeaseDeviceGrad(&memory);
+  auto again = w->LeaseDeviceGrad(Whole(w, &memory));
   EXPECT_TRUE(again.has_value());
 }
 
@@ -392,23 +399,100 @@ TEST(WeightRegistryTest, WithoutDeviceMemoryTheHostServes) {
   WeightRegistry registry(1 << 20);
   auto w = *registry.Put("w", "", Weight(2, 2, 1.5f), std::nullopt);
   memory.exhausted = true;
-  EXPECT_FALSE(w->LeaseDeviceGrad(&memory).has_value());
-  EXPECT_EQ(w->DeviceWeight(&memory), nullptr);
+  EXPECT_FALSE(w->LeaseDeviceGrad(Whole(w, &memory)).has_value());
+  EXPECT_TRUE(w->DeviceWeight(Whole(w, &memory)).empty());
   memory.exhausted = false;
-  const void* device = w->DeviceWeight(&memory);
-  ASSERT_NE(device, nullptr);
-  EXPECT_EQ(static_cast<const float*>(device)[3], 1.5f);  // copied from the host
-  EXPECT_EQ(w->DeviceWeight(&memory), device);            // once per version
-  EXPECT_TRUE(w->LeaseDeviceGrad(&memory).has_value());
+  std::vector<TensorView> device = w->DeviceWeight(Whole(w, &memory));
+  ASSERT_EQ(device.size(), 1u);
+  EXPECT_EQ(device[0].space, MemorySpace::kCuda);
+  EXPECT_EQ(device[0].shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(static_cast<const float*>(device[0].data)[3], 1.5f);          // copied from the host
+  EXPECT_EQ(w->DeviceWeight(Whole(w, &memory))[0].data, device[0].data);  // once per version
+  EXPECT_TRUE(w->LeaseDeviceGrad(Whole(w, &memory)).has_value());
 
   // An engine without device memory (null): remembered, never asked again.
   FakeDeviceMemory later;
   auto v = *registry.Put("v", "", Weight(2, 2, 0), std::nullopt);
-  EXPECT_FALSE(v->LeaseDeviceGrad(nullptr).has_value());
-  EXPECT_EQ(v->DeviceWeight(nullptr), nullptr);
-  EXPECT_FALSE(v->LeaseDeviceGrad(&later).has_value());
-  EXPECT_EQ(v->DeviceWeight(&later), nullptr);
+  EXPECT_FALSE(v->LeaseDeviceGrad(Whole(v, nullptr)).has_value());
+  EXPECT_TRUE(v->DeviceWeight(Whole(v, nullptr)).empty());
+  EXPECT_FALSE(v->LeaseDeviceGrad(Whole(v, &later)).has_value());
+  EXPECT_TRUE(v->DeviceWeight(Whole(v, &later)).empty());
   EXPECT_EQ(later.allocations, 0);
+}
+
+// On several devices (a sharded engine's WeightParts) each part of the rows
+// is copied into its own memory, its gradients summed there, and a take
+// gathers every part's sums into their rows.
+TEST(WeightRegistryTest, PartsOnSeveralDevicesGatherOnTake) {
+  FakeDeviceMemory a, b;
+  WeightRegistry registry(1 << 20, /*device_budget_bytes=*/1 << 20);
+  const int64_t v = 5, h = 2;
+  HostTensor weight(DType::kFloat32, {v, h});
+  for (int64_t i = 0; i < v * h; ++i) weight.mutable_data<float>()[i] = static_cast<float>(i);
+  HostTensor bias(DType::kFloat32, {v});
+  auto w = *registry.Put("w", "", std::move(weight), std::move(bias));
+  const std::vector<WeightPart> parts = {{0, 2, &a}, {2, 3, &b}};
+  std::vector<TensorView> device = w->DeviceWeight(parts);
+  ASSERT_EQ(device.size(), 2u);
+  EXPECT_EQ(device[0].shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(device[1].shape, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(static_cast<const float*>(device[0].data)[3], 3.0f);
+  EXPECT_EQ(static_cast<const float*>(device[1].data)[0], 4.0f);  // row 2 of the whole
+  EXPECT_EQ(a.allocations, 1);
+  EXPECT_EQ(b.allocations, 1);
+  for (float step : {1.0f, 2.0f}) {
+    auto grad = w->LeaseDeviceGrad(parts);
+    ASSERT_TRUE(grad.has_value());
+    ASSERT_EQ(grad->dw().size(), 2u);
+    ASSERT_EQ(grad->db().size(), 2u);
+    for (size_t k = 0; k < 2; ++k) {
+      const GradientDestination dw = grad->dw()[k], db = grad->db()[k];
+      EXPECT_EQ(dw.accumulate, step != 1.0f);  // the first overwrites
+      for (int64_t r = 0; r < parts[k].rows; ++r) {
+        const float value = step * static_cast<float>(10 * (k + 1) + r);
+        for (int64_t c = 0; c < h; ++c) {
+          float& f = static_cast<float*>(dw.data)[r * h + c];
+          f = (dw.accumulate ? f : 0.0f) + value;
+        }
+        float& f = static_cast<float*>(db.data)[r];
+        f = (db.accumulate ? f : 0.0f) - value;
+      }
+    }
+    grad->Added();
+  }
+  EXPECT_EQ(registry.device_bytes_in_use(), (v * h + v * h + v) * 4);
+  auto taken = w->TakeGrad();
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  const float want[] = {30, 33, 60, 63, 66};  // 3 × (10(k+1) + r), part k's row r
+  for (int64_t row = 0; row < v; ++row) {
+    EXPECT_EQ(taken->dw.data_as<float>()[row * h + 1], want[row]) << row;
+    EXPECT_EQ(taken->db->data_as<float>()[row], -want[row]) << row;
+  }
+  EXPECT_EQ(taken->backwards, 2);
+
+  // A part without device memory: the host serves, for good.
+  auto u = *registry.Put("u", "", Weight(v, h, 1.0f), std::nullopt);
+  const std::vector<WeightPart> host_part = {{0, 2, &a}, {2, 3, nullptr}};
+  EXPECT_TRUE(u->DeviceWeight(host_part).empty());
+  EXPECT_FALSE(u->LeaseDeviceGrad(host_part).has_value());
+  EXPECT_TRUE(u->DeviceWeight(parts).empty());
+  EXPECT_EQ(a.allocations + b.allocations, 2 + 4);  // w's copies, dW and db sums only
+}
+
+// A part that does not fit gives back what the others took.
+TEST(WeightRegistryTest, APartThatDoesNotFitFreesTheOthers) {
+  FakeDeviceMemory a, b;
+  b.exhausted = true;
+  WeightRegistry registry(1 << 20, /*device_budget_bytes=*/1 << 20);
+  auto w = *registry.Put("w", "", Weight(4, 2, 1.0f), std::nullopt);
+  const std::vector<WeightPart> parts = {{0, 2, &a}, {2, 2, &b}};
+  EXPECT_TRUE(w->DeviceWeight(parts).empty());
+  EXPECT_FALSE(w->LeaseDeviceGrad(parts).has_value());
+  EXPECT_EQ(registry.device_bytes_in_use(), 0);
+  b.exhausted = false;  // asked again: fits now
+  EXPECT_EQ(w->DeviceWeight(parts).size(), 2u);
+  EXPECT_TRUE(w->LeaseDeviceGrad(parts).has_value());
+  EXPECT_EQ(registry.device_bytes_in_use(), 2 * 4 * 2 * 4);
 }
 
 // The device budget bounds the copies and sums of every version alive;
@@ -417,18 +501,18 @@ TEST(WeightRegistryTest, DeviceBudgetBoundsCopiesAndSums) {
   FakeDeviceMemory memory;
   WeightRegistry registry(1 << 20, /*device_budget_bytes=*/40);
   auto w = *registry.Put("w", "", Weight(2, 2, 1.0f), std::nullopt);  // 16 bytes each
-  EXPECT_NE(w->DeviceWeight(&memory), nullptr);
-  EXPECT_TRUE(w->LeaseDeviceGrad(&memory).has_value());
+  EXPECT_FALSE(w->DeviceWeight(Whole(w, &memory)).empty());
+  EXPECT_TRUE(w->LeaseDeviceGrad(Whole(w, &memory)).has_value());
   EXPECT_EQ(registry.device_bytes_in_use(), 32);
   auto v = *registry.Put("v", "", Weight(2, 2, 2.0f), std::nullopt);
-  EXPECT_EQ(v->DeviceWeight(&memory), nullptr);  // 48 > 40: the host copy serves
-  EXPECT_FALSE(v->LeaseDeviceGrad(&memory).has_value());
+  EXPECT_TRUE(v->DeviceWeight(Whole(v, &memory)).empty());  // 48 > 40: the host copy serves
+  EXPECT_FALSE(v->LeaseDeviceGrad(Whole(v, &memory)).has_value());
   EXPECT_EQ(registry.device_bytes_in_use(), 32);
   // Replacing w and dropping the last reference frees its 32 bytes.
   ASSERT_TRUE(registry.Put("w", "", Weight(2, 2, 3.0f), std::nullopt).ok());
   w.reset();
   EXPECT_EQ(registry.device_bytes_in_use(), 0);
-  EXPECT_NE(v->DeviceWeight(&memory), nullptr);  // asked again, fits now
+  EXPECT_FALSE(v->DeviceWeight(Whole(v, &memory)).empty());  // asked again, fits now
   EXPECT_EQ(registry.device_bytes_in_use(), 16);
 }
 

@@ -624,12 +624,15 @@ TEST_F(ServerTest, AccumulatingMicroBatchesEqualsOneConcatenatedBatch) {
       auto acc = SmallChunkClient(address_)->TakeWeightGrad(name);
       ASSERT_TRUE(acc.ok()) << acc.status();
       EXPECT_EQ(acc->accumulated_backwards, 3);
-      // A server whose engine offers device memory (CUDA on one device)
-      // keeps W and the sum on the GPU; the others cannot.
+      // A server whose engine keeps weights in device memory (CUDA: on one
+      // device, or in parts on several) keeps W and the sum on the GPUs;
+      // the others cannot.
       grpc::ClientContext context;
       v1::GetStatsResponse stats;
       ASSERT_TRUE(stub_->GetStats(&context, v1::GetStatsRequest(), &stats).ok());
-      if (server_->engine().device_memory() != nullptr) {
+      const std::vector<WeightPart> parts = server_->engine().WeightParts(97);
+      if (std::all_of(parts.begin(), parts.end(),
+                      [](const WeightPart& part) { return part.memory != nullptr; })) {
         EXPECT_GT(stats.weight_device_memory_bytes(), 0);
       } else {
         EXPECT_EQ(stats.weight_device_memory_bytes(), 0);

@@ -165,8 +165,10 @@ class PinnedHostBlock : public DeviceBlock {
 absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::PinHostMemory(void* host,
                                                                               int64_t bytes) {
   FLCE_RETURN_IF_ERROR(SetDevice());
+  // Portable: locked for every device's context, so that a weight's parts
+  // on several devices all copy into it at the bus's rate.
   const cudaError_t error = cudaHostRegister(host, static_cast<size_t>(bytes),
-                                             cudaHostRegisterDefault);
+                                             cudaHostRegisterPortable);
   if (error != cudaSuccess && !IsStickyError(error)) {
     cudaGetLastError();  // e.g. over the locked-memory limit: not the device's fault
     return absl::ResourceExhaustedError(absl::StrCat(

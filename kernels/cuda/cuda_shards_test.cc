@@ -78,15 +78,15 @@ std::unique_ptr<LossEngine> OwnEngine(Layout layout, std::string* why) {
   return std::move(*engine);
 }
 
-#define FLCE_SHARDED_ENGINE_OR_SKIP(sharded, layout, shards)                       \
-  std::string why_;                                                                \
-  std::unique_ptr<LossEngine> own_ = OwnEngine(layout, &why_);                     \
-  if (own_ == nullptr) {                                                           \
-    if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why_;                      \
-    GTEST_SKIP() << "no CUDA device: " << why_;                                    \
-  }                                                                                \
-  std::vector<std::unique_ptr<LossEngine>> list_;                                  \
-  list_.push_back(std::move(own_));                                                \
+#define FLCE_SHARDED_ENGINE_OR_SKIP(sharded, layout, shards)   \
+  std::string why_;                                            \
+  std::unique_ptr<LossEngine> own_ = OwnEngine(layout, &why_); \
+  if (own_ == nullptr) {                                       \
+    if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why_;  \
+    GTEST_SKIP() << "no CUDA device: " << why_;                \
+  }                                                            \
+  std::vector<std::unique_ptr<LossEngine>> list_;              \
+  list_.push_back(std::move(own_));                            \
   ShardedEngine sharded(std::move(list_), shards)
 
 // The sharded engine over one CUDA engine (3 shards on one GPU): the
@@ -167,6 +167,99 @@ TEST(CudaShardSemanticsTest, ShardedEngineWritesDeviceDestinations) {
     EXPECT_EQ(dx.Read(), want->grad_hidden.data);
     EXPECT_EQ(dw.Read(), want->grad_weight.data);
     EXPECT_EQ(db.Read(), want->grad_bias->data);
+  }
+}
+
+// Two CUDA engines sharing the GPU keep a weight in parts, a part per shard
+// in its engine's device memory (a registered weight on a server with
+// several devices): Forward reads W from the parts, Backward writes and then
+// adds dW and db into fp32 sums beside them; the bits of the host path's.
+TEST(CudaShardSemanticsTest, TwoEnginesKeepTheWeightInParts) {
+  std::string why;
+  std::vector<std::unique_ptr<LossEngine>> engines;
+  for (int i = 0; i < 2; ++i) {
+    engines.push_back(OwnEngine(Layout::kVocabularySlices, &why));
+    if (engines.back() == nullptr) {
+      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why;
+      GTEST_SKIP() << "no CUDA device: " << why;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<PartialSum>> sum = DeviceLocalSum(0);
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  ShardedEngine sharded(std::move(engines), 3, std::move(*sum));
+  RandomProblemSpec spec;
+  spec.rows = 150;
+  spec.hidden = 40;
+  spec.vocab = 3001;
+  spec.dtype = DType::kBFloat16;
+  spec.bias = true;
+  spec.options.z_loss_scale = 1e-3f;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  const std::vector<WeightPart> parts = sharded.WeightParts(spec.vocab);
+  ASSERT_EQ(parts.size(), 3u);
+  const int64_t row_bytes = spec.hidden * 2;
+  std::vector<std::unique_ptr<DeviceBlock>> w, dw, db;
+  LossProblem on_parts = p.view();
+  BackwardSpec add;
+  add.weight_grad_dtype = DType::kFloat32;
+  for (const WeightPart& part : parts) {
+    ASSERT_NE(part.memory, nullptr);
+    w.push_back(*part.memory->Allocate(part.rows * row_bytes));
+    ASSERT_TRUE(part.memory
+                    ->CopyToDevice(p.weight.data.data() + part.first * row_bytes, w.back()->data(),
+                                   part.rows * row_bytes)
+                    .ok());
+    on_parts.weight_parts.push_back(TensorView{
+        DType::kBFloat16, {part.rows, spec.hidden}, w.back()->data(), MemorySpace::kCuda});
+    dw.push_back(*part.memory->Allocate(part.rows * spec.hidden * 4));
+    db.push_back(*part.memory->Allocate(part.rows * 4));
+    add.grad_weight_parts_to.push_back(GradientDestination{dw.back()->data(), MemorySpace::kCuda});
+    add.grad_bias_parts_to.push_back(GradientDestination{db.back()->data(), MemorySpace::kCuda});
+  }
+  HostTensor poison(p.weight.dtype, p.weight.shape);  // (the parts must be what is read)
+  on_parts.weight.data = poison.data.data();
+  auto read = [](const std::unique_ptr<DeviceBlock>& block) {
+    std::string out(static_cast<size_t>(block->bytes()), '\0');
+    EXPECT_EQ(cudaMemcpy(out.data(), block->data(), out.size(), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return out;
+  };
+  for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+    SCOPED_TRACE(BackwardModeName(mode));
+    ForwardSpec fs;
+    fs.need_backward = true;
+    fs.mode = mode;
+    auto host_fwd = sharded.Forward(p.view(), fs, nullptr);
+    ASSERT_TRUE(host_fwd.ok()) << host_fwd.status();
+    BackwardSpec fp32;
+    fp32.weight_grad_dtype = DType::kFloat32;
+    auto want = sharded.Backward(*host_fwd->saved, fp32, nullptr);
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (bool accumulate : {false, true}) {
+      auto fwd = sharded.Forward(on_parts, fs, nullptr);
+      ASSERT_TRUE(fwd.ok()) << fwd.status();
+      EXPECT_EQ(fwd->loss.data, host_fwd->loss.data);
+      BackwardSpec b = add;
+      for (auto* to : {&b.grad_weight_parts_to, &b.grad_bias_parts_to}) {
+        for (GradientDestination& d : *to) d.accumulate = accumulate;
+      }
+      auto got = sharded.Backward(*fwd->saved, b, nullptr);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->grad_hidden.data, want->grad_hidden.data);
+      EXPECT_TRUE(got->grad_weight.data.empty());
+    }
+    // Written once, then added once: twice the host path's fp32 rows, exactly.
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const std::string sum_w = read(dw[k]), sum_b = read(db[k]);
+      const float* got_w = reinterpret_cast<const float*>(sum_w.data());
+      const float* got_b = reinterpret_cast<const float*>(sum_b.data());
+      const float* want_w = want->grad_weight.data_as<float>() + parts[k].first * spec.hidden;
+      const float* want_b = want->grad_bias->data_as<float>() + parts[k].first;
+      for (int64_t i = 0; i < parts[k].rows * spec.hidden; ++i) {
+        ASSERT_EQ(got_w[i], 2.0f * want_w[i]) << "part " << k << " element " << i;
+      }
+      for (int64_t i = 0; i < parts[k].rows; ++i) ASSERT_EQ(got_b[i], 2.0f * want_b[i]);
+    }
   }
 }
 
