@@ -55,7 +55,7 @@ system_library = repository_rule(
 )
 
 def flce_system_libs():
-    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas, @microhttpd, @curl, @zlib and @openssl."""
+    """Declares @protobuf, @grpc, @absl, @spdlog, @gtest, @openblas, @dnnl, @microhttpd, @curl, @zlib and @openssl."""
     system_library(
         name = "protobuf",
         target = "protobuf",
@@ -109,6 +109,13 @@ def flce_system_libs():
         modules = ["openblas"],
         headers = ["x86_64-linux-gnu/cblas.h"],
         packages = ["libopenblas-dev"],
+    )
+    system_library(
+        name = "dnnl",
+        target = "dnnl",
+        extra_linkopts = ["-ldnnl"],
+        headers = ["oneapi/dnnl/dnnl.hpp"],
+        packages = ["libdnnl-dev"],
     )
     system_library(
         name = "microhttpd",

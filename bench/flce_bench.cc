@@ -64,6 +64,8 @@ ABSL_FLAG(int, iters, 10, "timed runs (median reported)");
 ABSL_FLAG(std::string, check_shape, "257x128x4099",
           "NxHxV of the accuracy check against fp64 (0 to skip)");
 ABSL_FLAG(bool, json, false, "print JSON lines instead of a table");
+ABSL_FLAG(bool, floor, true,
+          "time the bare GEMMs too (false: the engine alone, e.g. under a profiler)");
 ABSL_FLAG(bool, bias, false, "problems with a bias");
 ABSL_FLAG(bool, class_weight, false, "problems with class weights");
 ABSL_FLAG(float, softcap, 0.0f, "logit softcap (0: none)");
@@ -80,6 +82,10 @@ ABSL_FLAG(bool, cuda_one_pass_rows, true,
 ABSL_FLAG(bool, cuda_keep_chunk_logits, true,
           "CUDA engine: STORE_GRADS in one chunk keeps the logits, dW made in Backward in its "
           "final dtype (false: fp32 gradients in Forward)");
+ABSL_FLAG(int64_t, cpu_chunk_bytes, 0,
+          "CPU engine: chunk budget in bytes (0: the engine's default)");
+ABSL_FLAG(bool, cpu_native_bf16, true,
+          "CPU engine: bf16 inputs multiply in bf16 where the CPU can (false: widened to fp32)");
 ABSL_FLAG(int64_t, cuda_chunk_bytes, 0,
           "CUDA engine: logits chunk budget in bytes (0: the engine's default)");
 ABSL_FLAG(std::string, vocab_shards, "",
@@ -320,6 +326,7 @@ void PrintRow(bool json, const std::string& backend, const std::string& shape_te
               DType dtype, BackwardMode mode, double ms, double floor_ms, double tuned_floor_ms,
               double extra_gib, const std::string& accuracy, const std::string& error) {
   const double tflops = 6.0 * s.n * s.h * s.v / (ms * 1e9);
+  const double ratio = floor_ms > 0 ? ms / floor_ms : 0.0;  // (0: no floor timed)
   if (json) {
     std::printf(
         "{\"backend\":\"%s\",\"n\":%lld,\"h\":%lld,\"v\":%lld,\"dtype\":\"%s\","
@@ -327,12 +334,12 @@ void PrintRow(bool json, const std::string& backend, const std::string& shape_te
         "\"tuned_floor_ms\":%.3f,\"effective_tflops\":%.3f,\"extra_gib\":%.3f,"
         "\"accuracy\":\"%s\",\"error\":\"%s\"}\n",
         backend.c_str(), static_cast<long long>(s.n), static_cast<long long>(s.h),
-        static_cast<long long>(s.v), DTypeName(dtype), BackwardModeName(mode), ms, floor_ms,
-        ms / floor_ms, tuned_floor_ms, tflops, extra_gib, accuracy.c_str(), error.c_str());
+        static_cast<long long>(s.v), DTypeName(dtype), BackwardModeName(mode), ms, floor_ms, ratio,
+        tuned_floor_ms, tflops, extra_gib, accuracy.c_str(), error.c_str());
   } else {
     std::printf("%-20s %-5s %-12s %10.2f %10.2f %7.3f %10.1f %10.3f  %s%s\n", shape_text.c_str(),
-                DTypeName(dtype), BackwardModeName(mode), ms, floor_ms, ms / floor_ms, tflops,
-                extra_gib, accuracy.c_str(), error.c_str());
+                DTypeName(dtype), BackwardModeName(mode), ms, floor_ms, ratio, tflops, extra_gib,
+                accuracy.c_str(), error.c_str());
     if (tuned_floor_ms > 0) {
       std::printf("    floor with the GEMM algorithms tuned as the engine's: %.2f ms, ratio %.3f\n",
                   tuned_floor_ms, ms / tuned_floor_ms);
@@ -361,7 +368,12 @@ void ForEachConfig(Run&& run) {
 }
 
 int RunCpu() {
-  CpuEngine engine;
+  CpuEngineOptions options;
+  if (absl::GetFlag(FLAGS_cpu_chunk_bytes) > 0) {
+    options.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes);
+  }
+  options.native_bf16 = absl::GetFlag(FLAGS_cpu_native_bf16);
+  CpuEngine engine(options);
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
   const bool json = absl::GetFlag(FLAGS_json);
   PrintHeader(json, "extra GiB");
@@ -370,10 +382,12 @@ int RunCpu() {
     bool failed = false;
     const double ms =
         MedianMs(warmup, iters, [&] { failed |= !RunOnce(engine, p.view(), mode, nullptr).ok(); });
-    const double floor_ms = BlasFloorMs(s, mode == BackwardMode::kRecompute, warmup, iters);
+    const double floor_ms = absl::GetFlag(FLAGS_floor)
+                                ? BlasFloorMs(s, mode == BackwardMode::kRecompute, warmup, iters)
+                                : 0.0;
     PrintRow(json, "cpu", shape_text, s, dtype, mode, ms, floor_ms, 0.0, 0.0,
              CheckAccuracyOf(engine, dtype, mode), failed ? " (engine error)" : "");
-    PrintShardRows([] { return std::make_unique<CpuEngine>(); }, p.view(), mode, {});
+    PrintShardRows([&] { return std::make_unique<CpuEngine>(options); }, p.view(), mode, {});
   });
   return 0;
 }

@@ -1,6 +1,7 @@
 #include "kernels/dtype.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -78,6 +79,38 @@ TEST(DTypeTest, BulkHalfConversionsMatchScalar) {
   for (size_t i = 0; i < inputs.size(); ++i) {
     ASSERT_EQ(bulk[i], FloatToHalf(inputs[i])) << inputs[i];
   }
+}
+
+// The bulk bf16 conversions (eight at a time where the CPU has AVX2) give
+// the scalar functions' bits: every bf16 value, and floats around every
+// rounding boundary, ties, infinities, NaNs with payloads in the low bits.
+TEST(DTypeTest, BulkBFloat16ConversionsMatchScalar) {
+  std::vector<uint16_t> all(0x10000);
+  for (uint32_t b = 0; b < 0x10000; ++b) all[b] = static_cast<uint16_t>(b);
+  std::vector<float> floats(all.size());
+  ToFloat(DType::kBFloat16, all.data(), static_cast<int64_t>(all.size()), floats.data());
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    uint32_t bits;
+    std::memcpy(&bits, &floats[b], 4);
+    ASSERT_EQ(bits, b << 16) << b;
+  }
+  std::vector<uint32_t> inputs;
+  for (uint32_t b = 0; b < 0x10000; b += 7) {
+    const uint32_t base = b << 16;
+    for (uint32_t low : {0u, 1u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) inputs.push_back(base | low);
+  }
+  inputs.push_back(0x7f800000u);  // inf
+  inputs.push_back(0x7f800001u);  // a NaN with only a low payload bit
+  inputs.push_back(0xffffffffu);
+  inputs.push_back(0x7f7fffffu);  // the largest float: rounds to inf
+  std::vector<float> values(inputs.size());
+  std::memcpy(values.data(), inputs.data(), inputs.size() * 4);
+  std::vector<uint16_t> bulk(values.size() + 3, 0xabcd);  // (its tail stays)
+  FromFloat(DType::kBFloat16, values.data(), static_cast<int64_t>(values.size()), bulk.data());
+  for (size_t i = 0; i < values.size(); ++i) {
+    ASSERT_EQ(bulk[i], FloatToBFloat16(values[i])) << std::hex << inputs[i];
+  }
+  EXPECT_EQ(bulk[values.size()], 0xabcd);
 }
 
 TEST(DTypeTest, ConvertsArrays) {

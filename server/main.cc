@@ -19,10 +19,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "server/logging.h"
-#include "server/loss_server.h"
 #include "common/flag_types.h"
 #include "common/usage.h"
+#include "server/logging.h"
+#include "server/loss_server.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, listen_address, "0.0.0.0:50051",
@@ -66,8 +66,7 @@ ABSL_FLAG(int64_t, max_call_channels, flce::CallChannelLimits().max_channels,
           "call channels open at once (OpenCallChannel; a server thread each; at most 1024)");
 ABSL_FLAG(int64_t, max_call_channels_per_principal, 0,
           "call channels of one principal (0: only --max_call_channels)");
-ABSL_FLAG(flce::DurationFlag, call_channel_spin,
-          flce::DurationFlag{flce::CallChannelLimits().spin},
+ABSL_FLAG(flce::DurationFlag, call_channel_spin, flce::DurationFlag{flce::CallChannelLimits().spin},
           "how long a call channel's thread polls for the next call from the moment it is due "
           "(after the gaps between the last calls) before it sleeps (a CPU core while it "
           "polls; 0s: never poll, each call then pays a thread wake-up)");
@@ -102,6 +101,9 @@ ABSL_FLAG(flce::ByteCount, cpu_chunk_bytes, flce::ByteCount{flce::CpuEngineOptio
 ABSL_FLAG(flce::ByteCount, cpu_workspace_cache_bytes,
           flce::ByteCount{flce::CpuEngineOptions().workspace_cache_bytes},
           "CPU engine: freed workspace (logits chunks, converted weights) kept for reuse");
+ABSL_FLAG(bool, cpu_native_bf16, flce::CpuEngineOptions().native_bf16,
+          "CPU engine: bf16 inputs multiply in bf16 (oneDNN) where the CPU has bf16 dot "
+          "products; false: widened to fp32 (OpenBLAS)");
 ABSL_FLAG(int, cuda_device, flce::CudaEngineOptions().device, "CUDA engine: device ordinal");
 ABSL_FLAG(std::vector<std::string>, cuda_devices, {},
           "comma-separated CUDA device ordinals: an engine on each, every problem sharded by "
@@ -112,8 +114,7 @@ ABSL_FLAG(std::string, cuda_devices_mode, "shard",
           "over them whole");
 ABSL_FLAG(int, cuda_lanes, flce::CudaEngineOptions().lanes,
           "CUDA engine: concurrent calls (streams)");
-ABSL_FLAG(flce::ByteCount, cuda_chunk_bytes,
-          flce::ByteCount{flce::CudaEngineOptions().chunk_bytes},
+ABSL_FLAG(flce::ByteCount, cuda_chunk_bytes, flce::ByteCount{flce::CudaEngineOptions().chunk_bytes},
           "CUDA engine: most bytes of logits (input dtype) per token chunk");
 ABSL_FLAG(int64_t, cuda_min_slice_columns, flce::CudaEngineOptions().min_slice_columns,
           "CUDA engine: RECOMPUTE's backward takes all rows at once over vocabulary slices of "
@@ -143,7 +144,8 @@ ABSL_FLAG(std::string, bulk_address, flce::ServerOptions().bulk_address,
           "'auto': the host of --listen_address on a free port; empty: off");
 ABSL_FLAG(int, max_bulk_connections, flce::ServerOptions().max_bulk_connections,
           "connections the bulk port holds at once (a thread each)");
-ABSL_FLAG(int, max_bulk_connections_per_address, flce::ServerOptions().max_bulk_connections_per_address,
+ABSL_FLAG(int, max_bulk_connections_per_address,
+          flce::ServerOptions().max_bulk_connections_per_address,
           "connections the bulk port holds from one client address");
 ABSL_FLAG(std::string, health_address, "",
           "host:port of a plaintext port with only grpc.health.v1, for probes without TLS");
@@ -261,6 +263,7 @@ int main(int argc, char** argv) {
   options.engine.vocab_shards = absl::GetFlag(FLAGS_vocab_shards);
   options.engine.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes).bytes;
   options.engine.cpu.workspace_cache_bytes = absl::GetFlag(FLAGS_cpu_workspace_cache_bytes).bytes;
+  options.engine.cpu.native_bf16 = absl::GetFlag(FLAGS_cpu_native_bf16);
   options.engine.cuda.device = absl::GetFlag(FLAGS_cuda_device);
   for (const std::string& device : absl::GetFlag(FLAGS_cuda_devices)) {
     int ordinal = -1;
@@ -278,8 +281,7 @@ int main(int argc, char** argv) {
   options.engine.cuda.one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
   options.engine.cuda.keep_chunk_logits = absl::GetFlag(FLAGS_cuda_keep_chunk_logits);
 
-  absl::StatusOr<std::unique_ptr<flce::LossServer>> server =
-      flce::LossServer::Start(options);
+  absl::StatusOr<std::unique_ptr<flce::LossServer>> server = flce::LossServer::Start(options);
   if (!server.ok()) {
     SPDLOG_CRITICAL("cannot start: {}", server.status().ToString());
     return 1;
@@ -294,8 +296,8 @@ int main(int argc, char** argv) {
   const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace).value;
   std::thread([limit = drain + grace + absl::Seconds(10)] {
     absl::SleepFor(limit);
-    const std::string line = absl::StrCat("shutdown did not finish within ",
-                                          absl::FormatDuration(limit), "; exiting\n");
+    const std::string line =
+        absl::StrCat("shutdown did not finish within ", absl::FormatDuration(limit), "; exiting\n");
     if (write(STDERR_FILENO, line.data(), line.size()) < 0) {
     }
     _exit(1);

@@ -9,7 +9,7 @@ set -euo pipefail
 PACKAGES=(
   bazel-bootstrap g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libopenblas-dev
+  libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libopenblas-dev libdnnl-dev
   libssl-dev libmicrohttpd-dev libcurl4-openssl-dev
 )
 if [ "${1:-}" != "--build" ]; then

@@ -4,11 +4,11 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <fstream>
-#include <new>
 #include <limits>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/buffer_pool.h"
+#include "kernels/cpu/cpu_gemm.h"
 #include "kernels/status_macros.h"
 
 namespace flce {
@@ -31,25 +32,24 @@ struct Prepared {
   int64_t first = 0, full_v = 0;
   bool shard = false;
   DType dtype = DType::kFloat32;
+  // The GEMMs' operand dtype (CpuGemm::OperandDType): bf16 where the CPU
+  // multiplies it natively, else fp32 (X chunks and W widened).
+  DType gemm_dtype = DType::kFloat32;
   TensorView hidden;
-  const float* w32 = nullptr;  // [V, H]
-  PooledBuffer w_storage;       // w32 when converted from bf16/fp16
-  std::vector<float> bias;         // [V] or empty
-  std::vector<float> class_weight; // [full_v] or empty (all 1)
-  float class_weight_sum = 0;      // over the whole vocabulary
-  std::vector<int64_t> target;     // [N], ids of the whole vocabulary
+  const void* w = nullptr;          // [V, H] in gemm_dtype
+  PooledBuffer w_storage;           // w when widened from bf16/fp16
+  std::vector<float> bias;          // [V] or empty
+  std::vector<float> class_weight;  // [full_v] or empty (all 1)
+  float class_weight_sum = 0;       // over the whole vocabulary
+  std::vector<int64_t> target;      // [N], ids of the whole vocabulary
   LossOptions options;
   // Divisor of the reduction: sum of class weights over valid rows (mean),
   // 1 otherwise.
   double denom = 1.0;
   int64_t num_valid = 0;
 
-  bool valid(int64_t row) const {
-    return target[row] != options.ignore_index;
-  }
-  float weight_of(int64_t cls) const {
-    return class_weight.empty() ? 1.0f : class_weight[cls];
-  }
+  bool valid(int64_t row) const { return target[row] != options.ignore_index; }
+  float weight_of(int64_t cls) const { return class_weight.empty() ? 1.0f : class_weight[cls]; }
   // The class weight of the weight's row j.
   float column_weight(int64_t j) const {
     return class_weight.empty() ? 1.0f : class_weight[first + j];
@@ -63,7 +63,7 @@ struct Prepared {
   }
 };
 
-Prepared Prepare(const LossProblem& p, BufferPool& pool) {
+Prepared Prepare(const LossProblem& p, const CpuGemm& gemm, BufferPool& pool) {
   Prepared q;
   q.n = p.rows();
   q.h = p.hidden_size();
@@ -74,12 +74,13 @@ Prepared Prepare(const LossProblem& p, BufferPool& pool) {
   q.dtype = p.hidden.dtype;
   q.hidden = p.hidden;
   q.options = p.options;
-  if (p.weight.dtype == DType::kFloat32) {
-    q.w32 = static_cast<const float*>(p.weight.data);
+  q.gemm_dtype = gemm.OperandDType(p.weight.dtype);
+  if (p.weight.dtype == q.gemm_dtype) {
+    q.w = p.weight.data;
   } else {
     q.w_storage = pool.Take(q.v * q.h);
     ToFloat(p.weight.dtype, p.weight.data, q.v * q.h, q.w_storage.data());
-    q.w32 = q.w_storage.data();
+    q.w = q.w_storage.data();
   }
   if (p.bias) {
     q.bias.resize(q.v);
@@ -96,9 +97,8 @@ Prepared Prepare(const LossProblem& p, BufferPool& pool) {
   }
   q.target.resize(q.n);
   for (int64_t i = 0; i < q.n; ++i) {
-    q.target[i] = p.target.dtype == DType::kInt32
-                      ? static_cast<const int32_t*>(p.target.data)[i]
-                      : static_cast<const int64_t*>(p.target.data)[i];
+    q.target[i] = p.target.dtype == DType::kInt32 ? static_cast<const int32_t*>(p.target.data)[i]
+                                                  : static_cast<const int64_t*>(p.target.data)[i];
   }
   double weight_sum = 0;
   for (int64_t i = 0; i < q.n; ++i) {
@@ -146,8 +146,8 @@ void TransformLogits(const Prepared& q, float* z) {
 // Writes the gradient of row `row` (scaled by g) over z. With `exp_in_z`,
 // z holds exp(z'_j − m) and `inv_sum` = 1/Σ; otherwise z holds z' and the
 // probabilities are exp(z'_j − lse).
-void WriteRowGradient(const Prepared& q, int64_t row, float lse, float g,
-                      bool exp_in_z, float inv_sum, float* z) {
+void WriteRowGradient(const Prepared& q, int64_t row, float lse, float g, bool exp_in_z,
+                      float inv_sum, float* z) {
   if (!q.valid(row)) {
     std::fill(z, z + q.v, 0.0f);
     return;
@@ -159,8 +159,8 @@ void WriteRowGradient(const Prepared& q, int64_t row, float lse, float g,
   const float wt = q.weight_of(q.target[row]);
   const float smooth = eps / static_cast<float>(q.full_v);
   // Coefficient of p_j in dz'_j.
-  const float a = (1.0f - eps) * wt + smooth * q.class_weight_sum +
-                  2.0f * q.options.z_loss_scale * lse;
+  const float a =
+      (1.0f - eps) * wt + smooth * q.class_weight_sum + 2.0f * q.options.z_loss_scale * lse;
   const bool softcap = q.options.logit_softcap.has_value();
   const float inv_c = softcap ? 1.0f / *q.options.logit_softcap : 0.0f;
   const bool weighted = !q.class_weight.empty();
@@ -232,13 +232,11 @@ RowStats ForwardRow(const Prepared& q, int64_t row, const float* g, float* z) {
     const double wt = q.weight_of(t);
     stats.z_loss = q.options.z_loss_scale * lse * lse;
     stats.loss = (1.0 - eps) * wt * (lse - z_t) +
-                 eps / q.full_v * (q.class_weight_sum * lse - weighted_z) +
-                 stats.z_loss;
+                 eps / q.full_v * (q.class_weight_sum * lse - weighted_z) + stats.z_loss;
     stats.correct = argmax == t;
   }
   if (g != nullptr) {
-    WriteRowGradient(q, row, stats.lse, *g, exp_in_z,
-                     static_cast<float>(1.0 / sum), z);
+    WriteRowGradient(q, row, stats.lse, *g, exp_in_z, static_cast<float>(1.0 / sum), z);
   }
   return stats;
 }
@@ -281,10 +279,10 @@ ShardRowStats ShardRow(const Prepared& q, int64_t row, float* z) {
 // The chunk loop.
 
 enum class Pass {
-  kLoss,          // loss only
-  kLossAndGrad,   // loss and gradients (STORE_GRADS forward)
-  kGradFromLse,   // gradients from lse (RECOMPUTE backward; a shard's backward)
-  kShardStats,    // a shard's per-row statistics (its forward)
+  kLoss,         // loss only
+  kLossAndGrad,  // loss and gradients (STORE_GRADS forward)
+  kGradFromLse,  // gradients from lse (RECOMPUTE backward; a shard's backward)
+  kShardStats,   // a shard's per-row statistics (its forward)
 };
 
 struct LoopIO {
@@ -296,9 +294,9 @@ struct LoopIO {
   int64_t num_correct = 0;
   // Per-row upstream scale (already divided by the reduction's divisor).
   const float* row_scale = nullptr;  // [N]
-  float* dx = nullptr;   // [N, H] fp32, overwritten
-  float* dw = nullptr;   // [V, H] fp32, overwritten
-  float* db = nullptr;   // [V] fp32, overwritten, or null
+  float* dx = nullptr;               // [N, H] fp32, overwritten
+  float* dw = nullptr;               // [V, H] fp32, overwritten
+  float* db = nullptr;               // [V] fp32, overwritten, or null
 
   // kShardStats: [N] each, and (a shard's STORE_GRADS) z' of every row
   // [N, V] when `logits_out` is set.
@@ -309,8 +307,8 @@ struct LoopIO {
   const float* logits_in = nullptr;
 };
 
-absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
-                       const CancelFn& cancelled, BufferPool& pool, LoopIO& io) {
+absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass, const CancelFn& cancelled,
+                       CpuGemm& gemm, BufferPool& pool, LoopIO& io) {
   const int64_t n = q.n, h = q.h, v = q.v;
   const bool grad = pass == Pass::kLossAndGrad || pass == Pass::kGradFromLse;
   if (grad && n == 0) {
@@ -318,22 +316,28 @@ absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
     std::fill(io.dw, io.dw + v * h, 0.0f);
     if (io.db) std::fill(io.db, io.db + v, 0.0f);
   }
-  PooledBuffer logits = pool.Take(std::min(chunk_rows, n) * v);
+  const int64_t max_rows = std::min(chunk_rows, n);
+  const DType operands = q.gemm_dtype;
+  PooledBuffer logits = pool.Take(max_rows * v);
+  // X's rows widened to fp32 for fp32 GEMMs of another dtype's inputs.
   PooledBuffer x_chunk;
-  if (q.dtype != DType::kFloat32) x_chunk = pool.Take(std::min(chunk_rows, n) * h);
+  if (q.dtype != operands) x_chunk = pool.Take(max_rows * h);
+  // The chunk's gradient rounded to bf16 for bf16 GEMMs (as PyTorch's and
+  // the CUDA engine's: the dX and dW GEMMs take it in the input dtype).
+  PooledBuffer dz_narrow;
+  const bool narrow = grad && operands != DType::kFloat32;
+  if (narrow) dz_narrow = pool.Take((max_rows * v + 1) / 2);
+  uint16_t* dz16 = narrow ? reinterpret_cast<uint16_t*>(dz_narrow.data()) : nullptr;
   const std::vector<float> ones(grad && io.db ? chunk_rows : 0, 1.0f);
   for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
     if (cancelled && cancelled()) {
       return absl::CancelledError("cancelled between chunks");
     }
     const int64_t rows = std::min(chunk_rows, n - r0);
-    const float* x;
-    if (q.dtype == DType::kFloat32) {
-      x = static_cast<const float*>(q.hidden.data) + r0 * h;
-    } else {
-      const char* src = static_cast<const char*>(q.hidden.data) +
-                        r0 * h * DTypeSize(q.dtype);
-      ToFloat(q.dtype, src, rows * h, x_chunk.data());
+    const char* x_rows = static_cast<const char*>(q.hidden.data) + r0 * h * DTypeSize(q.dtype);
+    const void* x = x_rows;
+    if (q.dtype != operands) {
+      ToFloat(q.dtype, x_rows, rows * h, x_chunk.data());
       x = x_chunk.data();
     }
     if (io.logits_in != nullptr) {
@@ -341,10 +345,11 @@ absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
       std::memcpy(logits.data(), io.logits_in + r0 * v,
                   static_cast<size_t>(rows * v) * sizeof(float));
     } else {
-      // logits[rows, V] = X_c[rows, H] · Wᵀ  (W is [V, H] row-major, so Wᵀ
-      // is the transposed operand with leading dimension H).
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, v, h, 1.0f, x,
-                  h, q.w32, h, 0.0f, logits.data(), v);
+      // logits[rows, V] = X_c[rows, H] · Wᵀ  (W is [V, H] row-major, read
+      // transposed with leading dimension H).
+      FLCE_RETURN_IF_ERROR(gemm.Multiply(operands, rows, v, h, {x, h, Transpose::kNo},
+                                         {q.w, h, Transpose::kYes}, logits.data(), v,
+                                         /*accumulate=*/false));
     }
     int64_t correct = 0;
 #pragma omp parallel for schedule(static) reduction(+ : correct)
@@ -355,6 +360,7 @@ absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
         if (io.logits_in == nullptr) TransformLogits(q, z);
         WriteRowGradient(q, row, io.lse_in[row], io.row_scale[row],
                          /*exp_in_z=*/false, 0.0f, z);
+        if (narrow) FromFloat(operands, z, v, dz16 + r * v);  // (the row is in cache)
         continue;
       }
       if (pass == Pass::kShardStats) {
@@ -365,6 +371,7 @@ absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
         continue;
       }
       const RowStats s = ForwardRow(q, row, grad ? &io.row_scale[row] : nullptr, z);
+      if (narrow) FromFloat(operands, z, v, dz16 + r * v);
       io.lse_out[row] = s.lse;
       io.row_loss[row] = s.loss;
       io.row_z_loss[row] = s.z_loss;
@@ -372,55 +379,87 @@ absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass,
     }
     io.num_correct += correct;
     if (!grad) continue;
+    const void* dz = narrow ? static_cast<const void*>(dz16) : logits.data();
     // dX_c[rows, H] = dZ[rows, V] · W[V, H].
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, v, 1.0f,
-                logits.data(), v, q.w32, h, 0.0f, io.dx + r0 * h, h);
-    // dW[V, H] (+)= dZᵀ · X_c: dZ is [rows, V] row-major, used transposed.
-    // The first chunk overwrites (beta 0), so dW needs no zeroing pass.
-    const float beta = r0 == 0 ? 0.0f : 1.0f;
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, rows, 1.0f,
-                logits.data(), v, x, h, beta, io.dw, h);
+    FLCE_RETURN_IF_ERROR(gemm.Multiply(operands, rows, h, v, {dz, v, Transpose::kNo},
+                                       {q.w, h, Transpose::kNo}, io.dx + r0 * h, h,
+                                       /*accumulate=*/false));
+    // dW[V, H] (+)= dZᵀ · X_c: dZ is [rows, V] row-major, read transposed.
+    // The first chunk overwrites, so dW needs no zeroing pass.
+    FLCE_RETURN_IF_ERROR(gemm.Multiply(operands, v, h, rows, {dz, v, Transpose::kYes},
+                                       {x, h, Transpose::kNo}, io.dw, h,
+                                       /*accumulate=*/r0 != 0));
     if (io.db) {
-      // db[V] (+)= dZᵀ · 1.
-      cblas_sgemv(CblasRowMajor, CblasTrans, rows, v, 1.0f, logits.data(), v,
-                  ones.data(), 1, beta, io.db, 1);
+      // db[V] (+)= dZᵀ · 1, from the fp32 gradient.
+      cblas_sgemv(CblasRowMajor, CblasTrans, rows, v, 1.0f, logits.data(), v, ones.data(), 1,
+                  r0 == 0 ? 0.0f : 1.0f, io.db, 1);
     }
   }
   return absl::OkStatus();
 }
 
-// Writes src[i] × scale, rounded once to `dtype`, to dst. `dst` may equal
-// `src`: elements are narrowed in increasing order through a block buffer, so
-// every write lands on bytes already read.
-void ScaleAndConvert(const float* src, int64_t count, float scale, DType dtype,
-                     void* dst) {
-  if (scale == 1.0f && dtype == DType::kFloat32) {
-    if (dst != src && count > 0) std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
-    return;
-  }
-  constexpr int64_t kBlock = 4096;
-  float buffer[kBlock];
-  char* out = static_cast<char*>(dst);
+// A new tensor of `shape` holding src × scale rounded once to `dtype`, in
+// blocks on the OpenMP threads.
+HostTensor ScaledCopy(const float* src, std::vector<int64_t> shape, float scale, DType dtype) {
+  HostTensor out(dtype, std::move(shape));
+  const int64_t count = out.num_elements();
+  char* dst = &out.data[0];
+  const int64_t elem = DTypeSize(dtype);
+  constexpr int64_t kBlock = 1 << 16;
+#pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < count; i += kBlock) {
     const int64_t m = std::min(kBlock, count - i);
-    for (int64_t k = 0; k < m; ++k) buffer[k] = src[i + k] * scale;
-    FromFloat(dtype, buffer, m, out + i * DTypeSize(dtype));
+    if (scale == 1.0f) {
+      FromFloat(dtype, src + i, m, dst + i * elem);
+      continue;
+    }
+    float buffer[4096];
+    for (int64_t j = 0; j < m; j += 4096) {
+      const int64_t b = std::min<int64_t>(4096, m - j);
+      for (int64_t k = 0; k < b; ++k) buffer[k] = src[i + j + k] * scale;
+      FromFloat(dtype, buffer, b, dst + (i + j) * elem);
+    }
   }
-}
-
-// Narrows an fp32 tensor to `dtype` (times `scale`) in its own storage.
-void NarrowInPlace(HostTensor& t, float scale, DType dtype) {
-  ScaleAndConvert(t.data_as<float>(), t.num_elements(), scale, dtype, &t.data[0]);
-  t.dtype = dtype;
-  t.data.resize(static_cast<size_t>(t.num_elements()) * DTypeSize(dtype));
-}
-
-// A new tensor of src × scale in `dtype`.
-HostTensor ScaledCopy(const HostTensor& src, float scale, DType dtype) {
-  HostTensor out(dtype, src.shape);
-  ScaleAndConvert(src.data_as<float>(), src.num_elements(), scale, dtype, &out.data[0]);
   return out;
 }
+
+// An fp32 sum that becomes a result tensor. For an fp32 result it lives in
+// the result's own memory, handed over without a copy; for a bf16 or fp16
+// result in warm workspace reused from call to call, rounded into a result
+// of half the bytes: fresh memory's page faults cost more than the copy on
+// the machines measured (bench/RESULTS.md).
+class GradientSum {
+ public:
+  GradientSum() = default;
+  GradientSum(std::vector<int64_t> shape, DType result, BufferPool& pool) : shape_(shape) {
+    if (result == DType::kFloat32) {
+      tensor_ = HostTensor(DType::kFloat32, std::move(shape));
+    } else {
+      buffer_ = pool.Take(NumElements(shape_));
+    }
+  }
+  float* data() { return tensor_.data.empty() ? buffer_.data() : tensor_.mutable_data<float>(); }
+  int64_t bytes() const { return NumElements(shape_) * 4; }
+
+  // The sum × scale in `dtype`; `last`: the sum is not needed again.
+  HostTensor Result(float scale, DType dtype, bool last) {
+    if (last && dtype == DType::kFloat32 && !tensor_.data.empty()) {
+      if (scale != 1.0f) {
+        float* f = tensor_.mutable_data<float>();
+        const int64_t count = tensor_.num_elements();
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < count; ++i) f[i] *= scale;
+      }
+      return std::move(tensor_);
+    }
+    return ScaledCopy(data(), shape_, scale, dtype);
+  }
+
+ private:
+  std::vector<int64_t> shape_;
+  HostTensor tensor_;
+  PooledBuffer buffer_;
+};
 
 HostTensor FloatTensor(std::vector<int64_t> shape) {
   return HostTensor(DType::kFloat32, std::move(shape));
@@ -429,16 +468,14 @@ HostTensor FloatTensor(std::vector<int64_t> shape) {
 // ---------------------------------------------------------------------------
 // Saved states.
 
-// STORE_GRADS: the gradients for grad_output = 1, in fp32.
+// STORE_GRADS: the gradients for grad_output = 1, as fp32 sums whose
+// results are expected in the inputs' dtype.
 class StoredGradients : public SavedState {
  public:
   DType dtype = DType::kFloat32;  // of the inputs
-  HostTensor dx, dw;
-  std::optional<HostTensor> db;
-  int64_t bytes() const override {
-    return static_cast<int64_t>(dx.data.size() + dw.data.size() +
-                                (db ? db->data.size() : 0));
-  }
+  GradientSum dx, dw;
+  std::optional<GradientSum> db;
+  int64_t bytes() const override { return dx.bytes() + dw.bytes() + (db ? db->bytes() : 0); }
 };
 
 // RECOMPUTE: the inputs (own copies) and per-row lse.
@@ -476,34 +513,37 @@ std::string CpuModelName() {
 }
 
 absl::Status OutOfMemory(const LossProblem& p, const char* where) {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "CPU engine: out of host memory in ", where, " for N=", p.rows(), " H=",
-      p.hidden_size(), " V=", p.vocab()));
+  return absl::ResourceExhaustedError(absl::StrCat("CPU engine: out of host memory in ", where,
+                                                   " for N=", p.rows(), " H=", p.hidden_size(),
+                                                   " V=", p.vocab()));
 }
 
 }  // namespace
 
 CpuEngine::CpuEngine(CpuEngineOptions options)
     : options_(options),
-      pool_(std::make_unique<BufferPool>(options.workspace_cache_bytes)) {}
+      pool_(std::make_unique<BufferPool>(options.workspace_cache_bytes)),
+      gemm_(std::make_unique<CpuGemm>(options.native_bf16)) {}
 
 CpuEngine::~CpuEngine() = default;
 
 std::vector<DeviceInfo> CpuEngine::devices() const {
   DeviceInfo info;
-  info.name = absl::StrCat(CpuModelName(), " (", omp_get_max_threads(),
-                           " threads)");
+  info.name = absl::StrCat(CpuModelName(), " (", omp_get_max_threads(), " threads)");
   return {info};
 }
 
 int64_t CpuEngine::ChunkRows(int64_t rows, int64_t vocab, int64_t hidden) const {
-  // The chunk's fp32 logits and its fp32 copy of X share the budget.
+  // The chunk's fp32 logits and its fp32 copy of X share the budget; the
+  // rows go in chunks of even size (one GEMM shape, no small last chunk).
   const int64_t by_budget = options_.chunk_bytes / ((vocab + hidden) * int64_t{4});
-  return std::max<int64_t>(1, std::min(rows, std::max(kMinChunkRows, by_budget)));
+  const int64_t most = std::max(kMinChunkRows, by_budget);
+  if (rows <= most) return std::max<int64_t>(1, rows);
+  const int64_t chunks = (rows + most - 1) / most;
+  return (rows + chunks - 1) / chunks;
 }
 
-int64_t CpuEngine::SavedStateBytes(const LossProblem& p,
-                                   BackwardMode mode) const {
+int64_t CpuEngine::SavedStateBytes(const LossProblem& p, BackwardMode mode) const {
   const int64_t n = p.rows(), h = p.hidden_size(), v = p.vocab();
   if (p.shard) {
     const int64_t elem = DTypeSize(p.hidden.dtype);
@@ -515,8 +555,8 @@ int64_t CpuEngine::SavedStateBytes(const LossProblem& p,
     return (n * h + v * h + (p.bias ? v : 0)) * int64_t{4};
   }
   const int64_t elem = DTypeSize(p.hidden.dtype);
-  return (n * h + v * h + (p.bias ? v : 0)) * elem +
-         n * DTypeSize(p.target.dtype) + n * 4 + (p.class_weight ? v * 4 : 0);
+  return (n * h + v * h + (p.bias ? v : 0)) * elem + n * DTypeSize(p.target.dtype) + n * 4 +
+         (p.class_weight ? v * 4 : 0);
 }
 
 absl::StatusOr<ForwardResult> CpuEngine::Forward(const LossProblem& problem,
@@ -530,8 +570,7 @@ absl::StatusOr<ForwardResult> CpuEngine::Forward(const LossProblem& problem,
   }
 }
 
-absl::StatusOr<Gradients> CpuEngine::Backward(SavedState& state,
-                                              const BackwardSpec& spec,
+absl::StatusOr<Gradients> CpuEngine::Backward(SavedState& state, const BackwardSpec& spec,
                                               const CancelFn& cancelled) {
   try {
     absl::StatusOr<Gradients> grads = BackwardImpl(state, spec, cancelled);
@@ -539,15 +578,14 @@ absl::StatusOr<Gradients> CpuEngine::Backward(SavedState& state,
     return grads;
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "CPU engine: out of host memory in Backward (session state ",
-        state.bytes(), " bytes)"));
+        "CPU engine: out of host memory in Backward (session state ", state.bytes(), " bytes)"));
   }
 }
 
 absl::StatusOr<ForwardResult> CpuEngine::ShardForward(const LossProblem& problem,
                                                       const ForwardSpec& spec,
                                                       const CancelFn& cancelled) {
-  const Prepared q = Prepare(problem, *pool_);
+  const Prepared q = Prepare(problem, *gemm_, *pool_);
   const int64_t n = q.n;
   const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
   std::vector<ShardRowStats> rows(n);
@@ -562,7 +600,7 @@ absl::StatusOr<ForwardResult> CpuEngine::ShardForward(const LossProblem& problem
     }
   }
   FLCE_RETURN_IF_ERROR(
-      RunChunks(q, ChunkRows(n, q.v, q.h), Pass::kShardStats, cancelled, *pool_, io));
+      RunChunks(q, ChunkRows(n, q.v, q.h), Pass::kShardStats, cancelled, *gemm_, *pool_, io));
   ForwardResult result;
   result.num_valid = q.num_valid;
   ShardStats stats;
@@ -592,7 +630,7 @@ absl::StatusOr<ForwardResult> CpuEngine::ForwardImpl(const LossProblem& problem,
                                                      const ForwardSpec& spec,
                                                      const CancelFn& cancelled) {
   if (problem.shard) return ShardForward(problem, spec, cancelled);
-  const Prepared q = Prepare(problem, *pool_);
+  const Prepared q = Prepare(problem, *gemm_, *pool_);
   const int64_t n = q.n;
   const bool store = spec.need_backward && spec.mode == BackwardMode::kStoreGrads;
   if (store && q.options.reduction == Reduction::kNone) {
@@ -610,17 +648,17 @@ absl::StatusOr<ForwardResult> CpuEngine::ForwardImpl(const LossProblem& problem,
     scale.assign(n, static_cast<float>(1.0 / q.denom));
     grads = std::make_unique<StoredGradients>();
     grads->dtype = q.dtype;
-    grads->dx = FloatTensor({n, q.h});
-    grads->dw = FloatTensor({q.v, q.h});
-    if (!q.bias.empty()) grads->db = FloatTensor({q.v});
+    grads->dx = GradientSum({n, q.h}, q.dtype, *pool_);
+    grads->dw = GradientSum({q.v, q.h}, q.dtype, *pool_);
+    if (!q.bias.empty()) grads->db.emplace(std::vector<int64_t>{q.v}, q.dtype, *pool_);
     io.row_scale = scale.data();
-    io.dx = grads->dx.mutable_data<float>();
-    io.dw = grads->dw.mutable_data<float>();
-    io.db = grads->db ? grads->db->mutable_data<float>() : nullptr;
+    io.dx = grads->dx.data();
+    io.dw = grads->dw.data();
+    io.db = grads->db ? grads->db->data() : nullptr;
   }
-  absl::Status status = RunChunks(q, ChunkRows(n, q.v, q.h),
-                                  store ? Pass::kLossAndGrad : Pass::kLoss,
-                                  cancelled, *pool_, io);
+  absl::Status status =
+      RunChunks(q, ChunkRows(n, q.v, q.h), store ? Pass::kLossAndGrad : Pass::kLoss, cancelled,
+                *gemm_, *pool_, io);
   if (!status.ok()) return status;
 
   ForwardResult result;
@@ -652,8 +690,7 @@ absl::StatusOr<ForwardResult> CpuEngine::ForwardImpl(const LossProblem& problem,
   if (spec.want_per_row_loss) {
     result.per_row_loss = FloatTensor({n});
     for (int64_t i = 0; i < n; ++i) {
-      result.per_row_loss->mutable_data<float>()[i] =
-          static_cast<float>(row_loss[i]);
+      result.per_row_loss->mutable_data<float>()[i] = static_cast<float>(row_loss[i]);
     }
   }
   if (store) {
@@ -667,8 +704,7 @@ absl::StatusOr<ForwardResult> CpuEngine::ForwardImpl(const LossProblem& problem,
   return result;
 }
 
-absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
-                                                  const BackwardSpec& spec,
+absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state, const BackwardSpec& spec,
                                                   const CancelFn& cancelled) {
   std::vector<float> grad_output;
   if (spec.grad_output) grad_output = TensorToFloats(*spec.grad_output);
@@ -683,34 +719,12 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
     const DType dtype = spec.hidden_dtype(stored->dtype);
     const DType wdtype = spec.weight_dtype(stored->dtype);
     const float g = grad_output.empty() ? 1.0f : grad_output[0];
-    if (spec.last_use) {
-      // The state is dropped after this call: scale and narrow in place and
-      // hand the buffers over instead of allocating new ones.
-      if (!spec.weight_grads_only) {
-        NarrowInPlace(stored->dx, g, dtype);
-        out.grad_hidden = std::move(stored->dx);
-      }
-      NarrowInPlace(stored->dw, g, wdtype);
-      out.grad_weight = std::move(stored->dw);
-      if (stored->db) {
-        NarrowInPlace(*stored->db, g, wdtype);
-        out.grad_bias = std::move(*stored->db);
-      }
-      return out;
-    }
-    if (!spec.weight_grads_only) out.grad_hidden = ScaledCopy(stored->dx, g, dtype);
-    if (spec.weight_grads_last_use) {
-      // dW and db go into an accumulator and are never asked for again.
-      NarrowInPlace(stored->dw, g, wdtype);
-      out.grad_weight = std::move(stored->dw);
-      if (stored->db) {
-        NarrowInPlace(*stored->db, g, wdtype);
-        out.grad_bias = std::move(*stored->db);
-      }
-      stored->db.reset();
-    } else if (!spec.hidden_grad_only) {
-      out.grad_weight = ScaledCopy(stored->dw, g, wdtype);
-      if (stored->db) out.grad_bias = ScaledCopy(*stored->db, g, wdtype);
+    // (The state is dropped after a last use; dW and db after their last.)
+    const bool weights_last = spec.last_use || spec.weight_grads_last_use;
+    if (!spec.weight_grads_only) out.grad_hidden = stored->dx.Result(g, dtype, spec.last_use);
+    if (!spec.hidden_grad_only) {
+      out.grad_weight = stored->dw.Result(g, wdtype, weights_last);
+      if (stored->db) out.grad_bias = stored->db->Result(g, wdtype, weights_last);
     }
     return out;
   }
@@ -731,12 +745,11 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
     if (spec.global_lse->num_elements() != rows) {
       return absl::InvalidArgumentError(absl::StrCat("global_lse: expected [", rows, "] values"));
     }
-    if (spec.grad_hidden_addend &&
-        (spec.grad_hidden_addend->dtype != DType::kFloat32 ||
-         spec.grad_hidden_addend->space != MemorySpace::kHost ||
-         spec.grad_hidden_addend->num_elements() != rows * h)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "grad_hidden_addend: must be fp32 [", rows, ", ", h, "] in host memory"));
+    if (spec.grad_hidden_addend && (spec.grad_hidden_addend->dtype != DType::kFloat32 ||
+                                    spec.grad_hidden_addend->space != MemorySpace::kHost ||
+                                    spec.grad_hidden_addend->num_elements() != rows * h)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grad_hidden_addend: must be fp32 [", rows, ", ", h, "] in host memory"));
     }
     global_lse = TensorToFloats(*spec.global_lse);
     lse = global_lse.data();
@@ -744,47 +757,44 @@ absl::StatusOr<Gradients> CpuEngine::BackwardImpl(SavedState& state,
   } else {
     return absl::InternalError("saved state was not made by the CPU engine");
   }
-  const Prepared q = Prepare(inputs->view(), *pool_);
+  const Prepared q = Prepare(inputs->view(), *gemm_, *pool_);
   const int64_t n = q.n;
   std::vector<float> scale(n);
   for (int64_t i = 0; i < n; ++i) {
-    const double g = grad_output.empty()        ? 1.0
+    const double g = grad_output.empty()       ? 1.0
                      : grad_output.size() == 1 ? grad_output[0]
                                                : grad_output[i];
     scale[i] = static_cast<float>(g / q.denom);
   }
-  out.grad_hidden = FloatTensor({n, q.h});
-  out.grad_weight = FloatTensor({q.v, q.h});
-  if (!q.bias.empty()) out.grad_bias = FloatTensor({q.v});
+  // fp32 sums, rounded once into the results.
+  const DType dx_dtype = spec.hidden_dtype(q.dtype), w_dtype = spec.weight_dtype(q.dtype);
+  GradientSum dx({n, q.h}, dx_dtype, *pool_), dw({q.v, q.h}, w_dtype, *pool_);
+  std::optional<GradientSum> db;
+  if (!q.bias.empty()) db.emplace(std::vector<int64_t>{q.v}, w_dtype, *pool_);
   LoopIO io;
   io.lse_in = lse;
   io.logits_in = logits;
   io.row_scale = scale.data();
-  io.dx = out.grad_hidden.mutable_data<float>();
-  io.dw = out.grad_weight.mutable_data<float>();
-  io.db = out.grad_bias ? out.grad_bias->mutable_data<float>() : nullptr;
+  io.dx = dx.data();
+  io.dw = dw.data();
+  io.db = db ? db->data() : nullptr;
   absl::Status status =
-      RunChunks(q, ChunkRows(n, q.v, q.h), Pass::kGradFromLse, cancelled, *pool_, io);
+      RunChunks(q, ChunkRows(n, q.v, q.h), Pass::kGradFromLse, cancelled, *gemm_, *pool_, io);
   if (!status.ok()) return status;
   // Computed together; only what was asked for is kept.
-  if (spec.weight_grads_only) {
-    out.grad_hidden = HostTensor();
-  } else {
+  if (!spec.weight_grads_only) {
     if (spec.grad_hidden_addend) {
       if (spec.grad_hidden_addend_ready) FLCE_RETURN_IF_ERROR(spec.grad_hidden_addend_ready());
       const float* add = static_cast<const float*>(spec.grad_hidden_addend->data);
-      float* dx = out.grad_hidden.mutable_data<float>();
-      for (int64_t i = 0; i < n * q.h; ++i) dx[i] += add[i];
+      float* sum = dx.data();
+      for (int64_t i = 0; i < n * q.h; ++i) sum[i] += add[i];
     }
-    NarrowInPlace(out.grad_hidden, 1.0f, spec.hidden_dtype(q.dtype));
+    out.grad_hidden = dx.Result(1.0f, dx_dtype, /*last=*/true);
   }
-  if (spec.hidden_grad_only) {
-    out.grad_weight = HostTensor();
-    out.grad_bias.reset();
-    return out;
+  if (!spec.hidden_grad_only) {
+    out.grad_weight = dw.Result(1.0f, w_dtype, /*last=*/true);
+    if (db) out.grad_bias = db->Result(1.0f, w_dtype, /*last=*/true);
   }
-  NarrowInPlace(out.grad_weight, 1.0f, spec.weight_dtype(q.dtype));
-  if (out.grad_bias) NarrowInPlace(*out.grad_bias, 1.0f, spec.weight_dtype(q.dtype));
   return out;
 }
 

@@ -10,19 +10,27 @@ namespace flce {
 
 struct CpuEngineOptions {
   // Upper bound on a chunk's fp32 logits and fp32 copy of X (rows × (V + H)
-  // × 4 bytes). The chunk holds at least kMinChunkRows rows whatever this
-  // says.
-  int64_t chunk_bytes = int64_t{64} << 20;
+  // × 4 bytes; a bf16 GEMM's rounded gradient adds half the logits'). The
+  // chunk holds at least kMinChunkRows rows whatever this says. 128 MiB:
+  // 512 rows of a 32000-id vocabulary in one chunk (bench/RESULTS.md: 5 %
+  // faster than two in fp32).
+  int64_t chunk_bytes = int64_t{128} << 20;
   // Freed workspace (logits chunks, converted weights) kept for reuse.
   int64_t workspace_cache_bytes = int64_t{1} << 30;
+  // bf16 inputs multiply in bf16 (oneDNN) where the CPU has bf16 dot
+  // products; false: widened to fp32 for OpenBLAS, as fp16 always is.
+  bool native_bf16 = true;
 };
 
 class BufferPool;
+class CpuGemm;
 
-// The CPU engine: the three GEMMs on OpenBLAS (fp32 operands converted from
-// the input dtype, fp32 accumulation), row math in fp32 with OpenMP across
-// rows, chunked over tokens so the N×V logits never exist in full. dW and db
-// accumulate across chunks in fp32 and are rounded once. Running out of host
+// The CPU engine: the three GEMMs with fp32 accumulation (kernels/cpu/
+// cpu_gemm.h: bf16 operands on oneDNN where the CPU multiplies bf16, the
+// gradient rounded to bf16 for the dX and dW GEMMs as in PyTorch; fp32
+// operands on OpenBLAS, fp16 inputs widened to them), row math in fp32 with
+// OpenMP across rows, chunked over tokens so the N×V logits never exist in
+// full. dW and db accumulate across chunks in fp32 and are rounded once. Running out of host
 // memory is RESOURCE_EXHAUSTED. Thread-safe: calls share only the workspace
 // pool.
 class CpuEngine : public LossEngine {
@@ -35,13 +43,10 @@ class CpuEngine : public LossEngine {
   std::string backend() const override { return "cpu"; }
   std::vector<DeviceInfo> devices() const override;
   bool supports_vocab_shards() const override { return true; }
-  int64_t SavedStateBytes(const LossProblem& problem,
-                          BackwardMode mode) const override;
-  absl::StatusOr<ForwardResult> Forward(const LossProblem& problem,
-                                        const ForwardSpec& spec,
+  int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;
+  absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
                                         const CancelFn& cancelled) override;
-  absl::StatusOr<Gradients> Backward(SavedState& state,
-                                     const BackwardSpec& spec,
+  absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
                                      const CancelFn& cancelled) override;
 
   // Rows per chunk for `rows` tokens, a vocabulary of `vocab` and hidden
@@ -49,18 +54,17 @@ class CpuEngine : public LossEngine {
   int64_t ChunkRows(int64_t rows, int64_t vocab, int64_t hidden) const;
 
  private:
-  absl::StatusOr<ForwardResult> ForwardImpl(const LossProblem& problem,
-                                            const ForwardSpec& spec,
+  absl::StatusOr<ForwardResult> ForwardImpl(const LossProblem& problem, const ForwardSpec& spec,
                                             const CancelFn& cancelled);
   // A vocabulary shard's Forward: its statistics, and its state.
-  absl::StatusOr<ForwardResult> ShardForward(const LossProblem& problem,
-                                             const ForwardSpec& spec,
+  absl::StatusOr<ForwardResult> ShardForward(const LossProblem& problem, const ForwardSpec& spec,
                                              const CancelFn& cancelled);
   absl::StatusOr<Gradients> BackwardImpl(SavedState& state, const BackwardSpec& spec,
                                          const CancelFn& cancelled);
 
   CpuEngineOptions options_;
   std::unique_ptr<BufferPool> pool_;
+  std::unique_ptr<CpuGemm> gemm_;
 };
 
 }  // namespace flce

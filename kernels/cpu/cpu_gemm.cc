@@ -1,0 +1,163 @@
+#include "kernels/cpu/cpu_gemm.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace flce {
+namespace {
+
+using Dims = dnnl::memory::dims;
+using DnnlType = dnnl::memory::data_type;
+
+// The strides of op(X) as an r × c matrix: X stored row-major with leading
+// dimension ld, read as is or transposed.
+Dims Strides(const GemmOperand& x) {
+  return x.transpose == Transpose::kNo ? Dims{x.ld, 1} : Dims{1, x.ld};
+}
+
+CBLAS_TRANSPOSE Blas(Transpose t) { return t == Transpose::kNo ? CblasNoTrans : CblasTrans; }
+
+dnnl::engine& CpuEngine() {
+  static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  return *engine;
+}
+
+}  // namespace
+
+// A matmul primitive per shape (its JIT-compiled kernels are made once),
+// at most kMaxShapes of them; executed with a scratchpad of the calling
+// thread's, so that several calls run it at once.
+class CpuGemm::Bf16 {
+ public:
+  static constexpr size_t kMaxShapes = 64;
+
+  absl::Status Multiply(int64_t m, int64_t n, int64_t k, const GemmOperand& a, const GemmOperand& b,
+                        float* c, int64_t ldc, bool accumulate) {
+    try {
+      const Key key{m, n, k, a.ld, b.ld, ldc, a.transpose, b.transpose, accumulate};
+      std::shared_ptr<const Entry> entry = Find(key);
+      if (entry == nullptr) entry = Make(key);
+      dnnl::engine& engine = CpuEngine();
+      dnnl::memory ma(entry->pd.src_desc(), engine, const_cast<void*>(a.data));
+      dnnl::memory mb(entry->pd.weights_desc(), engine, const_cast<void*>(b.data));
+      dnnl::memory mc(entry->pd.dst_desc(), engine, c);
+      thread_local std::vector<char> scratch;
+      const size_t scratch_bytes = entry->pd.scratchpad_desc().get_size();
+      if (scratch.size() < scratch_bytes) scratch.resize(scratch_bytes);
+      dnnl::memory ms(entry->pd.scratchpad_desc(), engine, scratch.data());
+      dnnl::stream stream(engine);
+      entry->matmul.execute(stream, {{DNNL_ARG_SRC, ma},
+                                     {DNNL_ARG_WEIGHTS, mb},
+                                     {DNNL_ARG_DST, mc},
+                                     {DNNL_ARG_SCRATCHPAD, ms}});
+      stream.wait();
+      return absl::OkStatus();
+    } catch (const dnnl::error& e) {
+      return absl::InternalError(
+          absl::StrCat("oneDNN bf16 matmul ", m, "×", n, "×", k, ": ", e.what()));
+    }
+  }
+
+  // The implementation oneDNN picks for a bf16 matmul on this CPU.
+  static std::string Implementation() {
+    try {
+      Key key{64, 64, 64, 64, 64, 64, Transpose::kNo, Transpose::kYes, false};
+      return Describe(key).impl_info_str();
+    } catch (const dnnl::error& e) {
+      return "";
+    }
+  }
+
+ private:
+  using Key =
+      std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, Transpose, Transpose, bool>;
+  struct Entry {
+    dnnl::matmul::primitive_desc pd;
+    dnnl::matmul matmul;
+  };
+
+  static dnnl::matmul::primitive_desc Describe(const Key& key) {
+    const auto [m, n, k, lda, ldb, ldc, ta, tb, accumulate] = key;
+    const dnnl::memory::desc a({m, k}, DnnlType::bf16, Strides(GemmOperand{nullptr, lda, ta}));
+    const dnnl::memory::desc b({k, n}, DnnlType::bf16, Strides(GemmOperand{nullptr, ldb, tb}));
+    const dnnl::memory::desc c({m, n}, DnnlType::f32, Dims{ldc, 1});
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (accumulate) {
+      dnnl::post_ops sum;
+      sum.append_sum(1.0f);
+      attr.set_post_ops(sum);
+    }
+    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, CpuEngine());
+  }
+
+  std::shared_ptr<const Entry> Find(const Key& key) {
+    absl::MutexLock lock(&mu_);
+    auto it = cache_.find(key);
+    return it == cache_.end() ? nullptr : it->second;
+  }
+
+  std::shared_ptr<const Entry> Make(const Key& key) {
+    dnnl::matmul::primitive_desc pd = Describe(key);
+    auto entry = std::make_shared<const Entry>(Entry{pd, dnnl::matmul(pd)});
+    absl::MutexLock lock(&mu_);
+    if (cache_.size() >= kMaxShapes) cache_.clear();  // (calls in flight keep theirs)
+    cache_.emplace(key, entry);
+    return entry;
+  }
+
+  absl::Mutex mu_;
+  std::map<Key, std::shared_ptr<const Entry>> cache_ ABSL_GUARDED_BY(mu_);
+};
+
+CpuGemm::CpuGemm(bool native_bf16)
+    : bf16_(native_bf16 && NativeBf16()), bf16_impl_(bf16_ ? std::make_unique<Bf16>() : nullptr) {}
+
+CpuGemm::~CpuGemm() = default;
+
+bool CpuGemm::NativeBf16() {
+  // A bf16 kernel of oneDNN's own (e.g. "brg:avx512_core_bf16",
+  // "brg:avx512_core_amx"), not a reference or converting one.
+  static const bool native = [] {
+    const std::string impl = Bf16::Implementation();
+    return impl.find("ref") == std::string::npos &&
+           (impl.find("bf16") != std::string::npos || impl.find("amx") != std::string::npos);
+  }();
+  return native;
+}
+
+DType CpuGemm::OperandDType(DType input) const {
+  return input == DType::kBFloat16 && bf16_ ? DType::kBFloat16 : DType::kFloat32;
+}
+
+absl::Status CpuGemm::Multiply(DType dtype, int64_t m, int64_t n, int64_t k, const GemmOperand& a,
+                               const GemmOperand& b, float* c, int64_t ldc, bool accumulate) {
+  if (m == 0 || n == 0) return absl::OkStatus();
+  if (dtype == DType::kBFloat16 && bf16_) {
+    if (k == 0) {
+      if (!accumulate) {
+        for (int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+      }
+      return absl::OkStatus();
+    }
+    return bf16_impl_->Multiply(m, n, k, a, b, c, ldc, accumulate);
+  }
+  if (dtype != DType::kFloat32) {
+    return absl::InternalError(absl::StrCat("CpuGemm: ", DTypeName(dtype), " operands"));
+  }
+  cblas_sgemm(CblasRowMajor, Blas(a.transpose), Blas(b.transpose), m, n, k, 1.0f,
+              static_cast<const float*>(a.data), a.ld, static_cast<const float*>(b.data), b.ld,
+              accumulate ? 1.0f : 0.0f, c, ldc);
+  return absl::OkStatus();
+}
+
+}  // namespace flce
