@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -216,14 +217,43 @@ void PrintShardRows(const std::function<std::unique_ptr<LossEngine>()>& make, co
   std::fflush(stdout);
 }
 
+// One region of host memory, page-locked for the engine's devices where it
+// has any: a remote worker's row pieces put X there and read dX from there
+// (a server_memory region), so the registered served call reads and writes
+// it the same way.
+class LockedRegion : public SliceResolver {
+ public:
+  static constexpr const char* kId = "bench";
+  LockedRegion(int64_t bytes, DeviceMemory* locker)
+      : bytes_(bytes), memory_(new char[static_cast<size_t>(bytes)]) {
+    if (locker == nullptr) return;
+    absl::StatusOr<std::unique_ptr<DeviceBlock>> pin = locker->PinHostMemory(memory_.get(), bytes);
+    if (pin.ok()) pin_ = *std::move(pin);
+  }
+  char* data() const { return memory_.get(); }
+  bool locked() const { return pin_ != nullptr; }
+  absl::StatusOr<SliceMemory> Resolve(const SliceRef& slice, int64_t bytes,
+                                      const std::string& field) const override {
+    if (slice.region_id != kId || slice.offset < 0 || slice.offset + bytes > bytes_) {
+      return absl::InvalidArgumentError(field + ": outside the bench's region");
+    }
+    return SliceMemory{memory_.get() + slice.offset, MemorySpace::kHost};
+  }
+
+ private:
+  const int64_t bytes_;
+  std::unique_ptr<char[]> memory_;
+  std::unique_ptr<DeviceBlock> pin_;  // (unlocked before the memory goes)
+};
+
 // A registered weight's served call through the server's core (LossCore,
 // as a Forward and a Backward with accumulate_weight_grad): W and the
-// gradient sums where the engine keeps them (its WeightParts), X from host
-// memory, dX back to host memory, dW and db added into the sums. Median
-// ms, then one TakeWeightGrad's gather of the sums into host memory
-// (`take_ms`); the first error in `status`.
-double RegisteredServedMs(LossEngine& engine, const OwnedProblem& p, BackwardMode mode, int warmup,
-                          int iters, double& take_ms, absl::Status& status) {
+// gradient sums where the engine keeps them (its WeightParts), X read from
+// and dX written into a page-locked region (LockedRegion), dW and db added
+// into the sums. Median ms, then one TakeWeightGrad's gather of the sums
+// into host memory (`take_ms`); the first error in `status`.
+double RegisteredServedMs(LossEngine& engine, const OwnedProblem& p, BackwardMode mode,
+                          int warmup, int iters, double& take_ms, absl::Status& status) {
   SessionStore sessions(SessionLimits{});
   WeightRegistry weights(int64_t{1} << 40, int64_t{1} << 40);
   LossCore core(&engine, &sessions, &weights);
@@ -235,11 +265,17 @@ double RegisteredServedMs(LossEngine& engine, const OwnedProblem& p, BackwardMod
     status = registered.status();
     return 0;
   }
+  const int64_t x_bytes = static_cast<int64_t>(p.hidden.data.size());
+  const int64_t dx_at = (x_bytes + 4095) / 4096 * 4096;
+  auto region = std::make_shared<LockedRegion>(dx_at + x_bytes, engine.host_locker());
+  std::memcpy(region->data(), p.hidden.data.data(), static_cast<size_t>(x_bytes));
   ForwardCall call;
   call.problem = p.view();
+  call.problem.hidden.data = region->data();
   call.problem.weight = (*registered)->weight().view();
   if (p.bias) call.problem.bias = (*registered)->bias()->view();
   call.weight_ref = *registered;
+  call.shm = region;
   call.need_backward = true;
   call.requested_mode = mode;
   const double ms = MedianMs(warmup, iters, [&] {
@@ -252,6 +288,8 @@ double RegisteredServedMs(LossEngine& engine, const OwnedProblem& p, BackwardMod
     BackwardCall back;
     back.session_id = fwd->session_id;
     back.accumulate_weight_grad = true;
+    back.grad_hidden_out = SliceRef{LockedRegion::kId, dx_at};
+    back.shm = region;
     absl::StatusOr<BackwardOutcome> bwd = core.Backward(back, "", nullptr);
     if (!bwd.ok()) {
       status = bwd.status();
@@ -260,6 +298,7 @@ double RegisteredServedMs(LossEngine& engine, const OwnedProblem& p, BackwardMod
     core.Answered(*bwd);
     core.Settle(*bwd, /*delivered=*/true);
   });
+  if (status.ok() && !region->locked()) status = absl::UnavailableError("region not page-locked");
   const absl::Time start = absl::Now();
   if (status.ok()) status = (*registered)->TakeGrad().status();
   take_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
@@ -443,7 +482,7 @@ void PrintDeviceRows(const CudaEngineOptions& options, const OwnedProblem& p, Ba
     }
     if (set.size() == 1) one_ms = ms;
     std::printf(
-        "    registered served call (X from host, dX to host, dW summed where W is), "
+        "    registered served call (X and dX in a page-locked region, dW summed where W is), "
         "devices %s: %.2f ms%s, take %.1f ms%s%s\n",
         name.c_str(), ms,
         set.size() > 1 && one_ms > 0 ? absl::StrFormat(", %.3fx one device", ms / one_ms).c_str()

@@ -302,6 +302,13 @@ class LossEngine {
   // The engine's device memory, or null for an engine without a device.
   virtual DeviceMemory* device_memory() const { return nullptr; }
 
+  // What page-locks host memory for the engine's devices (its
+  // PinHostMemory locks for every device: copies between that memory and
+  // any of them run at the bus's rate), or null for an engine without a
+  // device: device_memory() for an engine with one device, one of its
+  // engines' for an engine over several.
+  virtual DeviceMemory* host_locker() const { return device_memory(); }
+
   // Where a weight of `vocab` rows is best kept between calls (a
   // registered weight's copies and gradient sums): its rows in consecutive
   // parts, each in the memory that computes them. One part in

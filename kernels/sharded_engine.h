@@ -49,6 +49,7 @@ class ShardedEngine : public LossEngine {
   int64_t device_memory_bytes() const override;
   bool supports_vocab_shards() const override { return true; }
   absl::Status health() const override;
+  DeviceMemory* host_locker() const override { return engines_[0]->host_locker(); }
   // The one engine's device memory (its shards all live there); none over
   // several engines.
   DeviceMemory* device_memory() const override {

@@ -30,6 +30,7 @@ class SpreadEngine : public LossEngine {
   int64_t forward_reruns() const override;
   bool supports_vocab_shards() const override;
   absl::Status health() const override;
+  DeviceMemory* host_locker() const override { return engines_[0]->host_locker(); }
 
   int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;
   absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,

@@ -223,7 +223,7 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
   if (request.has_server_memory()) {
     call->record().SetDetail(absl::StrCat("server_memory bytes=", request.bytes(), " "));
     region = shared_memory_->RegisterServerMemory(request.bytes(), *principal,
-                                                  core_->engine().device_memory());
+                                                  core_->engine().host_locker());
   } else if (request.has_cuda_ipc_handle()) {
     call->record().SetDetail("cuda_ipc ");
     region = shared_memory_->RegisterCudaIpc(request.cuda_ipc_handle(), request.bytes(),

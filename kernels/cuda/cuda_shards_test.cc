@@ -197,6 +197,9 @@ TEST(CudaShardSemanticsTest, TwoEnginesKeepTheWeightInParts) {
   const OwnedProblem p = MakeRandomProblem(spec);
   const std::vector<WeightPart> parts = sharded.WeightParts(spec.vocab);
   ASSERT_EQ(parts.size(), 3u);
+  // Host memory is page-locked (portably) through the first engine's.
+  EXPECT_EQ(sharded.device_memory(), nullptr);
+  EXPECT_EQ(sharded.host_locker(), parts[0].memory);
   const int64_t row_bytes = spec.hidden * 2;
   std::vector<std::unique_ptr<DeviceBlock>> w, dw, db;
   LossProblem on_parts = p.view();

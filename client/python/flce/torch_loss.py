@@ -185,13 +185,16 @@ class _RemoteFunction(torch.autograd.Function):
                 "RemoteLinearCrossEntropy(..., retain_graph=True)")
         module = ctx.module
         retain = module.retain_graph
+        # With the gradients coming along, the upstream gradient sets off
+        # for the host at once: on this stream its copy waits behind the
+        # answer's fence, so it arrives with the answer instead of a round
+        # trip to the GPU after it.
+        upstream = _HostScalar(grad_output) if ctx.eager is not None else None
         if ctx.pending is not None:
-            # The answer first (a failed computation raises here), then the
-            # upstream gradient: reading it waits for the GPU, which waits
-            # for the answer.
+            # The answer first (a failed computation raises here).
             ctx.pending.result()
             ctx.pending = None
-        g = grad_output.detach().float().cpu()
+        g = upstream.result() if upstream is not None else grad_output.detach().float().cpu()
         if ctx.eager is not None:
             into, expected = ctx.eager
             value = float(g.reshape(()))
@@ -256,6 +259,22 @@ class _RemoteFunction(torch.autograd.Function):
                 device, dtype, _ = meta
                 result.append(to_torch(wire[i]).to(device=device, dtype=dtype))
         return result[0], result[1], result[2], None, None, None
+
+
+class _HostScalar:
+    """A scalar CUDA tensor's value on its way to the host: copied into
+    page-locked memory behind the work queued on the current stream;
+    ``result()`` waits for that copy alone."""
+
+    def __init__(self, tensor):
+        self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        self._host.copy_(tensor.detach().reshape(()), non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def result(self):
+        self._copied.synchronize()
+        return self._host
 
 
 def _can_add_into(grad, like) -> bool:
