@@ -29,7 +29,9 @@ bin=/tmp/flce/bin
 # torch, grpcio, protobuf and numpy are the machine's).
 python3 -m pip install --quiet --no-index --no-deps --no-cache-dir --target /tmp/flce/site \
   /tmp/flce/python/flce-*-py3-none-any.whl
-export PYTHONPATH=/tmp/flce/site:/tmp/flce/python
+# FLCE_PYTHON_FIRST: a folder searched before the installed client (an A/B
+# against another version of the flce package, e.g. worker_bench's).
+export PYTHONPATH=${FLCE_PYTHON_FIRST:+$FLCE_PYTHON_FIRST:}/tmp/flce/site:/tmp/flce/python
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 status=0
 want() { [ "$#" -eq 0 ] || [[ " ${ARGS} " == *" $1 "* ]]; }
