@@ -67,6 +67,7 @@ AccuracyReport CheckAccuracy(const LossProblem& problem,
       plain_error = RelativeL2Error(p, expected);
     }
     e.bar = AccuracyBar(result_dtype, plain_error);
+    e.plain = plain_error;
     report.entries.push_back(e);
   };
   // The loss is fp32 whatever the input dtype; its bar still follows the

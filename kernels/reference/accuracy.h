@@ -53,7 +53,12 @@ struct AccuracyReport {
     std::string name;
     double error = 0;  // relative L2 error against fp64
     double bar = 0;
+    // The plain same-dtype computation's error (PyTorch eager's rounding;
+    // 0 for fp32 inputs, which have none).
+    double plain = 0;
     bool ok() const { return error <= bar; }
+    // error / plain: 1 = as accurate as eager; 0 when plain is 0.
+    double vs_plain() const { return plain > 0 ? error / plain : 0.0; }
   };
   std::vector<Entry> entries;
   std::vector<std::string> mismatches;  // non-numeric disagreements
