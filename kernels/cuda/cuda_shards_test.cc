@@ -89,6 +89,22 @@ std::unique_ptr<LossEngine> OwnEngine(Layout layout, std::string* why) {
   list_.push_back(std::move(own_));                            \
   ShardedEngine sharded(std::move(list_), shards)
 
+// Two CUDA engines sharing the GPU under one sharded engine, their dX sums
+// added on the device: the several-device path on one GPU.
+#define FLCE_TWO_ENGINES_OR_SKIP(sharded, layout, shards)               \
+  std::string why_;                                                     \
+  std::vector<std::unique_ptr<LossEngine>> list_;                       \
+  for (int i_ = 0; i_ < 2; ++i_) {                                      \
+    list_.push_back(OwnEngine(layout, &why_));                          \
+    if (list_.back() == nullptr) {                                      \
+      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why_;         \
+      GTEST_SKIP() << "no CUDA device: " << why_;                       \
+    }                                                                   \
+  }                                                                     \
+  absl::StatusOr<std::unique_ptr<PartialSum>> sum_ = DeviceLocalSum(0); \
+  ASSERT_TRUE(sum_.ok()) << sum_.status();                              \
+  ShardedEngine sharded(std::move(list_), shards, std::move(*sum_))
+
 // The sharded engine over one CUDA engine (3 shards on one GPU): the
 // conformance suite against the fp64 reference.
 TEST_P(CudaShardTest, ShardedEngineOnOneGpuConforms) {
@@ -102,18 +118,7 @@ TEST_P(CudaShardTest, ShardedEngineOnOneGpuConforms) {
 // their dX sums added on the device: the several-device path on one GPU,
 // against the fp64 reference.
 TEST_P(CudaShardTest, TwoEnginesOnOneGpuConform) {
-  std::string why;
-  std::vector<std::unique_ptr<LossEngine>> engines;
-  for (int i = 0; i < 2; ++i) {
-    engines.push_back(OwnEngine(std::get<1>(GetParam()), &why));
-    if (engines.back() == nullptr) {
-      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why;
-      GTEST_SKIP() << "no CUDA device: " << why;
-    }
-  }
-  absl::StatusOr<std::unique_ptr<PartialSum>> sum = DeviceLocalSum(0);
-  ASSERT_TRUE(sum.ok()) << sum.status();
-  ShardedEngine sharded(std::move(engines), 3, std::move(*sum));
+  FLCE_TWO_ENGINES_OR_SKIP(sharded, std::get<1>(GetParam()), 3);
   std::vector<ConformanceCase> cases = OddSizeCases(dtype());
   for (const ConformanceCase& c : EveryOptionCases(dtype())) cases.push_back(c);
   for (const ConformanceCase& c : cases) RunConformanceCase(sharded, c);
@@ -132,12 +137,7 @@ INSTANTIATE_TEST_SUITE_P(
 // registered weight's): the bits of its host results, both modes.
 TEST(CudaShardSemanticsTest, ShardedEngineWritesDeviceDestinations) {
   FLCE_SHARDED_ENGINE_OR_SKIP(sharded, Layout::kVocabularySlices, 3);
-  RandomProblemSpec spec;
-  spec.rows = 150;
-  spec.hidden = 40;
-  spec.vocab = 3001;
-  spec.dtype = DType::kBFloat16;
-  spec.bias = true;
+  RandomProblemSpec spec = cuda_test::DestinationSpec();
   spec.options.label_smoothing = 0.1f;
   const OwnedProblem p = MakeRandomProblem(spec);
   const cuda_test::ProblemOnDevice on_device(p);
@@ -175,24 +175,8 @@ TEST(CudaShardSemanticsTest, ShardedEngineWritesDeviceDestinations) {
 // several devices): Forward reads W from the parts, Backward writes and then
 // adds dW and db into fp32 sums beside them; the bits of the host path's.
 TEST(CudaShardSemanticsTest, TwoEnginesKeepTheWeightInParts) {
-  std::string why;
-  std::vector<std::unique_ptr<LossEngine>> engines;
-  for (int i = 0; i < 2; ++i) {
-    engines.push_back(OwnEngine(Layout::kVocabularySlices, &why));
-    if (engines.back() == nullptr) {
-      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but " << why;
-      GTEST_SKIP() << "no CUDA device: " << why;
-    }
-  }
-  absl::StatusOr<std::unique_ptr<PartialSum>> sum = DeviceLocalSum(0);
-  ASSERT_TRUE(sum.ok()) << sum.status();
-  ShardedEngine sharded(std::move(engines), 3, std::move(*sum));
-  RandomProblemSpec spec;
-  spec.rows = 150;
-  spec.hidden = 40;
-  spec.vocab = 3001;
-  spec.dtype = DType::kBFloat16;
-  spec.bias = true;
+  FLCE_TWO_ENGINES_OR_SKIP(sharded, Layout::kVocabularySlices, 3);
+  RandomProblemSpec spec = cuda_test::DestinationSpec();
   spec.options.z_loss_scale = 1e-3f;
   const OwnedProblem p = MakeRandomProblem(spec);
   const std::vector<WeightPart> parts = sharded.WeightParts(spec.vocab);

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_engine.h"
 #include "kernels/dtype.h"
+#include "kernels/reference/random_problem.h"
 
 namespace flce {
 namespace cuda_test {
@@ -31,6 +32,17 @@ enum class Layout {
   kVocabularySlices,  // all rows at once, vocabulary slices of 16+ columns
   kOneChunk           // the default budget: a test's rows fit one chunk
 };
+
+// The problem the gradient-destination tests run: bf16 with a bias, odd V.
+inline RandomProblemSpec DestinationSpec() {
+  RandomProblemSpec spec;
+  spec.rows = 150;
+  spec.hidden = 40;
+  spec.vocab = 3001;
+  spec.dtype = DType::kBFloat16;
+  spec.bias = true;
+  return spec;
+}
 
 // The test name of a (dtype, layout) parameter: "bf16_token_chunks", ...
 inline std::string DTypeLayoutName(DType dtype, Layout layout) {

@@ -19,21 +19,11 @@
 namespace flce {
 namespace {
 
+using cuda_test::DestinationSpec;
 using cuda_test::DeviceBytes;
 using cuda_test::Engine;
 using cuda_test::Layout;
 using cuda_test::RequireGpu;
-
-// The problem the gradient-destination tests run: bf16 with a bias, odd V.
-RandomProblemSpec DestinationSpec() {
-  RandomProblemSpec spec;
-  spec.rows = 150;
-  spec.hidden = 40;
-  spec.vocab = 3001;
-  spec.dtype = DType::kBFloat16;
-  spec.bias = true;
-  return spec;
-}
 
 // Gradients written straight into device memory (as CUDA IPC regions are
 // given) equal the ones copied to the host, bit for bit: both modes, both
