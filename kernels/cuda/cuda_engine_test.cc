@@ -152,7 +152,7 @@ TEST(CudaEngineSemanticsTest, StoreGradsOfOneChunkKeepsTheLogits) {
 
 // Tuning the GEMMs' algorithms changes no bit of any result: an engine
 // that tunes and one that runs cuBLAS's defaults agree exactly, both modes,
-// several token chunks (dW GEMMs with beta 1 after tuning at beta 0).
+// several token chunks (their logits GEMMs tuned at the first call).
 TEST(CudaEngineSemanticsTest, TunedGemmsChangeNoBit) {
   FLCE_GET_ENGINE_OR_SKIP(any_engine);
   auto make = [](bool tune) {

@@ -6,9 +6,12 @@ namespace {
 
 // C[m×n] (column-major, ldc) = op(A)·op(B) + beta·C. `tune`: the GEMM may
 // run a tuned algorithm (CudaEngineOptions::tune_gemms). Only the token
-// chunks' logits and dW GEMMs do: tuned in isolation, the long-K dX GEMMs
-// and the vocabulary-slice GEMMs picked algorithms that ran slower inside
-// the engine than cuBLAS's defaults (bench/RESULTS.md, per-GEMM experiment).
+// chunks' logits GEMMs do: tuned in isolation, the long-K dX GEMMs, the
+// vocabulary-slice GEMMs and the token chunks' dW GEMMs picked algorithms
+// that ran slower inside the engine than cuBLAS's defaults (bench/RESULTS.md:
+// the per-GEMM experiment; tuning on against off, 2026-12-03, STORE_GRADS
+// 0.1–1.7 ms slower with it at three shapes, RECOMPUTE, whose only tuned
+// GEMM was the logits', even or faster).
 absl::Status Gemm(const GemmLane& g, bool tune, cublasOperation_t op_a, cublasOperation_t op_b,
                   int64_t m, int64_t n, int64_t k, const void* a, DType a_type, int64_t lda,
                   const void* b, DType b_type, int64_t ldb, float beta, void* c, DType c_type,
@@ -42,8 +45,8 @@ absl::Status ChunkDwGemm(const GemmLane& g, const DeviceInputs& in, const void* 
   // Column-major view: dWᵀ (H×V, ld H) = alpha·A·op(B) with
   //   A = X_c as column-major H×count (ld H), op N;
   //   B = dZ as column-major V×count (ld V), op T → count×V.
-  return Gemm(g, true, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count, x, in.dtype, in.h, dz, in.dtype,
-              in.v, first ? 0.0f : 1.0f, dw, dw_type, in.h, alpha);
+  return Gemm(g, false, CUBLAS_OP_N, CUBLAS_OP_T, in.h, in.v, count, x, in.dtype, in.h, dz,
+              in.dtype, in.v, first ? 0.0f : 1.0f, dw, dw_type, in.h, alpha);
 }
 
 absl::Status SliceLogitsGemm(const GemmLane& g, const DeviceInputs& in, int64_t c0, int64_t cols,
