@@ -66,13 +66,16 @@ class DeviceMemory {
   // returns.
   virtual absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) = 0;
 
+  // Zeroes `bytes` of an Allocate block, after all of the engine's work
+  // queued before the call; complete when it returns.
+  virtual absl::Status Zero(void* device, int64_t bytes) = 0;
+
   // Page-locks `bytes` of this process's host memory at `host` (whole
   // pages) so that copies between it and the device run at the bus's rate
   // (cudaHostRegister); unlocked when the returned block (data() = host) is
   // destroyed, which must come before the memory is unmapped. An error
   // leaves the memory as it was (copies then go through staging).
-  virtual absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host,
-                                                                     int64_t bytes) = 0;
+  virtual absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host, int64_t bytes) = 0;
 };
 
 }  // namespace flce

@@ -66,8 +66,28 @@ absl::Status SpreadEngine::health() const {
   return absl::OkStatus();
 }
 
+std::vector<WeightPart> SpreadEngine::WeightParts(int64_t vocab) const {
+  std::vector<WeightPart> parts;
+  for (const auto& e : engines_) parts.push_back(WeightPart{0, vocab, e->device_memory()});
+  return parts;
+}
+
+namespace {
+
+// `problem` as engine e computes it: the weight from e's replica, where the
+// caller gave replicas (WeightParts).
+LossProblem OnEngine(const LossProblem& problem, int e) {
+  if (problem.weight_parts.empty()) return problem;
+  LossProblem one = problem;
+  one.weight = problem.weight_parts[e];
+  one.weight_parts.clear();
+  return one;
+}
+
+}  // namespace
+
 int64_t SpreadEngine::SavedStateBytes(const LossProblem& problem, BackwardMode mode) const {
-  return engines_[0]->SavedStateBytes(problem, mode);
+  return engines_[0]->SavedStateBytes(OnEngine(problem, 0), mode);
 }
 
 int SpreadEngine::Pick() {
@@ -88,9 +108,13 @@ absl::StatusOr<ForwardResult> SpreadEngine::Forward(const LossProblem& problem,
     return absl::FailedPreconditionError(
         "hidden, weight: an engine spreading requests over devices reads them from host memory");
   }
+  if (!problem.weight_parts.empty() && problem.weight_parts.size() != engines_.size()) {
+    return absl::InternalError("weight_parts: not a replica per engine (WeightParts)");
+  }
   const int e = Pick();
   InFlight counted(in_flight_[e]);
-  FLCE_ASSIGN_OR_RETURN(ForwardResult result, engines_[e]->Forward(problem, spec, cancelled));
+  FLCE_ASSIGN_OR_RETURN(ForwardResult result,
+                        engines_[e]->Forward(OnEngine(problem, e), spec, cancelled));
   if (result.saved != nullptr) {
     result.saved = std::make_unique<SpreadState>(e, std::move(result.saved));
   }
@@ -101,8 +125,21 @@ absl::StatusOr<Gradients> SpreadEngine::Backward(SavedState& state, const Backwa
                                                  const CancelFn& cancelled) {
   auto* spread = dynamic_cast<SpreadState*>(&state);
   if (spread == nullptr) return absl::InternalError("saved state was not made by this engine");
-  InFlight counted(in_flight_[spread->engine]);
-  return engines_[spread->engine]->Backward(*spread->inner, spec, cancelled);
+  const int e = spread->engine;
+  InFlight counted(in_flight_[e]);
+  if (spec.grad_weight_parts_to.empty())
+    return engines_[e]->Backward(*spread->inner, spec, cancelled);
+  // dW and db into the sums beside the replica this session's engine read.
+  if (spec.grad_weight_parts_to.size() != engines_.size() ||
+      (!spec.grad_bias_parts_to.empty() && spec.grad_bias_parts_to.size() != engines_.size())) {
+    return absl::InternalError("grad_weight_parts_to: not a sum per engine (WeightParts)");
+  }
+  BackwardSpec one = spec;
+  one.grad_weight_to = spec.grad_weight_parts_to[e];
+  if (!spec.grad_bias_parts_to.empty()) one.grad_bias_to = spec.grad_bias_parts_to[e];
+  one.grad_weight_parts_to.clear();
+  one.grad_bias_parts_to.clear();
+  return engines_[e]->Backward(*spread->inner, one, cancelled);
 }
 
 }  // namespace flce

@@ -8,7 +8,10 @@
 // other way a server uses several devices, beside sharding every problem
 // over them (kernels/sharded_engine.h): more requests at once, each at one
 // device's speed. Offers no device memory (its engines' devices differ),
-// so a server over it reads and writes tensors in host memory.
+// so a server over it reads and writes tensors in host memory; but a
+// registered weight is kept whole on every device (WeightParts: a replica
+// per engine), each request reading its engine's replica and adding its dW
+// into that replica's sums (the take adds the replicas' sums together).
 
 #include <atomic>
 #include <memory>
@@ -31,6 +34,9 @@ class SpreadEngine : public LossEngine {
   bool supports_vocab_shards() const override;
   absl::Status health() const override;
   DeviceMemory* host_locker() const override { return engines_[0]->host_locker(); }
+
+  // A part per engine, each the whole vocabulary, in its engine's memory.
+  std::vector<WeightPart> WeightParts(int64_t vocab) const override;
 
   int64_t SavedStateBytes(const LossProblem& problem, BackwardMode mode) const override;
   absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,

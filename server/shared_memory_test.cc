@@ -101,6 +101,7 @@ class EventOpener : public DeviceMemory {
   absl::Status CopyToDevice(const void*, void*, int64_t) override {
     return absl::UnimplementedError("events only");
   }
+  absl::Status Zero(void*, int64_t) override { return absl::UnimplementedError("events only"); }
 };
 
 // Event regions count among the regions, in total and per principal; an
@@ -260,8 +261,8 @@ TEST(SharedMemoryTest, ServerMemoryIsFoundByItsTicketAlone) {
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_EQ(found->principal, "a");
   EXPECT_EQ(found->region->bytes(), 4096);
-  for (const std::string& wrong : {b->ticket, std::string(), a->ticket.substr(1),
-                                   a->ticket + "0", a->region_id}) {
+  for (const std::string& wrong :
+       {b->ticket, std::string(), a->ticket.substr(1), a->ticket + "0", a->region_id}) {
     EXPECT_THAT(registry.FindByTicket(a->region_id, wrong),
                 StatusIs(Code::kNotFound, HasSubstr("or a wrong ticket")));
   }

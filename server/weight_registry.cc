@@ -33,14 +33,17 @@ namespace {
 // sum += term, element by element in fp32, on OpenBLAS's threads (a
 // gradient is hundreds of MiB). saxpy with alpha 1 rounds each x + y once:
 // the same bits as a plain loop.
-void AddInto(HostTensor& sum, const HostTensor& term) {
-  float* s = sum.mutable_data<float>();
-  const float* t = term.data_as<float>();
-  const int64_t n = sum.num_elements();
+// sum[i] += term[i], i < n.
+void AddInto(float* sum, const float* term, int64_t n) {
   constexpr int64_t kPiece = int64_t{1} << 30;  // cblas counts are int
   for (int64_t first = 0; first < n; first += kPiece) {
-    cblas_saxpy(static_cast<int>(std::min(kPiece, n - first)), 1.0f, t + first, 1, s + first, 1);
+    cblas_saxpy(static_cast<int>(std::min(kPiece, n - first)), 1.0f, term + first, 1, sum + first,
+                1);
   }
+}
+
+void AddInto(HostTensor& sum, const HostTensor& term) {
+  AddInto(sum.mutable_data<float>(), term.data_as<float>(), sum.num_elements());
 }
 
 // slot = value, the old value destroyed first (whole: its page lock before
@@ -197,26 +200,25 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending, 
     device.db.reset();
     device.backwards = device_backwards;
     if (!device_db_.empty()) device.db = HostTensor(DType::kFloat32, {weight_.shape[0]});
-    // Each part's sums into their rows, the parts' copies at once.
-    const int64_t h = weight_.shape[1];
-    std::vector<absl::Status> copied(device_parts_.size());
-    auto copy = [&](size_t k) {
-      const WeightPart& part = device_parts_[k];
-      copied[k] = part.memory->CopyToHost(device_dw_[k]->data(),
-                                          device.dw.mutable_data<float>() + part.first * h,
-                                          part.rows * h * 4);
-      if (copied[k].ok() && device.db) {
-        copied[k] = part.memory->CopyToHost(
-            device_db_[k]->data(), device.db->mutable_data<float>() + part.first, part.rows * 4);
-      }
-    };
-    std::vector<std::thread> threads;
-    for (size_t k = 1; k < device_parts_.size(); ++k) threads.emplace_back(copy, k);
-    copy(0);
-    for (std::thread& t : threads) t.join();
-    for (const absl::Status& c : copied) FLCE_RETURN_IF_ERROR(c);
-    device_backwards_ = 0;  // the next Backward overwrites the device sums
+    FLCE_RETURN_IF_ERROR(GatherDeviceSums(device));
+    device_backwards_ = 0;
     MergeGrad(std::move(device));
+    // The sums start again from zero, where the next Backwards add; a sum
+    // that cannot be zeroed (a device fault) is dropped, its contents taken
+    // already, and the host accumulator serves from then on.
+    for (size_t k = 0; k < device_parts_.size(); ++k) {
+      absl::Status zeroed =
+          device_parts_[k].memory->Zero(device_dw_[k]->data(), device_dw_[k]->bytes());
+      if (zeroed.ok() && !device_db_.empty()) {
+        zeroed = device_parts_[k].memory->Zero(device_db_[k]->data(), device_db_[k]->bytes());
+      }
+      if (!zeroed.ok()) {
+        FreeParts(device_dw_);
+        FreeParts(device_db_);
+        no_device_ = true;
+        break;
+      }
+    }
   }
   Grad grad = std::move(*grad_);
   grad_.reset();
@@ -224,6 +226,55 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending, 
   grad.take_id = ++last_take_id;
   take_pending_ = pending;
   return grad;
+}
+
+absl::Status RegisteredWeight::GatherDeviceSums(Grad& into) {
+  const int64_t h = weight_.shape[1];
+  const size_t count = device_parts_.size();
+  // A part whose rows an earlier part holds too (a replica on another
+  // device) lands in memory of its own, added after.
+  std::vector<bool> added(count, false);
+  for (size_t k = 0; k < count; ++k) {
+    const WeightPart& a = device_parts_[k];
+    for (size_t j = 0; j < k; ++j) {
+      const WeightPart& b = device_parts_[j];
+      if (b.first < a.first + a.rows && a.first < b.first + b.rows) added[k] = true;
+    }
+  }
+  std::vector<HostTensor> dw_of(count), db_of(count);
+  std::vector<absl::Status> copied(count);
+  auto copy = [&](size_t k) {
+    const WeightPart& part = device_parts_[k];
+    float* dw = into.dw.mutable_data<float>() + part.first * h;
+    float* db = into.db ? into.db->mutable_data<float>() + part.first : nullptr;
+    if (added[k]) {
+      dw_of[k] = HostTensor(DType::kFloat32, {part.rows, h});
+      dw = dw_of[k].mutable_data<float>();
+      if (db != nullptr) {
+        db_of[k] = HostTensor(DType::kFloat32, {part.rows});
+        db = db_of[k].mutable_data<float>();
+      }
+    }
+    copied[k] = part.memory->CopyToHost(device_dw_[k]->data(), dw, part.rows * h * 4);
+    if (copied[k].ok() && db != nullptr) {
+      copied[k] = part.memory->CopyToHost(device_db_[k]->data(), db, part.rows * 4);
+    }
+  };
+  // The parts' copies at once.
+  std::vector<std::thread> threads;
+  for (size_t k = 1; k < count; ++k) threads.emplace_back(copy, k);
+  copy(0);
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& c : copied) FLCE_RETURN_IF_ERROR(c);
+  for (size_t k = 0; k < count; ++k) {
+    if (!added[k]) continue;
+    const WeightPart& part = device_parts_[k];
+    AddInto(into.dw.mutable_data<float>() + part.first * h, dw_of[k].data_as<float>(),
+            part.rows * h);
+    if (into.db)
+      AddInto(into.db->mutable_data<float>() + part.first, db_of[k].data_as<float>(), part.rows);
+  }
+  return absl::OkStatus();
 }
 
 void RegisteredWeight::ConfirmTake(Grad taken, bool hold) {
@@ -335,11 +386,13 @@ RegisteredWeight::DeviceGrad::~DeviceGrad() ABSL_NO_THREAD_SAFETY_ANALYSIS {
 
 namespace {
 
+// The sums start at zero (allocated zeroed, zeroed again by each take):
+// every Backward adds.
 std::vector<GradientDestination> Destinations(
-    const std::vector<std::unique_ptr<DeviceBlock>>& blocks, bool accumulate) {
+    const std::vector<std::unique_ptr<DeviceBlock>>& blocks) {
   std::vector<GradientDestination> out;
   for (const auto& block : blocks) {
-    out.push_back(GradientDestination{block->data(), MemorySpace::kCuda, accumulate});
+    out.push_back(GradientDestination{block->data(), MemorySpace::kCuda, /*accumulate=*/true});
   }
   return out;
 }
@@ -348,12 +401,12 @@ std::vector<GradientDestination> Destinations(
 
 std::vector<GradientDestination> RegisteredWeight::DeviceGrad::dw() const
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  return Destinations(weight_->device_dw_, weight_->device_backwards_.load() > 0);
+  return Destinations(weight_->device_dw_);
 }
 
 std::vector<GradientDestination> RegisteredWeight::DeviceGrad::db() const
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  return Destinations(weight_->device_db_, weight_->device_backwards_.load() > 0);
+  return Destinations(weight_->device_db_);
 }
 
 void RegisteredWeight::DeviceGrad::Added() { ++weight_->device_backwards_; }

@@ -186,7 +186,9 @@ class RegisteredWeight {
     ~DeviceGrad();
     // Where the Backward adds dW and db (fp32, device memory), a
     // destination per part of the engine's WeightParts (db: none without a
-    // bias); the first Backward after a TakeGrad overwrites instead.
+    // bias). The sums start at zero and a take zeroes them again, so every
+    // Backward adds (an engine that writes only some parts, as one that
+    // spreads requests over replicas, leaves the others' sums as they are).
     std::vector<GradientDestination> dw() const;
     std::vector<GradientDestination> db() const;
     // The Backward succeeded: its gradients are in the accumulator.
@@ -209,7 +211,8 @@ class RegisteredWeight {
   // DeviceWeight's) on first use; nullopt when a part has no device memory,
   // there is none to give or the device budget is spent (the host
   // accumulator of AccumulateGrad serves then). TakeGrad gathers what the
-  // parts hold, each into its rows.
+  // parts hold, each into its rows (summing parts that hold the same rows:
+  // replicas), and zeroes them.
   std::optional<DeviceGrad> LeaseDeviceGrad(const std::vector<WeightPart>& parts);
 
  private:
@@ -241,6 +244,11 @@ class RegisteredWeight {
                                                           int64_t bytes_per_row);
   // Frees blocks of AllocateParts and gives their bytes back to the budget.
   void FreeParts(std::vector<std::unique_ptr<DeviceBlock>>& blocks);
+  // Each part's device sums into their rows of `into` (fp32, the weight's
+  // shape; db where it has one): copied, or added where an earlier part (a
+  // replica on another device) holds the same rows; the parts' copies at
+  // once.
+  absl::Status GatherDeviceSums(Grad& into) ABSL_EXCLUSIVE_LOCKS_REQUIRED(device_mu_);
   absl::Mutex weight_mu_;
   std::vector<std::unique_ptr<DeviceBlock>> device_weight_ ABSL_GUARDED_BY(weight_mu_);
   bool no_device_weight_ ABSL_GUARDED_BY(weight_mu_) = false;

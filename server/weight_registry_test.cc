@@ -241,6 +241,12 @@ class FakeDeviceMemory : public DeviceMemory {
     std::memcpy(device, host, static_cast<size_t>(bytes));
     return absl::OkStatus();
   }
+  absl::Status Zero(void* device, int64_t bytes) override {
+    ++zeroed;
+    std::memset(device, 0, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+  int zeroed = 0;  // Zero's calls
   absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host, int64_t bytes) override {
     if (!lock_host) return absl::UnimplementedError("fake");
     ++locks;
@@ -299,7 +305,7 @@ TEST(WeightRegistryTest, DeviceSumsMergeWithTheHostOnTake) {
   for (float value : {1.0f, 2.0f}) {
     auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
     ASSERT_TRUE(grad.has_value());
-    EXPECT_EQ(grad->dw()[0].accumulate, value != 1.0f);  // the first overwrites
+    EXPECT_TRUE(grad->dw()[0].accumulate);  // into sums allocated zeroed
     AddOnDevice(*grad, 3, 2, value);
     grad->Added();
   }
@@ -315,10 +321,12 @@ TEST(WeightRegistryTest, DeviceSumsMergeWithTheHostOnTake) {
   for (int i = 0; i < 6; ++i) EXPECT_EQ(taken->dw.data_as<float>()[i], 3.5f);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(taken->db->data_as<float>()[i], 3.25f);
   EXPECT_THAT(w->TakeGrad(), StatusIs(Code::kFailedPrecondition, HasSubstr("no gradient")));
-  // After a take the next Backward overwrites the device sums.
+  // A take zeroes the device sums (dW and db): the next Backward adds into
+  // zeros.
+  EXPECT_EQ(memory.zeroed, 2);
   {
     auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
-    EXPECT_FALSE(grad->dw()[0].accumulate);
+    EXPECT_TRUE(grad->dw()[0].accumulate);
     AddOnDevice(*grad, 3, 2, 4.0f);
     grad->Added();
   }
@@ -447,7 +455,7 @@ TEST(WeightRegistryTest, PartsOnSeveralDevicesGatherOnTake) {
     ASSERT_EQ(grad->db().size(), 2u);
     for (size_t k = 0; k < 2; ++k) {
       const GradientDestination dw = grad->dw()[k], db = grad->db()[k];
-      EXPECT_EQ(dw.accumulate, step != 1.0f);  // the first overwrites
+      EXPECT_TRUE(dw.accumulate);
       for (int64_t r = 0; r < parts[k].rows; ++r) {
         const float value = step * static_cast<float>(10 * (k + 1) + r);
         for (int64_t c = 0; c < h; ++c) {
@@ -477,6 +485,41 @@ TEST(WeightRegistryTest, PartsOnSeveralDevicesGatherOnTake) {
   EXPECT_FALSE(u->LeaseDeviceGrad(host_part).has_value());
   EXPECT_TRUE(u->DeviceWeight(parts).empty());
   EXPECT_EQ(a.allocations + b.allocations, 2 + 4);  // w's copies, dW and db sums only
+}
+
+// Replicas (an engine that spreads requests: every part the whole
+// vocabulary, on its own device): each Backward adds into its replica's
+// sums alone; a take adds the replicas' sums together and zeroes them all.
+TEST(WeightRegistryTest, ReplicasAddUpOnTake) {
+  FakeDeviceMemory a, b;
+  WeightRegistry registry(1 << 20, /*device_budget_bytes=*/1 << 20);
+  auto w = *registry.Put("w", "", Weight(3, 2, 1.0f), HostTensor(DType::kFloat32, {3}));
+  const std::vector<WeightPart> replicas = {{0, 3, &a}, {0, 3, &b}};
+  ASSERT_EQ(w->DeviceWeight(replicas).size(), 2u);
+  // Three Backwards: on replica 0, 1, 0, each adding its value into its
+  // replica's dW and db.
+  auto backward = [&](size_t replica, float value) {
+    auto grad = w->LeaseDeviceGrad(replicas);
+    ASSERT_TRUE(grad.has_value());
+    for (const auto& to : {grad->dw()[replica], grad->db()[replica]}) {
+      EXPECT_TRUE(to.accumulate);
+      float* f = static_cast<float*>(to.data);
+      for (int i = 0; i < (to.data == grad->dw()[replica].data ? 6 : 3); ++i) f[i] += value;
+    }
+    grad->Added();
+  };
+  backward(0, 1.0f);
+  backward(1, 10.0f);
+  backward(0, 100.0f);
+  auto taken = w->TakeGrad();
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(taken->backwards, 3);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(taken->dw.data_as<float>()[i], 111.0f);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(taken->db->data_as<float>()[i], 111.0f);
+  EXPECT_EQ(a.zeroed + b.zeroed, 4);  // each replica's dW and db
+  // The next take sees only what came after this one.
+  backward(1, 0.5f);
+  EXPECT_EQ(w->TakeGrad()->dw.data_as<float>()[3], 0.5f);
 }
 
 // A part that does not fit gives back what the others took.

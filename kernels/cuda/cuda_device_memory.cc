@@ -145,6 +145,13 @@ absl::Status CudaDeviceMemory::CopyToDevice(const void* host, void* device, int6
   return health_.Check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device");
 }
 
+absl::Status CudaDeviceMemory::Zero(void* device, int64_t bytes) {
+  FLCE_RETURN_IF_ERROR(SetDevice());
+  FLCE_RETURN_IF_ERROR(health_.Check(cudaDeviceSynchronize(), "zero device memory"));
+  FLCE_RETURN_IF_ERROR(health_.Check(cudaMemset(device, 0, bytes), "zero device memory"));
+  return health_.Check(cudaDeviceSynchronize(), "zero device memory");
+}
+
 namespace {
 
 // Host memory page-locked by cudaHostRegister, unlocked when destroyed.
@@ -163,12 +170,12 @@ class PinnedHostBlock : public DeviceBlock {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::PinHostMemory(void* host,
-                                                                              int64_t bytes) {
+                                                                             int64_t bytes) {
   FLCE_RETURN_IF_ERROR(SetDevice());
   // Portable: locked for every device's context, so that a weight's parts
   // on several devices all copy into it at the bus's rate.
-  const cudaError_t error = cudaHostRegister(host, static_cast<size_t>(bytes),
-                                             cudaHostRegisterPortable);
+  const cudaError_t error =
+      cudaHostRegister(host, static_cast<size_t>(bytes), cudaHostRegisterPortable);
   if (error != cudaSuccess && !IsStickyError(error)) {
     cudaGetLastError();  // e.g. over the locked-memory limit: not the device's fault
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -35,6 +35,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   absl::Status CopyToHost(const void* device, void* host, int64_t bytes) override;
   absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host, int64_t bytes) override;
   absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) override;
+  absl::Status Zero(void* device, int64_t bytes) override;
 
   // Bytes of Allocate's blocks alive.
   int64_t allocated_bytes() const { return allocated_->load(); }
