@@ -29,6 +29,10 @@ bin=/tmp/flce/bin
 # torch, grpcio, protobuf and numpy are the machine's).
 python3 -m pip install --quiet --no-index --no-deps --no-cache-dir --target /tmp/flce/site \
   /tmp/flce/python/flce-*-py3-none-any.whl
+# CUDA_DEVICES: the devices of the several-engine servers the tests and the
+# smoke run (default 0,0: two engines sharing one GPU; 0,1 on a machine of
+# two GPUs, with NCCL between them).
+CUDA_DEVICES="${CUDA_DEVICES:-0,0}"
 # FLCE_PYTHON_FIRST: a folder searched before the installed client (an A/B
 # against another version of the flce package, e.g. worker_bench's).
 export PYTHONPATH=${FLCE_PYTHON_FIRST:+$FLCE_PYTHON_FIRST:}/tmp/flce/site:/tmp/flce/python
@@ -64,10 +68,11 @@ if [ -z "$ARGS" ] || want tests; then
     --gtest_output="xml:$OUT/server_integration_sharded_gpu_test.xml" \
     > "$OUT/server_integration_sharded_gpu_test.log" 2>&1 || status=1
   tail -3 "$OUT/server_integration_sharded_gpu_test.log"
-  # And on servers over two engines sharing the GPU (--cuda_devices=0,0):
+  # And on servers over several engines (--cuda_devices=$CUDA_DEVICES; by
+  # default two sharing the GPU):
   # every problem sharded over them, then requests spread over them.
   for mode in shard spread; do
-    REQUIRE_GPU=1 FLCE_TEST_BACKEND=cuda FLCE_TEST_CUDA_DEVICES=0,0 FLCE_TEST_CUDA_DEVICES_MODE=$mode \
+    REQUIRE_GPU=1 FLCE_TEST_BACKEND=cuda FLCE_TEST_CUDA_DEVICES=$CUDA_DEVICES FLCE_TEST_CUDA_DEVICES_MODE=$mode \
       "$bin/server_integration_gpu_test" --gtest_filter='-ServerTimingTest.*' \
       --gtest_output="xml:$OUT/server_integration_two_engines_${mode}_gpu_test.xml" \
       > "$OUT/server_integration_two_engines_${mode}_gpu_test.log" 2>&1 || status=1
@@ -146,8 +151,8 @@ if [ -z "$ARGS" ] || want smoke; then
   grep -E '^(PASS|FAIL)' "$OUT/smoke_sharded.log" | sort | uniq -c
   kill -TERM "$server"; wait "$server" || status=1
   # Two engines sharing the GPU: the several-device server's path on one.
-  echo "== flce smoke --matrix against --backend=cuda --cuda_devices=0,0"
-  "$bin/flce_server" --backend=cuda --cuda_devices=0,0 --insecure \
+  echo "== flce smoke --matrix against --backend=cuda --cuda_devices=$CUDA_DEVICES"
+  "$bin/flce_server" --backend=cuda --cuda_devices="$CUDA_DEVICES" --insecure \
     --listen_address=127.0.0.1:50051 > "$OUT/server_two_engines.log" 2>&1 &
   server=$!
   for _ in $(seq 100); do "$bin/flce" health > /dev/null 2>&1 && break; sleep 0.1; done
@@ -155,8 +160,8 @@ if [ -z "$ARGS" ] || want smoke; then
   "$bin/flce" smoke --matrix --n=257 --h=129 --v=8191 > "$OUT/smoke_two_engines.log" 2>&1 || status=1
   grep -E '^(PASS|FAIL)' "$OUT/smoke_two_engines.log" | sort | uniq -c
   kill -TERM "$server"; wait "$server" || status=1
-  echo "== flce smoke --matrix against --backend=cuda --cuda_devices=0,0 --cuda_devices_mode=spread"
-  "$bin/flce_server" --backend=cuda --cuda_devices=0,0 --cuda_devices_mode=spread --insecure \
+  echo "== flce smoke --matrix against --backend=cuda --cuda_devices=$CUDA_DEVICES --cuda_devices_mode=spread"
+  "$bin/flce_server" --backend=cuda --cuda_devices="$CUDA_DEVICES" --cuda_devices_mode=spread --insecure \
     --listen_address=127.0.0.1:50051 > "$OUT/server_spread.log" 2>&1 &
   server=$!
   for _ in $(seq 100); do "$bin/flce" health > /dev/null 2>&1 && break; sleep 0.1; done
