@@ -32,8 +32,7 @@ namespace {
 
 // sum += term, element by element in fp32, on OpenBLAS's threads (a
 // gradient is hundreds of MiB). saxpy with alpha 1 rounds each x + y once:
-// the same bits as a plain loop.
-// sum[i] += term[i], i < n.
+// the same bits as a plain loop. sum[i] += term[i], i < n.
 void AddInto(float* sum, const float* term, int64_t n) {
   constexpr int64_t kPiece = int64_t{1} << 30;  // cblas counts are int
   for (int64_t first = 0; first < n; first += kPiece) {
