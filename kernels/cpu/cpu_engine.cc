@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/buffer_pool.h"
 #include "kernels/cpu/cpu_gemm.h"
+#include "kernels/cpu/vector_exp.h"
 #include "kernels/status_macros.h"
 
 namespace flce {
@@ -217,15 +218,7 @@ RowStats ForwardRow(const Prepared& q, int64_t row, const float* g, float* z) {
   // Storing exp in place saves the gradient pass an exp, but the softcap
   // derivative needs z', so softcapped rows recompute exp instead.
   const bool exp_in_z = g != nullptr && !q.options.logit_softcap && valid;
-  double sum = 0;
-  if (exp_in_z) {
-    for (int64_t j = 0; j < q.v; ++j) {
-      z[j] = std::exp(z[j] - m);
-      sum += z[j];
-    }
-  } else {
-    for (int64_t j = 0; j < q.v; ++j) sum += std::exp(z[j] - m);
-  }
+  const double sum = ShiftedExpSum(z, q.v, m, /*store=*/exp_in_z);
   stats.lse = m + static_cast<float>(std::log(sum));
   if (valid) {
     const double lse = stats.lse;
@@ -261,8 +254,7 @@ ShardRowStats ShardRow(const Prepared& q, int64_t row, float* z) {
     has_nan |= std::isnan(z[j]);
   }
   if (has_nan) m = std::numeric_limits<float>::quiet_NaN();
-  double sum = 0;
-  for (int64_t j = 0; j < q.v; ++j) sum += std::exp(z[j] - m);
+  const double sum = ShiftedExpSum(z, q.v, m, /*store=*/false);
   s.max = m;
   s.sum_exp = static_cast<float>(sum);
   const int64_t t = q.local_target(row);
@@ -358,8 +350,11 @@ absl::Status RunChunks(const Prepared& q, int64_t chunk_rows, Pass pass, const C
       float* z = logits.data() + r * v;
       if (pass == Pass::kGradFromLse) {
         if (io.logits_in == nullptr) TransformLogits(q, z);
-        WriteRowGradient(q, row, io.lse_in[row], io.row_scale[row],
-                         /*exp_in_z=*/false, 0.0f, z);
+        // p = exp(z' − lse), in place but where the softcap's derivative
+        // needs z' itself.
+        const bool exp_in_z = !q.options.logit_softcap && q.valid(row);
+        if (exp_in_z) ShiftedExpSum(z, v, io.lse_in[row], /*store=*/true);
+        WriteRowGradient(q, row, io.lse_in[row], io.row_scale[row], exp_in_z, 1.0f, z);
         if (narrow) FromFloat(operands, z, v, dz16 + r * v);  // (the row is in cache)
         continue;
       }
