@@ -62,6 +62,23 @@ OwnedProblem CopyProblem(const LossProblem& problem) {
   return p;
 }
 
+LossProblem ProblemOnPart(const LossProblem& problem, size_t k) {
+  LossProblem part = problem;
+  part.weight = problem.weight_parts[k];
+  part.weight_parts.clear();
+  return part;
+}
+
+BackwardSpec BackwardOnPart(const BackwardSpec& spec, size_t k) {
+  BackwardSpec part = spec;
+  part.grad_weight_to = spec.grad_weight_parts_to[k];
+  part.grad_bias_to.reset();
+  if (!spec.grad_bias_parts_to.empty()) part.grad_bias_to = spec.grad_bias_parts_to[k];
+  part.grad_weight_parts_to.clear();
+  part.grad_bias_parts_to.clear();
+  return part;
+}
+
 absl::Status RequireHostMemory(const LossProblem& p) {
   const std::pair<const TensorView*, const char*> views[] = {
       {&p.hidden, "hidden"},
@@ -98,8 +115,8 @@ absl::Status WriteToHostDestinations(const BackwardSpec& spec, Gradients& grads)
   absl::Status status = write(spec.grad_hidden_to, &grads.grad_hidden, "grad_hidden_out");
   if (status.ok()) status = write(spec.grad_weight_to, &grads.grad_weight, "grad_weight_out");
   if (status.ok()) {
-    status = write(spec.grad_bias_to, grads.grad_bias ? &*grads.grad_bias : nullptr,
-                   "grad_bias_out");
+    status =
+        write(spec.grad_bias_to, grads.grad_bias ? &*grads.grad_bias : nullptr, "grad_bias_out");
   }
   return status;
 }

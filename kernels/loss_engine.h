@@ -118,6 +118,10 @@ struct OwnedProblem {
 // A deep copy of `problem`'s tensors.
 OwnedProblem CopyProblem(const LossProblem& problem);
 
+// `problem` for the engine that computes weight part k: its weight is
+// problem.weight_parts[k], and it carries no parts. REQUIRES: k < parts.
+LossProblem ProblemOnPart(const LossProblem& problem, size_t k);
+
 struct ForwardSpec {
   // No gradient work and no saved state when false (evaluation).
   bool need_backward = false;
@@ -233,6 +237,12 @@ struct Gradients {
 // FAILED_PRECONDITION naming the first of `problem`'s tensors that is not
 // in host memory (for engines that compute there).
 absl::Status RequireHostMemory(const LossProblem& problem);
+
+// `spec` for the engine that computes weight part k: dW and db go to
+// grad_weight_parts_to[k] and grad_bias_parts_to[k] (none without a bias),
+// and it carries no parts. REQUIRES: k < grad_weight_parts_to.size(), and
+// grad_bias_parts_to empty or as long.
+BackwardSpec BackwardOnPart(const BackwardSpec& spec, size_t k);
 
 // For engines that compute in host memory: copies each gradient that has a
 // destination there and drops its bytes. FAILED_PRECONDITION for a

@@ -119,11 +119,9 @@ std::vector<WeightPart> ShardedEngine::WeightParts(int64_t vocab) const {
 LossProblem ShardedEngine::Shard(const LossProblem& problem, int k) const {
   const int64_t v = problem.vocab();
   const auto [first, last] = Rows(v, k);
-  LossProblem part = problem;
   // Over several engines the parts are the shards (WeightParts).
-  part.weight = problem.weight_parts.empty() ? RowSlice(problem.weight, first, last - first)
-                                             : problem.weight_parts[k];
-  part.weight_parts.clear();
+  LossProblem part = problem.weight_parts.empty() ? problem : ProblemOnPart(problem, k);
+  if (problem.weight_parts.empty()) part.weight = RowSlice(problem.weight, first, last - first);
   if (problem.bias) part.bias = RowSlice(*problem.bias, first, last - first);
   part.shard = VocabShard{first, v};
   return part;
@@ -302,12 +300,15 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
     if (part) part->data = static_cast<char*>(part->data) + offset;
     return part;
   };
-  auto part_of = [](const std::vector<GradientDestination>& parts, int k) {
-    return parts.empty() ? std::nullopt : std::optional<GradientDestination>(parts[k]);
-  };
   auto run = [&](int k) -> absl::Status {
     const int e = k % engines;
-    BackwardSpec part_spec = spec;
+    // dW and db: into the weight's part k, or at the shard's rows of the
+    // whole's destination.
+    BackwardSpec part_spec = weight_parts ? BackwardOnPart(spec, k) : spec;
+    if (!weight_parts) {
+      part_spec.grad_weight_to = at(weight_to, state->firsts[k] * h * w_elem);
+      part_spec.grad_bias_to = at(bias_to, state->firsts[k] * w_elem);
+    }
     part_spec.global_lse = state->lse.view();
     part_spec.weight_grad_dtype = w_dtype;
     part_spec.grad_hidden_addend.reset();
@@ -323,15 +324,6 @@ absl::StatusOr<Gradients> ShardedEngine::Backward(SavedState& saved, const Backw
     } else {
       part_spec.grad_dtype = dx_dtype;
       part_spec.grad_hidden_to = spec.grad_hidden_to;
-    }
-    part_spec.grad_weight_parts_to.clear();
-    part_spec.grad_bias_parts_to.clear();
-    if (weight_parts) {
-      part_spec.grad_weight_to = spec.grad_weight_parts_to[k];
-      part_spec.grad_bias_to = part_of(spec.grad_bias_parts_to, k);
-    } else {
-      part_spec.grad_weight_to = at(weight_to, state->firsts[k] * h * w_elem);
-      part_spec.grad_bias_to = at(bias_to, state->firsts[k] * w_elem);
     }
     FLCE_ASSIGN_OR_RETURN(Gradients g,
                           EngineOf(k).Backward(*state->parts[k], part_spec, cancelled));

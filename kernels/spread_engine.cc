@@ -77,11 +77,7 @@ namespace {
 // `problem` as engine e computes it: the weight from e's replica, where the
 // caller gave replicas (WeightParts).
 LossProblem OnEngine(const LossProblem& problem, int e) {
-  if (problem.weight_parts.empty()) return problem;
-  LossProblem one = problem;
-  one.weight = problem.weight_parts[e];
-  one.weight_parts.clear();
-  return one;
+  return problem.weight_parts.empty() ? problem : ProblemOnPart(problem, e);
 }
 
 }  // namespace
@@ -134,12 +130,7 @@ absl::StatusOr<Gradients> SpreadEngine::Backward(SavedState& state, const Backwa
       (!spec.grad_bias_parts_to.empty() && spec.grad_bias_parts_to.size() != engines_.size())) {
     return absl::InternalError("grad_weight_parts_to: not a sum per engine (WeightParts)");
   }
-  BackwardSpec one = spec;
-  one.grad_weight_to = spec.grad_weight_parts_to[e];
-  if (!spec.grad_bias_parts_to.empty()) one.grad_bias_to = spec.grad_bias_parts_to[e];
-  one.grad_weight_parts_to.clear();
-  one.grad_bias_parts_to.clear();
-  return engines_[e]->Backward(*spread->inner, one, cancelled);
+  return engines_[e]->Backward(*spread->inner, BackwardOnPart(spec, e), cancelled);
 }
 
 }  // namespace flce
