@@ -12,7 +12,10 @@
 // (PutWeight) and its gradient taken (TakeWeightGrad, after one
 // accumulating Backward), over one stream and over 1, 2, 4 and 8 bulk
 // connections (--connections) of each transport (--transports: the
-// server's bulk HTTP port, gRPC streams): the median time and GB/s each way.
+// server's bulk HTTP port, gRPC streams): the median time and GB/s each way,
+// and the first call on each new version between them (a one-row Forward +
+// Backward: W to the engine's device, the gradient sums made), which a
+// training loop's optimizer step pays as well.
 
 #include <algorithm>
 #include <cstdio>
@@ -61,8 +64,8 @@ double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
 // PutWeight and TakeWeightGrad of fp32 weights of the given sizes, over one
 // stream and over bulk connections.
 int Transfers(const std::string& address) {
-  std::printf("%-10s %-10s %-12s %12s %10s %12s %10s\n", "weight", "transport", "connections",
-              "put ms", "GB/s", "take ms", "GB/s");
+  std::printf("%-10s %-10s %-12s %12s %10s %14s %12s %10s\n", "weight", "transport",
+              "connections", "put ms", "GB/s", "first call ms", "take ms", "GB/s");
   const std::vector<std::string> transports = absl::StrSplit(absl::GetFlag(FLAGS_transports), ',');
   for (absl::string_view mib_text : absl::StrSplit(absl::GetFlag(FLAGS_transfer_mib), ',')) {
     int64_t mib = 0;
@@ -95,7 +98,7 @@ int Transfers(const std::string& address) {
       options.bulk_http = transport == "http";
       auto client = LossClient::Create(address, options);
       const std::string name = absl::StrCat("transfer_", mib, "_", connections > 0 ? transport : "one", connections);
-      std::vector<double> put_ms, take_ms;
+      std::vector<double> put_ms, first_ms, take_ms;
       std::string grad_memory(w.data.size(), '\0');
       for (int i = 0; i < 1 + absl::GetFlag(FLAGS_iters); ++i) {
         const absl::Time start = absl::Now();
@@ -105,6 +108,7 @@ int Transfers(const std::string& address) {
           std::fprintf(stderr, "PutWeight: %s\n", info.status().ToString().c_str());
           return 1;
         }
+        const absl::Time first_start = absl::Now();
         ForwardArgs args;
         args.problem.hidden = x.view();
         args.problem.target = t.view();
@@ -116,6 +120,7 @@ int Transfers(const std::string& address) {
         b.session_id = fwd->session_id;
         b.accumulate_weight_grad = true;
         if (!client->Backward(b).ok()) return 1;
+        const double first = absl::ToDoubleMilliseconds(absl::Now() - first_start);
         // Into memory kept from take to take (a training loop's .grad).
         const absl::Time take_start = absl::Now();
         auto grad = client->TakeWeightGrad(name, 0, DType::kFloat32,
@@ -127,13 +132,14 @@ int Transfers(const std::string& address) {
         }
         if (i == 0) continue;  // the first makes the region and touches its pages
         put_ms.push_back(put);
+        first_ms.push_back(first);
         take_ms.push_back(take);
       }
       (void)client->DeleteWeight(name);
       const double put = Median(put_ms), take = Median(take_ms);
-      std::printf("%-10s %-10s %-12d %12.1f %10.2f %12.1f %10.2f\n",
+      std::printf("%-10s %-10s %-12d %12.1f %10.2f %14.1f %12.1f %10.2f\n",
                   absl::StrCat(mib, " MiB").c_str(), transport.c_str(), connections, put,
-                  bytes / (put * 1e6), take, bytes / (take * 1e6));
+                  bytes / (put * 1e6), Median(first_ms), take, bytes / (take * 1e6));
     }
   }
   return 0;

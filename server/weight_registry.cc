@@ -103,11 +103,49 @@ std::string SpareWeights::Take(const std::string& key, int64_t bytes) {
   return std::move(taken->storage);
 }
 
+void SpareWeights::KeepLanding(const std::string& key, Landing landing) {
+  if (landing.memory.num_elements() * 4 < kMinBytes) return;
+  std::vector<std::pair<std::string, Landing>> dropped;  // freed after the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = landings_.begin(); it != landings_.end();) {
+    if (it->first == key) {
+      dropped.push_back(std::move(*it));
+      it = landings_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (landings_.size() >= kMaxSpares) {
+    dropped.push_back(std::move(landings_.front()));
+    landings_.erase(landings_.begin());
+  }
+  landings_.emplace_back(key, std::move(landing));
+}
+
+std::optional<SpareWeights::Landing> SpareWeights::TakeLanding(const std::string& key,
+                                                               const std::vector<int64_t>& shape) {
+  std::optional<Landing> taken;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = landings_.begin(); it != landings_.end(); ++it) {
+      if (it->first == key) {
+        taken = std::move(it->second);
+        landings_.erase(it);
+        break;
+      }
+    }
+  }
+  if (taken && taken->memory.shape != shape) taken.reset();  // unlocked, then freed
+  return taken;
+}
+
 bool SpareWeights::Clear() {
   std::vector<Spare> dropped;
+  std::vector<std::pair<std::string, Landing>> dropped_landings;
   absl::MutexLock lock(&mu_);
   dropped.swap(spares_);
-  return !dropped.empty();
+  dropped_landings.swap(landings_);
+  return !dropped.empty() || !dropped_landings.empty();
 }
 
 int64_t SpareWeights::bytes() const {
@@ -133,7 +171,14 @@ RegisteredWeight::RegisteredWeight(std::string name, int64_t version, std::strin
 
 RegisteredWeight::~RegisteredWeight() {
   ReleaseDevice(device_reserved_.load());
-  if (spares_ != nullptr) spares_->Keep(spare_key_, std::move(weight_.data), std::move(host_hold_));
+  if (spares_ == nullptr) return;
+  spares_->Keep(spare_key_, std::move(weight_.data), std::move(host_hold_));
+  // The last take's memory, for the next version's first take.
+  absl::MutexLock lock(&mu_);
+  std::optional<Grad>& landing = spare_ ? spare_ : held_;
+  if (landing && landing->dw_locked != nullptr) {
+    spares_->KeepLanding(spare_key_, {std::move(landing->dw), std::move(landing->dw_locked)});
+  }
 }
 
 bool RegisteredWeight::ReserveDevice(int64_t bytes) {
@@ -187,8 +232,13 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending, 
   }
   if (device_backwards > 0) {
     Grad device;
+    std::optional<SpareWeights::Landing> earlier;
     if (spare_ && spare_->dw.shape == weight_.shape) {
       device = *std::move(spare_);  // touched and page-locked already
+    } else if (spares_ != nullptr &&
+               (earlier = spares_->TakeLanding(spare_key_, weight_.shape)).has_value()) {
+      device.dw = std::move(earlier->memory);  // an earlier version's, likewise
+      device.dw_locked = std::move(earlier->locked);
     } else {
       device.dw = HostTensor(DType::kFloat32, weight_.shape);
       absl::StatusOr<std::unique_ptr<DeviceBlock>> locked = device_parts_[0].memory->PinHostMemory(

@@ -383,6 +383,53 @@ TEST(WeightRegistryTest, TakesFromTheDeviceReuseTheLastTakesLockedMemory) {
   EXPECT_EQ(memory.unlocks, 2);
 }
 
+// A training loop puts a new version every step and takes its gradient
+// once: each version's first take lands in the memory of the take before
+// it, page-locked once (the landing of a version gone goes to its name's
+// next version); another shape, another name or a Clear does not reuse it.
+TEST(WeightRegistryTest, TakesOfNewVersionsReuseTheLastVersionsLockedMemory) {
+  FakeDeviceMemory memory;
+  memory.lock_host = true;
+  WeightRegistry registry(int64_t{64} << 20);
+  const int64_t v = 512, h = 512;  // 1 MiB fp32: the smallest landing kept
+  const void* first = nullptr;
+  auto step = [&](const std::string& name, int64_t rows, float value, bool hold) {
+    auto w = *registry.Put(name, "", Weight(rows, h, 0), std::nullopt);
+    {
+      auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
+      AddOnDevice(*grad, rows, h, value);
+      grad->Added();
+    }
+    auto taken = w->TakeGrad(/*pending=*/true, /*resume=*/0);
+    EXPECT_TRUE(taken.ok()) << taken.status();
+    EXPECT_EQ(taken->dw.data_as<float>()[rows * h - 1], value);
+    EXPECT_NE(taken->dw_locked, nullptr);
+    const void* landed = taken->dw.data.data();
+    w->ConfirmTake(*std::move(taken), hold);
+    return landed;  // the version goes once replaced (nothing else holds it)
+  };
+  first = step("w", v, 1.0f, /*hold=*/true);
+  for (int k = 2; k <= 4; ++k) {
+    EXPECT_EQ(step("w", v, static_cast<float>(k), /*hold=*/k % 2 == 0), first) << k;
+  }
+  EXPECT_EQ(memory.locks, 1);
+  EXPECT_EQ(memory.unlocks, 0);
+  // Another name has its own; another shape of this name frees it.
+  EXPECT_NE(step("other", v, 5.0f, true), first);
+  EXPECT_EQ(memory.locks, 2);
+  step("w", v + 1, 6.0f, true);
+  EXPECT_EQ(memory.locks, 3);
+  EXPECT_EQ(memory.unlocks, 1);  // the landing of shape [512, 512]
+  // Clearing the spares (an upload that needs the room) frees landings too.
+  auto last = *registry.Put("w", "", Weight(v, h, 0), std::nullopt);
+  last.reset();
+  registry.Delete("w", "");
+  EXPECT_EQ(memory.unlocks, 1);
+  auto big = registry.Reserve("huge", (int64_t{64} << 20) - (int64_t{1} << 20));
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ(memory.unlocks, 2);  // "w"'s landing ("other"'s is its live version's)
+}
+
 // A lease that never reports success (the Backward failed) adds no count,
 // and the lease is exclusive: the next one waits for it to end.
 TEST(WeightRegistryTest, AFailedBackwardAddsNothing) {
