@@ -18,7 +18,8 @@ and pulled once, timed apart), ``registered_one_call`` (the same in one
 Forward and one Backward, X and dX in the messages), ``shm`` (CPU tensors through a POSIX
 shared-memory region, the calls through a call channel), ``shm_grpc`` (the
 same through gRPC). GPU tensors need ``--device=cuda``; ``shm`` takes CPU
-tensors.
+tensors. ``registered:K`` is ``registered`` in K row pieces (``--pieces``
+otherwise), so that piece counts compare in one run.
 
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
@@ -410,12 +411,14 @@ def main(argv):
                                                args.warmup, args.iters)
             eager_ms = statistics.median(eager)
             for transport in transports:
+                kind, _, pieces = transport.partition(":")  # registered:K, K row pieces
                 module = flce.RemoteLinearCrossEntropy(
-                    grpc_client if transport.endswith("_grpc") else client,
-                    cuda_ipc=transport.startswith("cuda_ipc"),
-                    shared_memory=transport.startswith("shm"),
-                    register_weight=transport.startswith("registered"),
-                    pipeline_pieces=1 if transport == "registered_one_call" else args.pieces)
+                    grpc_client if kind.endswith("_grpc") else client,
+                    cuda_ipc=kind.startswith("cuda_ipc"),
+                    shared_memory=kind.startswith("shm"),
+                    register_weight=kind.startswith("registered"),
+                    pipeline_pieces=(1 if kind == "registered_one_call"
+                                     else int(pieces or args.pieces)))
                 step = flce_step(module)
                 if phases is not None:
                     step = phases.wrap(step)
