@@ -337,7 +337,7 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
                  shared_memory: bool = False, cuda_ipc: bool = False,
                  retain_graph: bool = False, weight_grad_in_place: bool = False,
                  register_weight: Optional[bool] = None, pipeline_pieces: int = 4,
-                 pipeline_min_piece_bytes: int = 8 << 20):
+                 pipeline_min_piece_bytes: int = 16 << 20):
         super().__init__()
         if shared_memory and cuda_ipc:
             raise ValueError("choose shared_memory or cuda_ipc, not both")
