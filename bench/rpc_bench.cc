@@ -64,8 +64,8 @@ double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
 // PutWeight and TakeWeightGrad of fp32 weights of the given sizes, over one
 // stream and over bulk connections.
 int Transfers(const std::string& address) {
-  std::printf("%-10s %-10s %-12s %12s %10s %14s %12s %10s\n", "weight", "transport",
-              "connections", "put ms", "GB/s", "first call ms", "take ms", "GB/s");
+  std::printf("%-10s %-10s %-12s %12s %10s %14s %12s %10s\n", "weight", "transport", "connections",
+              "put ms", "GB/s", "first call ms", "take ms", "GB/s");
   const std::vector<std::string> transports = absl::StrSplit(absl::GetFlag(FLAGS_transports), ',');
   for (absl::string_view mib_text : absl::StrSplit(absl::GetFlag(FLAGS_transfer_mib), ',')) {
     int64_t mib = 0;

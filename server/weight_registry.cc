@@ -3,8 +3,11 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <optional>
+#include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
@@ -67,37 +70,59 @@ bool ByteBudget::TryReserve(int64_t bytes) {
   return true;
 }
 
-void SpareWeights::Keep(const std::string& key, std::string storage, BudgetHold hold) {
-  if (static_cast<int64_t>(storage.capacity()) < kMinBytes) return;
-  std::vector<Spare> dropped;  // freed after the lock
-  absl::MutexLock lock(&mu_);
-  for (auto it = spares_.begin(); it != spares_.end();) {
-    if (it->key == key) {
+namespace {
+
+// A list of values by key, one each, oldest first (SpareWeights').
+template <typename T>
+using Keyed = std::vector<std::pair<std::string, T>>;
+
+// Appends `value` under `key`; key's earlier value, and the oldest past
+// `max`, go to `dropped` (freed by the caller, after its lock).
+template <typename T>
+void PushKeyed(Keyed<T>& list, const std::string& key, T value, size_t max, Keyed<T>& dropped) {
+  for (auto it = list.begin(); it != list.end();) {
+    if (it->first == key) {
       dropped.push_back(std::move(*it));
-      it = spares_.erase(it);
+      it = list.erase(it);
     } else {
       ++it;
     }
   }
-  if (spares_.size() >= kMaxSpares) {
-    dropped.push_back(std::move(spares_.front()));
-    spares_.erase(spares_.begin());
+  if (list.size() >= max) {
+    dropped.push_back(std::move(list.front()));
+    list.erase(list.begin());
   }
+  list.emplace_back(key, std::move(value));
+}
+
+// Removes and returns `key`'s value, if any.
+template <typename T>
+std::optional<T> PopKeyed(Keyed<T>& list, const std::string& key) {
+  for (auto it = list.begin(); it != list.end(); ++it) {
+    if (it->first == key) {
+      std::optional<T> value = std::move(it->second);
+      list.erase(it);
+      return value;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+void SpareWeights::Keep(const std::string& key, std::string storage, BudgetHold hold) {
+  if (static_cast<int64_t>(storage.capacity()) < kMinBytes) return;
   storage.clear();
-  spares_.push_back(Spare{key, std::move(storage), std::move(hold)});
+  Keyed<Spare> dropped;
+  absl::MutexLock lock(&mu_);
+  PushKeyed(spares_, key, Spare{std::move(storage), std::move(hold)}, kMaxSpares, dropped);
 }
 
 std::string SpareWeights::Take(const std::string& key, int64_t bytes) {
   std::optional<Spare> taken;
   {
     absl::MutexLock lock(&mu_);
-    for (auto it = spares_.begin(); it != spares_.end(); ++it) {
-      if (it->key == key) {
-        taken = std::move(*it);
-        spares_.erase(it);
-        break;
-      }
-    }
+    taken = PopKeyed(spares_, key);
   }
   if (!taken || static_cast<int64_t>(taken->storage.capacity()) < bytes) return std::string();
   return std::move(taken->storage);
@@ -105,21 +130,9 @@ std::string SpareWeights::Take(const std::string& key, int64_t bytes) {
 
 void SpareWeights::KeepLanding(const std::string& key, Landing landing) {
   if (landing.memory.num_elements() * 4 < kMinBytes) return;
-  std::vector<std::pair<std::string, Landing>> dropped;  // freed after the lock
+  Keyed<Landing> dropped;
   absl::MutexLock lock(&mu_);
-  for (auto it = landings_.begin(); it != landings_.end();) {
-    if (it->first == key) {
-      dropped.push_back(std::move(*it));
-      it = landings_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  if (landings_.size() >= kMaxSpares) {
-    dropped.push_back(std::move(landings_.front()));
-    landings_.erase(landings_.begin());
-  }
-  landings_.emplace_back(key, std::move(landing));
+  PushKeyed(landings_, key, std::move(landing), kMaxSpares, dropped);
 }
 
 std::optional<SpareWeights::Landing> SpareWeights::TakeLanding(const std::string& key,
@@ -127,21 +140,15 @@ std::optional<SpareWeights::Landing> SpareWeights::TakeLanding(const std::string
   std::optional<Landing> taken;
   {
     absl::MutexLock lock(&mu_);
-    for (auto it = landings_.begin(); it != landings_.end(); ++it) {
-      if (it->first == key) {
-        taken = std::move(it->second);
-        landings_.erase(it);
-        break;
-      }
-    }
+    taken = PopKeyed(landings_, key);
   }
   if (taken && taken->memory.shape != shape) taken.reset();  // unlocked, then freed
   return taken;
 }
 
 bool SpareWeights::Clear() {
-  std::vector<Spare> dropped;
-  std::vector<std::pair<std::string, Landing>> dropped_landings;
+  Keyed<Spare> dropped;
+  Keyed<Landing> dropped_landings;
   absl::MutexLock lock(&mu_);
   dropped.swap(spares_);
   dropped_landings.swap(landings_);
@@ -151,7 +158,7 @@ bool SpareWeights::Clear() {
 int64_t SpareWeights::bytes() const {
   absl::MutexLock lock(&mu_);
   int64_t total = 0;
-  for (const Spare& spare : spares_) total += spare.hold.bytes();
+  for (const auto& [key, spare] : spares_) total += spare.hold.bytes();
   return total;
 }
 

@@ -124,12 +124,13 @@ class SpareWeights {
 
  private:
   struct Spare {
-    std::string key, storage;
+    std::string storage;
     BudgetHold hold;
   };
+  // By key, one each, oldest first.
   mutable absl::Mutex mu_;
-  std::vector<Spare> spares_ ABSL_GUARDED_BY(mu_);  // oldest first
-  std::vector<std::pair<std::string, Landing>> landings_ ABSL_GUARDED_BY(mu_);  // oldest first
+  std::vector<std::pair<std::string, Spare>> spares_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<std::string, Landing>> landings_ ABSL_GUARDED_BY(mu_);
 };
 
 class RegisteredWeight {
