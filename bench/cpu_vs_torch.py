@@ -12,6 +12,10 @@ must do there, and says so.
 
 Usage: cpu_vs_torch.py FLCE_BENCH [--shapes 512x1024x32000] [--dtypes bf16,fp16,fp32]
   [--modes store_grads] [--rounds 3] [--iters 5] [--threads N] [--json PATH]
+  [--flce_flags "FLAGS;FLAGS..."]
+``--flce_flags`` times flce_bench once per variant of extra flags (';'
+between variants, e.g. ";--cpu_onednn_fp32=false": the default, then
+OpenBLAS's fp32 GEMMs), every variant and torch taking turns in each round.
 Needs PyTorch (Debian's python3-torch: run with /usr/bin/python3).
 """
 
@@ -29,12 +33,12 @@ import torch.nn.functional as F
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def flce_ms(flce_bench, shape, dtype, mode, iters, threads):
-    """The engine's median ms from one flce_bench process."""
+def flce_ms(flce_bench, shape, dtype, mode, iters, threads, flags=()):
+    """The engine's median ms from one flce_bench process (more flags: `flags`)."""
     out = subprocess.run(
         [flce_bench, "--backend=cpu", f"--shapes={shape}", f"--dtypes={dtype}",
          f"--modes={mode}", f"--iters={iters}", "--warmup=1", "--floor=false",
-         "--check_shape=0", "--json"],
+         "--check_shape=0", "--json", *flags],
         check=True, capture_output=True, text=True,
         env=dict(os.environ, OMP_NUM_THREADS=str(threads))).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -80,31 +84,38 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--json")
+    parser.add_argument("--flce_flags", default="",
+                        help="';'-separated variants of extra flce_bench flags, a row each")
     args = parser.parse_args()
+    variants = [tuple(v.split()) for v in args.flce_flags.split(";")]
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads each, {args.rounds} rounds "
           f"of {args.iters} steps (median of the rounds' medians, [min, max])")
     print(f"{'N×H×V':<18} {'dtype':<5} {'mode':<12} {'flce ms':>22} {'torch ms':>22}  "
-          f"{'flce/torch':>10}  torch computes")
+          f"{'flce/torch':>10}  torch computes{'  (flce flags)' if len(variants) > 1 else ''}")
     rows = []
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):
             for mode in args.modes.split(","):
-                ours, theirs, how = [], [], ""
+                ours, theirs, how = {v: [] for v in variants}, [], ""
                 for _ in range(args.rounds):
-                    ours.append(flce_ms(args.flce_bench, shape, dtype, mode, args.iters,
-                                        args.threads))
+                    for v in variants:
+                        ours[v].append(flce_ms(args.flce_bench, shape, dtype, mode, args.iters,
+                                               args.threads, v))
                     ms, how = torch_ms(shape, dtype, args.iters)
                     theirs.append(ms)
-                a, b = statistics.median(ours), statistics.median(theirs)
-                row = dict(shape=shape, dtype=dtype, mode=mode, flce_ms=a, torch_ms=b,
-                           flce_rounds=ours, torch_rounds=theirs, ratio=a / b,
-                           torch_computes=how, threads=args.threads)
-                rows.append(row)
-                print(f"{shape:<18} {dtype:<5} {mode:<12} "
-                      f"{a:8.1f} [{min(ours):5.0f},{max(ours):5.0f}] "
-                      f"{b:8.1f} [{min(theirs):5.0f},{max(theirs):5.0f}]  {a / b:10.3f}  {how}",
-                      flush=True)
+                b = statistics.median(theirs)
+                for v in variants:
+                    a = statistics.median(ours[v])
+                    row = dict(shape=shape, dtype=dtype, mode=mode, flce_ms=a, torch_ms=b,
+                               flce_rounds=ours[v], torch_rounds=theirs, ratio=a / b,
+                               torch_computes=how, threads=args.threads, flce_flags=list(v))
+                    rows.append(row)
+                    print(f"{shape:<18} {dtype:<5} {mode:<12} "
+                          f"{a:8.1f} [{min(ours[v]):5.0f},{max(ours[v]):5.0f}] "
+                          f"{b:8.1f} [{min(theirs):5.0f},{max(theirs):5.0f}]  {a / b:10.3f}  "
+                          f"{how}{'  ' + (' '.join(v) or '(default)') if len(variants) > 1 else ''}",
+                          flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -518,7 +518,7 @@ absl::Status OutOfMemory(const LossProblem& p, const char* where) {
 CpuEngine::CpuEngine(CpuEngineOptions options)
     : options_(options),
       pool_(std::make_unique<BufferPool>(options.workspace_cache_bytes)),
-      gemm_(std::make_unique<CpuGemm>(options.native_bf16)) {}
+      gemm_(std::make_unique<CpuGemm>(options.native_bf16, options.onednn_fp32)) {}
 
 CpuEngine::~CpuEngine() = default;
 

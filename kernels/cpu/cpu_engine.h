@@ -18,8 +18,11 @@ struct CpuEngineOptions {
   // Freed workspace (logits chunks, converted weights) kept for reuse.
   int64_t workspace_cache_bytes = int64_t{1} << 30;
   // bf16 inputs multiply in bf16 (oneDNN) where the CPU has bf16 dot
-  // products; false: widened to fp32 for OpenBLAS, as fp16 always is.
+  // products; false: widened to fp32, as fp16 always is.
   bool native_bf16 = true;
+  // fp32 GEMM operands multiply on oneDNN; false: on OpenBLAS's sgemm
+  // (kernels/cpu/cpu_gemm.h says why oneDNN is the default).
+  bool onednn_fp32 = true;
 };
 
 class BufferPool;
@@ -28,7 +31,7 @@ class CpuGemm;
 // The CPU engine: the three GEMMs with fp32 accumulation (kernels/cpu/
 // cpu_gemm.h: bf16 operands on oneDNN where the CPU multiplies bf16, the
 // gradient rounded to bf16 for the dX and dW GEMMs as in PyTorch; fp32
-// operands on OpenBLAS, fp16 inputs widened to them), row math in fp32 with
+// operands on oneDNN too, fp16 inputs widened to them), row math in fp32 with
 // OpenMP across rows, chunked over tokens so the N×V logits never exist in
 // full. dW and db accumulate across chunks in fp32 and are rounded once. Running out of host
 // memory is RESOURCE_EXHAUSTED. Thread-safe: calls share only the workspace

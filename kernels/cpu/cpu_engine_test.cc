@@ -41,6 +41,20 @@ TEST(CpuEngineWidenedTest, Bf16OnFp32Gemms) {
   for (const ConformanceCase& c : cases) RunConformanceCase(engine, c);
 }
 
+// fp32 GEMMs on OpenBLAS (--cpu_onednn_fp32=false) meet the same bar, fp16
+// inputs (widened to them) too.
+TEST(CpuEngineOpenBlasTest, Fp32GemmsOnOpenBlas) {
+  CpuEngineOptions options;
+  options.chunk_bytes = 4096;
+  options.onednn_fp32 = false;
+  CpuEngine engine(options);
+  for (DType dtype : {DType::kFloat32, DType::kFloat16}) {
+    std::vector<ConformanceCase> cases = OddSizeCases(dtype);
+    for (const ConformanceCase& c : EveryOptionCases(dtype)) cases.push_back(c);
+    for (const ConformanceCase& c : cases) RunConformanceCase(engine, c);
+  }
+}
+
 // Vocabulary shards (2 uneven, 3) combine to the whole: every option, every
 // reduction, both modes.
 TEST_P(CpuEngineTest, VocabularyShardsCombineToTheWhole) {

@@ -33,17 +33,18 @@ dnnl::engine& CpuEngine() {
 
 }  // namespace
 
-// A matmul primitive per shape (its JIT-compiled kernels are made once),
-// at most kMaxShapes of them; executed with a scratchpad of the calling
-// thread's, so that several calls run it at once.
-class CpuGemm::Bf16 {
+// oneDNN's matmul: a primitive per operand type and shape (its JIT-compiled
+// kernels are made once), at most kMaxShapes of them; executed with a
+// scratchpad of the calling thread's, so that several calls run it at once.
+class CpuGemm::OneDnn {
  public:
   static constexpr size_t kMaxShapes = 64;
 
-  absl::Status Multiply(int64_t m, int64_t n, int64_t k, const GemmOperand& a, const GemmOperand& b,
-                        float* c, int64_t ldc, bool accumulate) {
+  // `operands`: bf16 or f32; C is f32.
+  absl::Status Multiply(DnnlType operands, int64_t m, int64_t n, int64_t k, const GemmOperand& a,
+                        const GemmOperand& b, float* c, int64_t ldc, bool accumulate) {
     try {
-      const Key key{m, n, k, a.ld, b.ld, ldc, a.transpose, b.transpose, accumulate};
+      const Key key{operands, m, n, k, a.ld, b.ld, ldc, a.transpose, b.transpose, accumulate};
       std::shared_ptr<const Entry> entry = Find(key);
       if (entry == nullptr) entry = Make(key);
       dnnl::engine& engine = CpuEngine();
@@ -62,15 +63,16 @@ class CpuGemm::Bf16 {
       stream.wait();
       return absl::OkStatus();
     } catch (const dnnl::error& e) {
-      return absl::InternalError(
-          absl::StrCat("oneDNN bf16 matmul ", m, "×", n, "×", k, ": ", e.what()));
+      return absl::InternalError(absl::StrCat("oneDNN ",
+                                              operands == DnnlType::bf16 ? "bf16" : "fp32",
+                                              " matmul ", m, "×", n, "×", k, ": ", e.what()));
     }
   }
 
-  // The implementation oneDNN picks for a bf16 matmul on this CPU.
-  static std::string Implementation() {
+  // The implementation oneDNN picks for a matmul of `operands` on this CPU.
+  static std::string Implementation(DnnlType operands) {
     try {
-      Key key{64, 64, 64, 64, 64, 64, Transpose::kNo, Transpose::kYes, false};
+      Key key{operands, 64, 64, 64, 64, 64, 64, Transpose::kNo, Transpose::kYes, false};
       return Describe(key).impl_info_str();
     } catch (const dnnl::error& e) {
       return "";
@@ -78,17 +80,17 @@ class CpuGemm::Bf16 {
   }
 
  private:
-  using Key =
-      std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, Transpose, Transpose, bool>;
+  using Key = std::tuple<DnnlType, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, Transpose,
+                         Transpose, bool>;
   struct Entry {
     dnnl::matmul::primitive_desc pd;
     dnnl::matmul matmul;
   };
 
   static dnnl::matmul::primitive_desc Describe(const Key& key) {
-    const auto [m, n, k, lda, ldb, ldc, ta, tb, accumulate] = key;
-    const dnnl::memory::desc a({m, k}, DnnlType::bf16, Strides(GemmOperand{nullptr, lda, ta}));
-    const dnnl::memory::desc b({k, n}, DnnlType::bf16, Strides(GemmOperand{nullptr, ldb, tb}));
+    const auto [operands, m, n, k, lda, ldb, ldc, ta, tb, accumulate] = key;
+    const dnnl::memory::desc a({m, k}, operands, Strides(GemmOperand{nullptr, lda, ta}));
+    const dnnl::memory::desc b({k, n}, operands, Strides(GemmOperand{nullptr, ldb, tb}));
     const dnnl::memory::desc c({m, n}, DnnlType::f32, Dims{ldc, 1});
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -119,8 +121,10 @@ class CpuGemm::Bf16 {
   std::map<Key, std::shared_ptr<const Entry>> cache_ ABSL_GUARDED_BY(mu_);
 };
 
-CpuGemm::CpuGemm(bool native_bf16)
-    : bf16_(native_bf16 && NativeBf16()), bf16_impl_(bf16_ ? std::make_unique<Bf16>() : nullptr) {}
+CpuGemm::CpuGemm(bool native_bf16, bool onednn_fp32)
+    : bf16_(native_bf16 && NativeBf16()),
+      onednn_fp32_(onednn_fp32),
+      onednn_(bf16_ || onednn_fp32_ ? std::make_unique<OneDnn>() : nullptr) {}
 
 CpuGemm::~CpuGemm() = default;
 
@@ -128,7 +132,7 @@ bool CpuGemm::NativeBf16() {
   // A bf16 kernel of oneDNN's own (e.g. "brg:avx512_core_bf16",
   // "brg:avx512_core_amx"), not a reference or converting one.
   static const bool native = [] {
-    const std::string impl = Bf16::Implementation();
+    const std::string impl = OneDnn::Implementation(DnnlType::bf16);
     return impl.find("ref") == std::string::npos &&
            (impl.find("bf16") != std::string::npos || impl.find("amx") != std::string::npos);
   }();
@@ -142,17 +146,19 @@ DType CpuGemm::OperandDType(DType input) const {
 absl::Status CpuGemm::Multiply(DType dtype, int64_t m, int64_t n, int64_t k, const GemmOperand& a,
                                const GemmOperand& b, float* c, int64_t ldc, bool accumulate) {
   if (m == 0 || n == 0) return absl::OkStatus();
-  if (dtype == DType::kBFloat16 && bf16_) {
-    if (k == 0) {
+  const bool bf16 = dtype == DType::kBFloat16 && bf16_;
+  if (!bf16 && dtype != DType::kFloat32) {
+    return absl::InternalError(absl::StrCat("CpuGemm: ", DTypeName(dtype), " operands"));
+  }
+  if (bf16 || onednn_fp32_) {
+    if (k == 0) {  // (oneDNN refuses an empty reduction)
       if (!accumulate) {
         for (int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
       }
       return absl::OkStatus();
     }
-    return bf16_impl_->Multiply(m, n, k, a, b, c, ldc, accumulate);
-  }
-  if (dtype != DType::kFloat32) {
-    return absl::InternalError(absl::StrCat("CpuGemm: ", DTypeName(dtype), " operands"));
+    return onednn_->Multiply(bf16 ? DnnlType::bf16 : DnnlType::f32, m, n, k, a, b, c, ldc,
+                             accumulate);
   }
   cblas_sgemm(CblasRowMajor, Blas(a.transpose), Blas(b.transpose), m, n, k, 1.0f,
               static_cast<const float*>(a.data), a.ld, static_cast<const float*>(b.data), b.ld,

@@ -2,12 +2,16 @@
 #define FLCE_KERNELS_CPU_CPU_GEMM_H_
 
 // The CPU engine's GEMMs: C[m, n] = op(A)[m, k] · op(B)[k, n], or C += that,
-// row-major, fp32 accumulation into an fp32 C, with A and B in fp32
-// (OpenBLAS's sgemm) or in bf16 (oneDNN's bf16 matmul where the CPU has bf16
-// dot products, AVX512-BF16 or AMX: about twice sgemm's rate on the
-// development machine, bench/RESULTS.md, and no fp32 copy of a bf16 weight
-// or of X). fp16 operands are the caller's to widen: neither library has a
-// native fp16 GEMM on CPUs without AVX512-FP16.
+// row-major, fp32 accumulation into an fp32 C, with A and B in fp32 or in
+// bf16 (where the CPU has bf16 dot products, AVX512-BF16 or AMX: about twice
+// fp32's rate on the development machine, bench/RESULTS.md, and no fp32 copy
+// of a bf16 weight or of X), both on oneDNN's matmul; fp32 on OpenBLAS's
+// sgemm when asked. oneDNN picks its kernels by the CPU's instruction sets,
+// while Debian's OpenBLAS (0.3.21) picks them by the CPU's model and falls
+// back to its SSE3 ones ("Prescott") on a CPU it does not know, as a VM's
+// generic "Intel Xeon Processor": there sgemm ran at 38-43 GFLOP/s on 2
+// cores against oneDNN's 200-290 (bench/RESULTS.md). fp16 operands are the
+// caller's to widen: Debian's oneDNN (2.6) has no fp16 matmul.
 
 #include <cstdint>
 #include <memory>
@@ -30,8 +34,9 @@ struct GemmOperand {
 class CpuGemm {
  public:
   // bf16 GEMMs run on oneDNN when `native_bf16` and the CPU multiplies bf16
-  // natively (NativeBf16()); otherwise Multiply refuses bf16 operands.
-  explicit CpuGemm(bool native_bf16 = true);
+  // natively (NativeBf16()); otherwise Multiply refuses bf16 operands. fp32
+  // GEMMs run on oneDNN with `onednn_fp32`, else on OpenBLAS.
+  explicit CpuGemm(bool native_bf16 = true, bool onednn_fp32 = true);
   ~CpuGemm();
   CpuGemm(const CpuGemm&) = delete;
   CpuGemm& operator=(const CpuGemm&) = delete;
@@ -51,9 +56,10 @@ class CpuGemm {
                         const GemmOperand& b, float* c, int64_t ldc, bool accumulate);
 
  private:
-  class Bf16;  // oneDNN's primitives, cached by shape
+  class OneDnn;  // oneDNN's primitives, cached by operand type and shape
   const bool bf16_;
-  std::unique_ptr<Bf16> bf16_impl_;
+  const bool onednn_fp32_;
+  std::unique_ptr<OneDnn> onednn_;
 };
 
 }  // namespace flce

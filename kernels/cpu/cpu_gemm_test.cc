@@ -76,10 +76,22 @@ void Check(DType dtype, CpuGemm& gemm) {
   }
 }
 
-TEST(CpuGemmTest, Fp32OnOpenBlas) {
+TEST(CpuGemmTest, Fp32OnOneDnn) {
   CpuGemm gemm;
   EXPECT_EQ(gemm.OperandDType(DType::kFloat32), DType::kFloat32);
   EXPECT_EQ(gemm.OperandDType(DType::kFloat16), DType::kFloat32);
+  Check(DType::kFloat32, gemm);
+  // An empty reduction writes zeros, or adds nothing.
+  float out[2] = {5.0f, 5.0f};
+  ASSERT_TRUE(gemm.Multiply(DType::kFloat32, 1, 2, 0, {out, 0}, {out, 2}, out, 2, true).ok());
+  EXPECT_EQ(out[1], 5.0f);
+  ASSERT_TRUE(gemm.Multiply(DType::kFloat32, 1, 2, 0, {out, 0}, {out, 2}, out, 2, false).ok());
+  EXPECT_EQ(out[1], 0.0f);
+}
+
+TEST(CpuGemmTest, Fp32OnOpenBlas) {
+  CpuGemm gemm(/*native_bf16=*/true, /*onednn_fp32=*/false);
+  EXPECT_EQ(gemm.OperandDType(DType::kFloat32), DType::kFloat32);
   Check(DType::kFloat32, gemm);
 }
 
