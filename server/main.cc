@@ -101,9 +101,9 @@ ABSL_FLAG(flce::ByteCount, cpu_chunk_bytes, flce::ByteCount{flce::CpuEngineOptio
 ABSL_FLAG(flce::ByteCount, cpu_workspace_cache_bytes,
           flce::ByteCount{flce::CpuEngineOptions().workspace_cache_bytes},
           "CPU engine: freed workspace (logits chunks, converted weights) kept for reuse");
-ABSL_FLAG(bool, cpu_native_bf16, flce::CpuEngineOptions().native_bf16,
+ABSL_FLAG(bool, cpu_native_bf16, true,
           "CPU engine: bf16 inputs multiply in bf16 (oneDNN) where the CPU has bf16 dot "
-          "products; false: widened to fp32");
+          "products and they outrun fp32 there (measured at start); false: widened to fp32");
 ABSL_FLAG(bool, cpu_onednn_fp32, flce::CpuEngineOptions().onednn_fp32,
           "CPU engine: fp32 GEMMs on oneDNN (false: on OpenBLAS's sgemm)");
 ABSL_FLAG(int, cuda_device, flce::CudaEngineOptions().device, "CUDA engine: device ordinal");
@@ -265,7 +265,8 @@ int main(int argc, char** argv) {
   options.engine.vocab_shards = absl::GetFlag(FLAGS_vocab_shards);
   options.engine.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes).bytes;
   options.engine.cpu.workspace_cache_bytes = absl::GetFlag(FLAGS_cpu_workspace_cache_bytes).bytes;
-  options.engine.cpu.native_bf16 = absl::GetFlag(FLAGS_cpu_native_bf16);
+  options.engine.cpu.bf16_gemms =
+      absl::GetFlag(FLAGS_cpu_native_bf16) ? flce::Bf16Gemms::kWhereFaster : flce::Bf16Gemms::kNever;
   options.engine.cpu.onednn_fp32 = absl::GetFlag(FLAGS_cpu_onednn_fp32);
   options.engine.cuda.device = absl::GetFlag(FLAGS_cuda_device);
   for (const std::string& device : absl::GetFlag(FLAGS_cuda_devices)) {

@@ -518,13 +518,16 @@ absl::Status OutOfMemory(const LossProblem& p, const char* where) {
 CpuEngine::CpuEngine(CpuEngineOptions options)
     : options_(options),
       pool_(std::make_unique<BufferPool>(options.workspace_cache_bytes)),
-      gemm_(std::make_unique<CpuGemm>(options.native_bf16, options.onednn_fp32)) {}
+      gemm_(std::make_unique<CpuGemm>(options.bf16_gemms, options.onednn_fp32)) {}
 
 CpuEngine::~CpuEngine() = default;
 
 std::vector<DeviceInfo> CpuEngine::devices() const {
   DeviceInfo info;
-  info.name = absl::StrCat(CpuModelName(), " (", omp_get_max_threads(), " threads)");
+  info.name = absl::StrCat(CpuModelName(), " (", omp_get_max_threads(), " threads; bf16 GEMMs in ",
+                           gemm_->OperandDType(DType::kBFloat16) == DType::kBFloat16 ? "bf16"
+                                                                                      : "fp32",
+                           ")");
   return {info};
 }
 

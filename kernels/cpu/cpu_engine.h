@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "kernels/cpu/cpu_gemm.h"
 #include "kernels/loss_engine.h"
 
 namespace flce {
@@ -17,16 +18,16 @@ struct CpuEngineOptions {
   int64_t chunk_bytes = int64_t{128} << 20;
   // Freed workspace (logits chunks, converted weights) kept for reuse.
   int64_t workspace_cache_bytes = int64_t{1} << 30;
-  // bf16 inputs multiply in bf16 (oneDNN) where the CPU has bf16 dot
-  // products; false: widened to fp32, as fp16 always is.
-  bool native_bf16 = true;
+  // When bf16 inputs multiply in bf16 (oneDNN) rather than widened to fp32,
+  // as fp16 ones always are: by default where the CPU has bf16 dot products
+  // and they outrun fp32 there (kernels/cpu/cpu_gemm.h).
+  Bf16Gemms bf16_gemms = Bf16Gemms::kWhereFaster;
   // fp32 GEMM operands multiply on oneDNN; false: on OpenBLAS's sgemm
   // (kernels/cpu/cpu_gemm.h says why oneDNN is the default).
   bool onednn_fp32 = true;
 };
 
 class BufferPool;
-class CpuGemm;
 
 // The CPU engine: the three GEMMs with fp32 accumulation (kernels/cpu/
 // cpu_gemm.h: bf16 operands on oneDNN where the CPU multiplies bf16, the

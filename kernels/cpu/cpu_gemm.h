@@ -23,6 +23,18 @@ namespace flce {
 
 enum class Transpose { kNo, kYes };
 
+// When bf16 operands multiply in bf16 on oneDNN, rather than widened to fp32
+// by the caller.
+enum class Bf16Gemms {
+  kNever,
+  // Where the CPU has bf16 dot products (CpuGemm::NativeBf16()).
+  kWhereNative,
+  // Where it has them and oneDNN's bf16 matmul outruns its fp32 one on this
+  // CPU (CpuGemm::Bf16Faster(), measured once): twice as fast on one
+  // development machine, 0.6× on another (bench/RESULTS.md).
+  kWhereFaster,
+};
+
 // One operand: `data` holds op(X) as rows × cols with leading dimension
 // `ld` (the row stride of X as stored, transposed or not).
 struct GemmOperand {
@@ -33,10 +45,10 @@ struct GemmOperand {
 
 class CpuGemm {
  public:
-  // bf16 GEMMs run on oneDNN when `native_bf16` and the CPU multiplies bf16
-  // natively (NativeBf16()); otherwise Multiply refuses bf16 operands. fp32
-  // GEMMs run on oneDNN with `onednn_fp32`, else on OpenBLAS.
-  explicit CpuGemm(bool native_bf16 = true, bool onednn_fp32 = true);
+  // bf16 GEMMs run on oneDNN as `bf16` says; otherwise Multiply refuses
+  // bf16 operands. fp32 GEMMs run on oneDNN with `onednn_fp32`, else on
+  // OpenBLAS.
+  explicit CpuGemm(Bf16Gemms bf16 = Bf16Gemms::kWhereFaster, bool onednn_fp32 = true);
   ~CpuGemm();
   CpuGemm(const CpuGemm&) = delete;
   CpuGemm& operator=(const CpuGemm&) = delete;
@@ -44,9 +56,13 @@ class CpuGemm {
   // Whether this process's CPU runs oneDNN's bf16 matmul on bf16 dot-product
   // instructions (checked once).
   static bool NativeBf16();
+  // Whether, in addition, oneDNN's bf16 matmul is faster than its fp32 one
+  // here: each timed (best of 3) on a 256×2048×1024 product once per process
+  // (a few milliseconds on two cores).
+  static bool Bf16Faster();
 
   // The dtype of A and B this object multiplies inputs of `input` in: bf16
-  // for bf16 inputs where bf16 GEMMs are native (and asked for), else fp32.
+  // for bf16 inputs where bf16 GEMMs run (see Bf16Gemms), else fp32.
   DType OperandDType(DType input) const;
 
   // C[m, n] (+)= op(A) · op(B), C row-major with leading dimension ldc; A and

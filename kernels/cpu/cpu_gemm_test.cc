@@ -90,13 +90,17 @@ TEST(CpuGemmTest, Fp32OnOneDnn) {
 }
 
 TEST(CpuGemmTest, Fp32OnOpenBlas) {
-  CpuGemm gemm(/*native_bf16=*/true, /*onednn_fp32=*/false);
+  CpuGemm gemm(Bf16Gemms::kWhereFaster, /*onednn_fp32=*/false);
   EXPECT_EQ(gemm.OperandDType(DType::kFloat32), DType::kFloat32);
   Check(DType::kFloat32, gemm);
 }
 
 TEST(CpuGemmTest, Bf16WhereTheCpuHasIt) {
-  CpuGemm gemm;
+  // Where bf16 is slower than fp32, not by default.
+  EXPECT_EQ(CpuGemm().OperandDType(DType::kBFloat16),
+            CpuGemm::Bf16Faster() ? DType::kBFloat16 : DType::kFloat32);
+  if (CpuGemm::Bf16Faster()) EXPECT_TRUE(CpuGemm::NativeBf16());
+  CpuGemm gemm(Bf16Gemms::kWhereNative);
   if (!CpuGemm::NativeBf16()) {
     EXPECT_EQ(gemm.OperandDType(DType::kBFloat16), DType::kFloat32);
     GTEST_SKIP() << "this CPU has no native bf16 GEMM (oneDNN)";
@@ -105,7 +109,7 @@ TEST(CpuGemmTest, Bf16WhereTheCpuHasIt) {
   Check(DType::kBFloat16, gemm);
   // Turned off: bf16 inputs are widened to fp32 operands, and bf16 operands
   // are refused.
-  CpuGemm off(/*native_bf16=*/false);
+  CpuGemm off(Bf16Gemms::kNever);
   EXPECT_EQ(off.OperandDType(DType::kBFloat16), DType::kFloat32);
   uint16_t x = 0;
   float out = 0;
