@@ -430,6 +430,32 @@ TEST(WeightRegistryTest, TakesOfNewVersionsReuseTheLastVersionsLockedMemory) {
   EXPECT_EQ(memory.unlocks, 2);  // "w"'s landing ("other"'s is its live version's)
 }
 
+// Landings of versions gone are bounded: at most kMaxSpares, the oldest
+// freed first.
+TEST(WeightRegistryTest, LandingsKeptAreBounded) {
+  FakeDeviceMemory memory;
+  memory.lock_host = true;
+  WeightRegistry registry(int64_t{256} << 20);
+  const int64_t v = 512, h = 512;  // 1 MiB fp32
+  const int names = static_cast<int>(SpareWeights::kMaxSpares) + 3;
+  for (int i = 0; i < names; ++i) {
+    const std::string name = absl::StrCat("w", i);
+    auto w = *registry.Put(name, "", Weight(v, h, 0), std::nullopt);
+    {
+      auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
+      AddOnDevice(*grad, v, h, 1.0f);
+      grad->Added();
+    }
+    auto taken = w->TakeGrad(/*pending=*/true, /*resume=*/0);
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    w->ConfirmTake(*std::move(taken), /*hold=*/true);
+    w.reset();
+    registry.Delete(name, "");  // the version goes: its landing is kept
+  }
+  EXPECT_EQ(memory.locks, names);
+  EXPECT_EQ(memory.unlocks, 3);  // the three oldest
+}
+
 // A lease that never reports success (the Backward failed) adds no count,
 // and the lease is exclusive: the next one waits for it to end.
 TEST(WeightRegistryTest, AFailedBackwardAddsNothing) {
