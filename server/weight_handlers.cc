@@ -119,7 +119,9 @@ class PutWeightReactor final : public ReadStream {
     const int64_t elem = DTypeSize(dtype_);
     total_ = (shape_[0] * shape_[1] + (has_bias_ ? shape_[0] : 0)) * elem;
     // The memory of a version gone, where there is one: no fresh pages.
-    payload_ = weights_->TakeSpare(name_, principal(), total_);
+    SpareWeights::HostMemory spare = weights_->TakeSpare(name_, principal(), total_);
+    payload_locked_ = std::move(spare.locked);
+    payload_ = std::move(spare.storage);
     FLCE_ASSIGN_OR_RETURN(hold_, weights_->Reserve(name_, total_));
     if (h.has_source()) FLCE_RETURN_IF_ERROR(TakeSource(h));
     return absl::OkStatus();
@@ -149,6 +151,8 @@ class PutWeightReactor final : public ReadStream {
   // The payload's memory, in huge pages where the kernel gives them (a
   // gigabyte weight faults in 512 times fewer pages).
   void Reserve() {
+    // (Memory that moves is unlocked first; a spare's never moves.)
+    if (payload_.capacity() < static_cast<size_t>(total_)) payload_locked_.reset();
     payload_.reserve(static_cast<size_t>(total_));
     AdviseHugePages(&payload_[0], static_cast<size_t>(total_));
   }
@@ -178,9 +182,9 @@ class PutWeightReactor final : public ReadStream {
     weight.shape = shape_;
     payload_.resize(w_bytes);
     weight.data = std::move(payload_);
-    FLCE_ASSIGN_OR_RETURN(
-        std::shared_ptr<RegisteredWeight> registered,
-        weights_->Put(name_, principal(), std::move(weight), std::move(bias), std::move(hold_)));
+    FLCE_ASSIGN_OR_RETURN(std::shared_ptr<RegisteredWeight> registered,
+                          weights_->Put(name_, principal(), std::move(weight), std::move(bias),
+                                        std::move(hold_), std::move(payload_locked_)));
     FillWeightInfo(*registered, response_.mutable_weight());
     record().SetDetail(
         absl::StrCat("weight=", name_, " version=", registered->version(), " bytes=", total_, " "));
@@ -199,6 +203,8 @@ class PutWeightReactor final : public ReadStream {
   bool has_bias_ = false;
   BudgetHold hold_;
   std::string payload_;
+  // payload_'s page lock (a spare's), unlocked before payload_ is freed.
+  std::shared_ptr<DeviceBlock> payload_locked_;
   int64_t total_ = 0;
   uint32_t crc_ = 0, expected_crc_ = 0;
   bool ieee_crc_ = false;  // header.crc32 (zlib's) instead of crc32c

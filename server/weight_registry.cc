@@ -110,22 +110,73 @@ std::optional<T> PopKeyed(Keyed<T>& list, const std::string& key) {
 
 }  // namespace
 
-void SpareWeights::Keep(const std::string& key, std::string storage, BudgetHold hold) {
-  if (static_cast<int64_t>(storage.capacity()) < kMinBytes) return;
-  storage.clear();
+void SpareWeights::Keep(const std::string& key, HostMemory memory, BudgetHold hold) {
+  if (static_cast<int64_t>(memory.storage.capacity()) < kMinBytes) return;
+  memory.storage.clear();
   Keyed<Spare> dropped;
   absl::MutexLock lock(&mu_);
-  PushKeyed(spares_, key, Spare{std::move(storage), std::move(hold)}, kMaxSpares, dropped);
+  PushKeyed(spares_, key, Spare{std::move(memory), std::move(hold)}, kMaxSpares, dropped);
 }
 
-std::string SpareWeights::Take(const std::string& key, int64_t bytes) {
+SpareWeights::HostMemory SpareWeights::Take(const std::string& key, int64_t bytes) {
   std::optional<Spare> taken;
   {
     absl::MutexLock lock(&mu_);
     taken = PopKeyed(spares_, key);
   }
-  if (!taken || static_cast<int64_t>(taken->storage.capacity()) < bytes) return std::string();
-  return std::move(taken->storage);
+  if (!taken || static_cast<int64_t>(taken->memory.storage.capacity()) < bytes) {
+    return HostMemory();
+  }
+  return std::move(taken->memory);
+}
+
+namespace {
+
+std::string DeviceKey(const std::string& key, SpareWeights::DeviceKind kind) {
+  return absl::StrCat(kind == SpareWeights::DeviceKind::kWeight ? "w" : "s", key);
+}
+
+bool SameParts(const std::vector<WeightPart>& a, const std::vector<WeightPart>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t k = 0; k < a.size(); ++k) {
+    if (a[k].first != b[k].first || a[k].rows != b[k].rows || a[k].memory != b[k].memory) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+void SpareWeights::KeepDevice(const std::string& key, DeviceKind kind, DeviceSpare spare) {
+  Keyed<DeviceSpare> dropped;
+  absl::MutexLock lock(&mu_);
+  PushKeyed(devices_, DeviceKey(key, kind), std::move(spare), kMaxSpares, dropped);
+}
+
+std::optional<SpareWeights::DeviceSpare> SpareWeights::TakeDevice(
+    const std::string& key, DeviceKind kind, const std::vector<WeightPart>& parts) {
+  std::optional<DeviceSpare> taken;
+  {
+    absl::MutexLock lock(&mu_);
+    taken = PopKeyed(devices_, DeviceKey(key, kind));
+  }
+  if (taken && !SameParts(taken->parts, parts)) taken.reset();  // freed, its bytes given back
+  return taken;
+}
+
+bool SpareWeights::ClearDevice() {
+  Keyed<DeviceSpare> dropped;
+  absl::MutexLock lock(&mu_);
+  dropped.swap(devices_);
+  return !dropped.empty();
+}
+
+void SpareWeights::DropDevice(const std::string& key) {
+  std::optional<DeviceSpare> weight, sums;  // freed after the lock
+  absl::MutexLock lock(&mu_);
+  weight = PopKeyed(devices_, DeviceKey(key, DeviceKind::kWeight));
+  sums = PopKeyed(devices_, DeviceKey(key, DeviceKind::kSums));
 }
 
 void SpareWeights::KeepLanding(const std::string& key, Landing landing) {
@@ -149,10 +200,12 @@ std::optional<SpareWeights::Landing> SpareWeights::TakeLanding(const std::string
 bool SpareWeights::Clear() {
   Keyed<Spare> dropped;
   Keyed<Landing> dropped_landings;
+  Keyed<DeviceSpare> dropped_devices;
   absl::MutexLock lock(&mu_);
   dropped.swap(spares_);
   dropped_landings.swap(landings_);
-  return !dropped.empty() || !dropped_landings.empty();
+  dropped_devices.swap(devices_);
+  return !dropped.empty() || !dropped_landings.empty() || !dropped_devices.empty();
 }
 
 int64_t SpareWeights::bytes() const {
@@ -165,11 +218,13 @@ int64_t SpareWeights::bytes() const {
 RegisteredWeight::RegisteredWeight(std::string name, int64_t version, std::string principal,
                                    HostTensor weight, std::optional<HostTensor> bias,
                                    std::shared_ptr<ByteBudget> device_budget, BudgetHold host_hold,
-                                   std::shared_ptr<SpareWeights> spares, std::string spare_key)
+                                   std::shared_ptr<SpareWeights> spares, std::string spare_key,
+                                   std::shared_ptr<DeviceBlock> weight_locked)
     : name_(std::move(name)),
       version_(version),
       principal_(std::move(principal)),
       weight_(std::move(weight)),
+      weight_locked_(std::move(weight_locked)),
       bias_(std::move(bias)),
       device_budget_(std::move(device_budget)),
       host_hold_(std::move(host_hold)),
@@ -177,9 +232,11 @@ RegisteredWeight::RegisteredWeight(std::string name, int64_t version, std::strin
       spare_key_(std::move(spare_key)) {}
 
 RegisteredWeight::~RegisteredWeight() {
+  if (spares_ != nullptr) KeepDeviceMemory();
   ReleaseDevice(device_reserved_.load());
   if (spares_ == nullptr) return;
-  spares_->Keep(spare_key_, std::move(weight_.data), std::move(host_hold_));
+  spares_->Keep(spare_key_, {std::move(weight_.data), std::move(weight_locked_)},
+                std::move(host_hold_));
   // The last take's memory, for the next version's first take.
   absl::MutexLock lock(&mu_);
   std::optional<Grad>& landing = spare_ ? spare_ : held_;
@@ -189,9 +246,55 @@ RegisteredWeight::~RegisteredWeight() {
 }
 
 bool RegisteredWeight::ReserveDevice(int64_t bytes) {
-  if (device_budget_ != nullptr && !device_budget_->TryReserve(bytes)) return false;
+  if (device_budget_ != nullptr && !device_budget_->TryReserve(bytes) &&
+      !(spares_ != nullptr && spares_->ClearDevice() && device_budget_->TryReserve(bytes))) {
+    return false;
+  }
   device_reserved_ += bytes;
   return true;
+}
+
+namespace {
+
+int64_t BlockBytes(const std::vector<std::unique_ptr<DeviceBlock>>& blocks) {
+  int64_t total = 0;
+  for (const auto& block : blocks) total += block->bytes();
+  return total;
+}
+
+}  // namespace
+
+void RegisteredWeight::KeepDeviceMemory() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  // (Destroyed: no lease or copy can be under way.)
+  if (retired_ || static_cast<int64_t>(weight_.data.size()) < SpareWeights::kMinBytes) return;
+  auto keep = [&](SpareWeights::DeviceKind kind, std::vector<WeightPart>& parts,
+                  std::vector<std::unique_ptr<DeviceBlock>>& blocks,
+                  std::vector<std::unique_ptr<DeviceBlock>>& bias_blocks, bool zero) {
+    if (blocks.empty()) return;
+    const int64_t bytes = BlockBytes(blocks) + BlockBytes(bias_blocks);
+    device_reserved_ -= bytes;  // held by the spare from here
+    spares_->KeepDevice(spare_key_, kind,
+                        {BudgetHold(device_budget_, bytes), std::move(parts), std::move(blocks),
+                         std::move(bias_blocks), zero});
+  };
+  std::vector<std::unique_ptr<DeviceBlock>> none;
+  keep(SpareWeights::DeviceKind::kWeight, weight_parts_, device_weight_, none, false);
+  keep(SpareWeights::DeviceKind::kSums, device_parts_, device_dw_, device_db_,
+       device_backwards_.load() == 0);
+}
+
+std::optional<SpareWeights::DeviceSpare> RegisteredWeight::AdoptDeviceSpare(
+    SpareWeights::DeviceKind kind, const std::vector<WeightPart>& parts, int64_t bytes_per_row) {
+  if (spares_ == nullptr) return std::nullopt;
+  std::optional<SpareWeights::DeviceSpare> spare = spares_->TakeDevice(spare_key_, kind, parts);
+  if (!spare) return std::nullopt;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    if (spare->blocks[k]->bytes() != parts[k].rows * bytes_per_row) {
+      return std::nullopt;  // another row length or dtype: freed, its bytes given back
+    }
+  }
+  device_reserved_ += spare->hold.Transfer();  // this version's from here
+  return spare;
 }
 
 void RegisteredWeight::ReleaseDevice(int64_t bytes) {
@@ -384,8 +487,25 @@ std::vector<TensorView> RegisteredWeight::DeviceWeight(const std::vector<WeightP
   if (!HaveMemory(parts)) no_device_weight_ = true;
   const int64_t row_bytes = weight_.shape[1] * DTypeSize(weight_.dtype);
   if (device_weight_.empty() && !no_device_weight_) {
-    // (An empty answer: the budget is spent, the host copy serves.)
-    std::vector<std::unique_ptr<DeviceBlock>> blocks = AllocateParts(parts, row_bytes);
+    // The memory of the name's version before where it has the same parts
+    // (a training loop's next step), else new; an empty answer: the budget
+    // is spent, the host copy serves.
+    std::vector<std::unique_ptr<DeviceBlock>> blocks;
+    if (std::optional<SpareWeights::DeviceSpare> spare =
+            AdoptDeviceSpare(SpareWeights::DeviceKind::kWeight, parts, row_bytes)) {
+      blocks = std::move(spare->blocks);
+    } else {
+      blocks = AllocateParts(parts, row_bytes);
+    }
+    // Copied from page-locked memory at the bus's rate; the lock stays
+    // with the memory for the name's next versions (a weight of kMinBytes
+    // or more; without a lock the copy goes through staging).
+    if (!blocks.empty() && weight_locked_ == nullptr && spares_ != nullptr &&
+        static_cast<int64_t>(weight_.data.size()) >= SpareWeights::kMinBytes) {
+      absl::StatusOr<std::unique_ptr<DeviceBlock>> locked = parts[0].memory->PinHostMemory(
+          weight_.data.data(), static_cast<int64_t>(weight_.data.capacity()));
+      if (locked.ok()) weight_locked_ = *std::move(locked);
+    }
     bool copied = !blocks.empty();
     for (size_t k = 0; copied && k < parts.size(); ++k) {
       copied = parts[k]
@@ -395,6 +515,7 @@ std::vector<TensorView> RegisteredWeight::DeviceWeight(const std::vector<WeightP
                    .ok();
     }
     if (copied) {
+      weight_parts_ = parts;
       device_weight_ = std::move(blocks);
     } else {
       FreeParts(blocks);
@@ -417,9 +538,25 @@ std::optional<RegisteredWeight::DeviceGrad> RegisteredWeight::LeaseDeviceGrad(
   device_mu_.Lock();
   if (!HaveMemory(parts)) no_device_ = true;  // e.g. the CPU engine: never ask again
   if (device_dw_.empty() && !no_device_) {
-    std::vector<std::unique_ptr<DeviceBlock>> dw = AllocateParts(parts, weight_.shape[1] * 4);
-    std::vector<std::unique_ptr<DeviceBlock>> db;
-    if (!dw.empty() && bias_) {
+    std::vector<std::unique_ptr<DeviceBlock>> dw, db;
+    // The sums of the name's version before where they were for the same
+    // parts and bias (zeroed unless they are zero), else new ones.
+    if (std::optional<SpareWeights::DeviceSpare> spare =
+            AdoptDeviceSpare(SpareWeights::DeviceKind::kSums, parts, weight_.shape[1] * 4)) {
+      dw = std::move(spare->blocks);
+      db = std::move(spare->bias_blocks);
+      bool usable = db.empty() != bias_.has_value();
+      for (size_t k = 0; usable && !spare->zero && k < parts.size(); ++k) {
+        usable = parts[k].memory->Zero(dw[k]->data(), dw[k]->bytes()).ok() &&
+                 (db.empty() || parts[k].memory->Zero(db[k]->data(), db[k]->bytes()).ok());
+      }
+      if (!usable) {
+        FreeParts(dw);
+        FreeParts(db);
+      }
+    }
+    if (dw.empty()) dw = AllocateParts(parts, weight_.shape[1] * 4);
+    if (!dw.empty() && bias_ && db.empty()) {
       db = AllocateParts(parts, 4);
       if (db.empty()) FreeParts(dw);
     }
@@ -538,14 +675,14 @@ absl::StatusOr<BudgetHold> WeightRegistry::Reserve(const std::string& name, int6
   return BudgetHold(host_budget_, bytes);
 }
 
-std::string WeightRegistry::TakeSpare(const std::string& name, const std::string& principal,
-                                      int64_t bytes) {
+SpareWeights::HostMemory WeightRegistry::TakeSpare(const std::string& name,
+                                                   const std::string& principal, int64_t bytes) {
   return spares_->Take(Key(principal, name), bytes);
 }
 
 absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
     const std::string& name, const std::string& principal, HostTensor weight,
-    std::optional<HostTensor> bias, BudgetHold hold) {
+    std::optional<HostTensor> bias, BudgetHold hold, std::shared_ptr<DeviceBlock> locked) {
   if (!ValidName(name)) {
     return absl::InvalidArgumentError(
         absl::StrCat("header.name: '", name, "' must be 1-128 characters of [A-Za-z0-9_.-]"));
@@ -576,9 +713,9 @@ absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
   auto [last, fresh] = last_version_.try_emplace(key, retired_floor_);
   const int64_t version = ++last->second;
   if (fresh) ForgetRetiredNames();
-  auto registered = std::make_shared<RegisteredWeight>(name, version, principal, std::move(weight),
-                                                       std::move(bias), device_budget_,
-                                                       std::move(hold), spares_, key);
+  auto registered = std::make_shared<RegisteredWeight>(
+      name, version, principal, std::move(weight), std::move(bias), device_budget_, std::move(hold),
+      spares_, key, std::move(locked));
   replaced = std::move(latest_[key]);
   latest_[key] = registered;
   return registered;
@@ -618,9 +755,13 @@ void WeightRegistry::ForgetRetiredNames() {
 
 bool WeightRegistry::Delete(const std::string& name, const std::string& principal) {
   absl::MutexLock lock(&mu_);
-  auto it = latest_.find(Key(principal, name));
+  const std::string key = Key(principal, name);
+  auto it = latest_.find(key);
   if (it == latest_.end()) return false;
+  // Its device memory goes with it (its host memory stays a spare).
+  it->second->Retire();
   latest_.erase(it);
+  spares_->DropDevice(key);
   return true;
 }
 

@@ -67,6 +67,12 @@ class BudgetHold {
   }
   ~BudgetHold() { Reset(); }
   int64_t bytes() const { return bytes_; }
+  // Ends the hold without giving its bytes back (whoever takes them over
+  // counts them from now): the bytes.
+  int64_t Transfer() {
+    budget_.reset();
+    return std::exchange(bytes_, 0);
+  }
 
  private:
   void Reset() {
@@ -98,12 +104,18 @@ class SpareWeights {
  public:
   static constexpr int64_t kMinBytes = int64_t{1} << 20;
   static constexpr size_t kMaxSpares = 8;
-  // Keeps `storage` (with the hold of its bytes) for `key`'s next upload.
-  void Keep(const std::string& key, std::string storage, BudgetHold hold);
+  // A weight's host memory and its page lock for the engine's devices
+  // (null: not locked), declared after the memory, so it is unlocked first.
+  struct HostMemory {
+    std::string storage;
+    std::shared_ptr<DeviceBlock> locked;
+  };
+  // Keeps `memory` (with the hold of its bytes) for `key`'s next upload.
+  void Keep(const std::string& key, HostMemory memory, BudgetHold hold);
   // The spare of `key` if its capacity holds `bytes` (emptied, capacity
-  // kept; its hold released), else an empty string (a spare too small is
-  // freed).
-  std::string Take(const std::string& key, int64_t bytes);
+  // and page lock kept; its hold released), else empty (a spare too small
+  // is freed).
+  HostMemory Take(const std::string& key, int64_t bytes);
 
   // A take's landing: fp32 memory and its page lock (null: not locked),
   // declared after the memory, so it is unlocked first.
@@ -117,20 +129,48 @@ class SpareWeights {
   // of another shape is freed).
   std::optional<Landing> TakeLanding(const std::string& key, const std::vector<int64_t>& shape);
 
+  // A version's device memory of one kind (its weight's copy, or its
+  // gradient sums), a block per part of `parts` (the sums: dW's, then
+  // db's where there is a bias), with the device budget's hold of their
+  // bytes (declared first: given back once the blocks are freed). `zero`:
+  // the sums hold zeros (no Backward added since the last take).
+  struct DeviceSpare {
+    BudgetHold hold;
+    std::vector<WeightPart> parts;
+    std::vector<std::unique_ptr<DeviceBlock>> blocks;
+    std::vector<std::unique_ptr<DeviceBlock>> bias_blocks;
+    bool zero = false;
+  };
+  enum class DeviceKind { kWeight, kSums };
+  // Keeps `spare` for `key`'s next version.
+  void KeepDevice(const std::string& key, DeviceKind kind, DeviceSpare spare);
+  // The device spare of `key` and `kind` if it was made for `parts` (the
+  // same memories and rows), else nullopt (a spare for other parts is freed).
+  std::optional<DeviceSpare> TakeDevice(const std::string& key, DeviceKind kind,
+                                        const std::vector<WeightPart>& parts);
+  // Frees the device spares; true if there was one (they yield to any
+  // version that needs the device budget's room).
+  bool ClearDevice();
+
+  // Frees the device spares of `key` (its name was deleted).
+  void DropDevice(const std::string& key);
   // Frees every spare and landing; true if there was one.
   bool Clear();
-  // Bytes the spares hold (landings not counted: outside the budget).
+  // Bytes the spares hold (landings and device spares not counted: outside
+  // the host budget).
   int64_t bytes() const;
 
  private:
   struct Spare {
-    std::string storage;
+    HostMemory memory;
     BudgetHold hold;
   };
   // By key, one each, oldest first.
   mutable absl::Mutex mu_;
   std::vector<std::pair<std::string, Spare>> spares_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<std::string, Landing>> landings_ ABSL_GUARDED_BY(mu_);
+  // Keyed by DeviceKey(key, kind).
+  std::vector<std::pair<std::string, DeviceSpare>> devices_ ABSL_GUARDED_BY(mu_);
 };
 
 class RegisteredWeight {
@@ -143,7 +183,8 @@ class RegisteredWeight {
                    std::optional<HostTensor> bias,
                    std::shared_ptr<ByteBudget> device_budget = nullptr,
                    BudgetHold host_hold = BudgetHold(),
-                   std::shared_ptr<SpareWeights> spares = nullptr, std::string spare_key = "");
+                   std::shared_ptr<SpareWeights> spares = nullptr, std::string spare_key = "",
+                   std::shared_ptr<DeviceBlock> weight_locked = nullptr);
   ~RegisteredWeight();
   RegisteredWeight(const RegisteredWeight&) = delete;
   RegisteredWeight& operator=(const RegisteredWeight&) = delete;
@@ -154,6 +195,10 @@ class RegisteredWeight {
   const HostTensor& weight() const { return weight_; }
   const std::optional<HostTensor>& bias() const { return bias_; }
   int64_t bytes() const;
+
+  // The name was deleted: this version's device memory is freed with it,
+  // not kept for a next version.
+  void Retire() { retired_ = true; }
 
   // Adds fp32 gradients (dW [V, H], db [V] iff the weight has a bias); the
   // first ones after a TakeGrad become the accumulator (no copy).
@@ -226,14 +271,18 @@ class RegisteredWeight {
   };
   // W's rows by part of the engine's WeightParts (`parts`, the same every
   // call), each a view of a copy in its part's device memory, made on first
-  // use and freed with the version; or empty when a part has no device
+  // use (into the memory of the name's version before, where it had the
+  // same parts, from the host copy page-locked for the copy and kept locked
+  // for the versions after) and freed with the version or kept for the
+  // name's next one (SpareWeights); or empty when a part has no device
   // memory (an engine without one), there is none to give or the device
   // budget is spent (the host copy serves then; asked again later, but
   // never again after a part without memory).
   std::vector<TensorView> DeviceWeight(const std::vector<WeightPart>& parts);
 
   // The device accumulator, its sums allocated by part of `parts` (as
-  // DeviceWeight's) on first use; nullopt when a part has no device memory,
+  // DeviceWeight's) on first use, or taken over (zeroed) from the name's
+  // version before; nullopt when a part has no device memory,
   // there is none to give or the device budget is spent (the host
   // accumulator of AccumulateGrad serves then). TakeGrad gathers what the
   // parts hold, each into its rows (summing parts that hold the same rows:
@@ -245,7 +294,11 @@ class RegisteredWeight {
   const int64_t version_;
   const std::string principal_;
   HostTensor weight_;  // never changed; its memory moves to spares_ when destroyed
+  // weight_'s page lock (null: none yet), made by DeviceWeight; declared
+  // after weight_, so it is unlocked first, and moves to spares_ with it.
+  std::shared_ptr<DeviceBlock> weight_locked_;
   const std::optional<HostTensor> bias_;
+  std::atomic<bool> retired_{false};
   mutable absl::Mutex mu_;
   std::optional<Grad> grad_ ABSL_GUARDED_BY(mu_);
   bool take_pending_ ABSL_GUARDED_BY(mu_) = false;
@@ -261,8 +314,18 @@ class RegisteredWeight {
   const std::shared_ptr<SpareWeights> spares_;
   const std::string spare_key_;
   std::atomic<int64_t> device_reserved_{0};  // of device_budget_, released when destroyed
-  // Takes `bytes` of the device budget (always, without one).
+  // Takes `bytes` of the device budget (always, without one), the device
+  // spares freed first when they are in the way.
   bool ReserveDevice(int64_t bytes);
+  // Moves this version's device memory to spares_ (a weight of kMinBytes
+  // or more, not retired); called when it is destroyed.
+  void KeepDeviceMemory();
+  // The device spare of `kind` made for `parts`, blocks of `bytes_per_row`
+  // × each part's rows, its bytes counted as this version's from now;
+  // nullopt without one.
+  std::optional<SpareWeights::DeviceSpare> AdoptDeviceSpare(SpareWeights::DeviceKind kind,
+                                                            const std::vector<WeightPart>& parts,
+                                                            int64_t bytes_per_row);
   void ReleaseDevice(int64_t bytes);
   // Blocks of `bytes_per_row` × each part's rows in its memory (zeroed),
   // or empty (none reserved) when the budget or a device has no room.
@@ -276,6 +339,7 @@ class RegisteredWeight {
   // once.
   absl::Status GatherDeviceSums(Grad& into) ABSL_EXCLUSIVE_LOCKS_REQUIRED(device_mu_);
   absl::Mutex weight_mu_;
+  std::vector<WeightPart> weight_parts_ ABSL_GUARDED_BY(weight_mu_);
   std::vector<std::unique_ptr<DeviceBlock>> device_weight_ ABSL_GUARDED_BY(weight_mu_);
   bool no_device_weight_ ABSL_GUARDED_BY(weight_mu_) = false;
   // Held by a DeviceGrad, and by TakeGrad; taken before mu_.
@@ -308,18 +372,20 @@ class WeightRegistry {
 
   // Memory for an upload of `bytes` to `name`: a spare of the name's
   // earlier versions when one is large enough (SpareWeights), else empty.
-  // Call before Reserve: the spare's bytes leave the budget.
-  std::string TakeSpare(const std::string& name, const std::string& principal, int64_t bytes);
+  // Call before Reserve: the spare's bytes leave the budget. Its page lock
+  // (if any) goes to Put with it.
+  SpareWeights::HostMemory TakeSpare(const std::string& name, const std::string& principal,
+                                     int64_t bytes);
 
   // Validates the name (INVALID_ARGUMENT) and stores the weight as the
   // name's next version. Its bytes come from `hold` (from Reserve) when it
   // holds them, else from the budget now, after the version it replaces
-  // has let go of its own where nothing else holds it.
-  absl::StatusOr<std::shared_ptr<RegisteredWeight>> Put(const std::string& name,
-                                                        const std::string& principal,
-                                                        HostTensor weight,
-                                                        std::optional<HostTensor> bias,
-                                                        BudgetHold hold = BudgetHold());
+  // has let go of its own where nothing else holds it. `locked`: the page
+  // lock of `weight`'s memory (a spare's, from TakeSpare), or null.
+  absl::StatusOr<std::shared_ptr<RegisteredWeight>> Put(
+      const std::string& name, const std::string& principal, HostTensor weight,
+      std::optional<HostTensor> bias, BudgetHold hold = BudgetHold(),
+      std::shared_ptr<DeviceBlock> locked = nullptr);
 
   // `version` 0 is the latest.
   absl::StatusOr<std::shared_ptr<RegisteredWeight>> Get(const std::string& name, int64_t version,

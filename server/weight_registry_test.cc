@@ -79,18 +79,20 @@ TEST(WeightRegistryTest, ReplacedMemoryIsReusedAndYields) {
   auto v2 = registry.Put("w", "", Weight(512, 512, 2.0f), std::nullopt);  // v1 becomes a spare
   ASSERT_TRUE(v2.ok());
   EXPECT_EQ(registry.bytes_in_use(), bytes);
-  EXPECT_TRUE(registry.TakeSpare("w", "bob", bytes).empty());  // another principal's name
-  std::string spare = registry.TakeSpare("w", "", bytes);
+  EXPECT_LT(static_cast<int64_t>(registry.TakeSpare("w", "bob", bytes).storage.capacity()),
+            bytes);  // another's name
+  std::string spare = registry.TakeSpare("w", "", bytes).storage;
   EXPECT_GE(static_cast<int64_t>(spare.capacity()), bytes);
   EXPECT_TRUE(spare.empty());
-  EXPECT_TRUE(registry.TakeSpare("w", "", bytes).empty());  // taken once
+  EXPECT_LT(static_cast<int64_t>(registry.TakeSpare("w", "", bytes).storage.capacity()),
+            bytes);  // taken once
   // A spare yields to another name's upload that needs its room.
   v2 = absl::StatusOr<std::shared_ptr<RegisteredWeight>>();
   ASSERT_TRUE(registry.Put("w", "", Weight(512, 512, 3.0f), std::nullopt).ok());  // v2 spare
   EXPECT_EQ(registry.bytes_in_use(), bytes);
   auto hold = registry.Reserve("x", 2 * bytes);
   ASSERT_TRUE(hold.ok()) << hold.status();
-  EXPECT_TRUE(registry.TakeSpare("w", "", bytes).empty());
+  EXPECT_LT(static_cast<int64_t>(registry.TakeSpare("w", "", bytes).storage.capacity()), bytes);
   EXPECT_EQ(registry.bytes_in_use(), 3 * bytes);
 }
 
@@ -428,6 +430,85 @@ TEST(WeightRegistryTest, TakesOfNewVersionsReuseTheLastVersionsLockedMemory) {
   auto big = registry.Reserve("huge", (int64_t{64} << 20) - (int64_t{1} << 20));
   ASSERT_TRUE(big.ok()) << big.status();
   EXPECT_EQ(memory.unlocks, 2);  // "w"'s landing ("other"'s is its live version's)
+}
+
+// A training loop's next version takes over the device memory of the one
+// before (its weight's copy and its gradient sums, zeroed) and the page
+// lock of its host copy: after the first two versions nothing is allocated
+// or locked again, and the copy on the device is the new version's.
+TEST(WeightRegistryTest, NextVersionsTakeOverDeviceMemoryAndTheLockedHostCopy) {
+  FakeDeviceMemory memory;
+  memory.lock_host = true;
+  WeightRegistry registry(int64_t{64} << 20);
+  const int64_t v = 512, h = 512;  // 1 MiB fp32: the smallest kept
+  const int64_t bytes = v * h * 4;
+  // As the PutWeight handler does: into the name's spare memory, if any.
+  auto put = [&](const std::string& name, int64_t rows, float value) {
+    SpareWeights::HostMemory spare = registry.TakeSpare(name, "", rows * h * 4);
+    HostTensor weight = Weight(rows, h, value);
+    spare.storage.assign(weight.data);
+    weight.data = std::move(spare.storage);
+    return *registry.Put(name, "", std::move(weight), std::nullopt, BudgetHold(),
+                         std::move(spare.locked));
+  };
+  struct Placed {
+    const void* weight;
+    const void* sums;
+  };
+  auto step = [&](const std::string& name, int64_t rows, float value) {
+    auto w = put(name, rows, value);
+    std::vector<TensorView> device = w->DeviceWeight(Whole(w, &memory));
+    EXPECT_EQ(device.size(), 1u);
+    const float* copied = static_cast<const float*>(device[0].data);
+    EXPECT_EQ(copied[0], value);
+    EXPECT_EQ(copied[rows * h - 1], value);
+    auto grad = w->LeaseDeviceGrad(Whole(w, &memory));
+    EXPECT_TRUE(grad.has_value());
+    const float* sums = static_cast<const float*>(grad->dw()[0].data);
+    EXPECT_EQ(sums[0], 0.0f);  // every version's sums start at zero
+    EXPECT_EQ(sums[rows * h - 1], 0.0f);
+    AddOnDevice(*grad, rows, h, value);  // never taken: the next version zeroes them
+    grad->Added();
+    return Placed{device[0].data, grad->dw()[0].data};
+  };
+  const Placed first = step("w", v, 1.0f);
+  EXPECT_EQ(memory.allocations, 2);  // the copy and the sums
+  for (int k = 2; k <= 5; ++k) {
+    const Placed next = step("w", v, static_cast<float>(k));
+    EXPECT_EQ(next.weight, first.weight) << k;
+    EXPECT_EQ(next.sums, first.sums) << k;
+  }
+  EXPECT_EQ(memory.allocations, 2);
+  EXPECT_EQ(memory.zeroed, 4);
+  // Two host copies in turn (a version is put while the one before lives).
+  EXPECT_EQ(memory.locks, 2);
+  EXPECT_EQ(memory.unlocks, 0);
+  EXPECT_EQ(registry.device_bytes_in_use(), 2 * bytes);
+  // Another row length frees the spares and allocates anew.
+  step("w", v + 1, 6.0f);
+  EXPECT_EQ(memory.allocations, 4);
+  EXPECT_EQ(registry.device_bytes_in_use(), 2 * (v + 1) * h * 4);
+  // Deleting the name frees its device memory with its last version.
+  ASSERT_TRUE(registry.Delete("w", ""));
+  EXPECT_EQ(registry.device_bytes_in_use(), 0);
+}
+
+// A version gone keeps its device memory only while nothing else needs the
+// device budget's room.
+TEST(WeightRegistryTest, DeviceSparesYieldToAnyWeight) {
+  FakeDeviceMemory memory;
+  const int64_t v = 512, h = 512, bytes = v * h * 4;
+  WeightRegistry registry(int64_t{64} << 20, /*device_budget_bytes=*/bytes + bytes / 2);
+  auto w = *registry.Put("w", "", Weight(v, h, 1.0f), std::nullopt);
+  EXPECT_EQ(w->DeviceWeight(Whole(w, &memory)).size(), 1u);
+  w = *registry.Put("w", "", Weight(v, h, 2.0f), std::nullopt);  // version 1 goes: a spare
+  EXPECT_EQ(registry.device_bytes_in_use(), bytes);
+  auto x = *registry.Put("x", "", Weight(v, h, 3.0f), std::nullopt);
+  std::vector<TensorView> device = x->DeviceWeight(Whole(x, &memory));
+  ASSERT_EQ(device.size(), 1u);
+  EXPECT_EQ(static_cast<const float*>(device[0].data)[0], 3.0f);
+  EXPECT_EQ(registry.device_bytes_in_use(), bytes);  // x's; w's spare freed
+  EXPECT_EQ(memory.allocations, 2);
 }
 
 // Landings of versions gone are bounded: at most kMaxSpares, the oldest

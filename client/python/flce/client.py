@@ -320,6 +320,55 @@ class PendingForward:
             ipc.release_allocations()
 
 
+class _HostCopy:
+    """Page-locked host memory for a CUDA tensor of one dtype and size:
+    ``start(tensor)`` copies it there behind the work queued on the current
+    stream; ``result()`` waits for that copy alone and returns the memory
+    (valid until the next start)."""
+
+    def __init__(self, like):
+        import torch
+
+        self._host = torch.empty(like.shape, dtype=like.dtype, pin_memory=True).reshape(-1)
+        self._copied = torch.cuda.Event()
+
+    def start(self, tensor):
+        import torch
+
+        self._shape = tensor.shape
+        self._host.copy_(tensor.detach().reshape(-1), non_blocking=True)
+        self._copied.record(torch.cuda.current_stream(tensor.device))
+
+    def result(self):
+        self._copied.synchronize()
+        return self._host.view(self._shape)
+
+
+class HostStaging:
+    """Copies of CUDA tensors to page-locked host memory kept by dtype,
+    size and device (at most ``max_kept``, the oldest dropped first), for
+    small tensors a call reads on the host each time (targets, an upstream
+    gradient): no page-locked allocation per call, and the copy runs beside
+    the caller's other work."""
+
+    def __init__(self, max_kept: int = 8):
+        self._kept = {}
+        self._max_kept = max_kept
+
+    def start(self, tensor) -> _HostCopy:
+        """Starts ``tensor``'s copy (behind the work queued on the current
+        stream); the returned copy's ``result()`` is valid until the next
+        start of a tensor like it."""
+        key = (tensor.dtype, tensor.numel(), tensor.device)
+        copy = self._kept.get(key)
+        if copy is None:
+            if len(self._kept) >= self._max_kept:
+                self._kept.pop(next(iter(self._kept)))
+            copy = self._kept[key] = _HostCopy(tensor)
+        copy.start(tensor)
+        return copy
+
+
 class Client:
     """A connection to one flce server ("host:port").
 
@@ -384,6 +433,7 @@ class Client:
         self._lost_takes = {}  # weight name → a take that did not arrive whole
         self._releases = []  # ReleaseSession calls in flight
         self._deferred_releases = []  # sessions the next forward() releases
+        self._staging = HostStaging()  # for CUDA targets
         self._cuda_ipc = None  # the CudaIpcRegistry, made on first use
         self._cuda_ipc_keep = cuda_ipc_keep_registrations
         if call_channel not in ("auto", True, False):
@@ -574,6 +624,10 @@ class Client:
         self._settle_pending()
         ipc = self.cuda_ipc() if cuda_ipc and (_is_cuda(hidden) or _is_cuda(weight)) else None
         pending = PendingForward(self, ipc)
+        # Through CUDA IPC only the targets travel as bytes: their copy to
+        # the host starts now and runs beside the request's assembly.
+        target_copy = (self._staging.start(target) if ipc is not None and shm is None
+                       and _is_cuda(target) else None)
         try:
             r = pending.request
             released, self._deferred_releases = self._deferred_releases, []
@@ -599,7 +653,8 @@ class Client:
                 ipc.place(hidden, r.hidden)
             else:
                 put(hidden, r.hidden)
-            put(target, r.target)
+            if target_copy is None:
+                put(target, r.target)
             if weight_name:
                 r.weight_ref.name = weight_name
                 r.weight_ref.version = weight_version
@@ -637,6 +692,8 @@ class Client:
                 if ipc is None:
                     raise ValueError("loss_out needs cuda_ipc")
                 r.loss_out.CopyFrom(ipc.slice(loss_out))
+            if target_copy is not None:
+                to_wire(target_copy.result(), r.target)
             if ipc is not None:
                 device = hidden.device if _is_cuda(hidden) else weight.device
                 pending.token, r.ready_event = ipc.record_ready(device)

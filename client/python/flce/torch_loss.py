@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from flce.client import Client, PendingForward, check_loss_options, to_torch, wire_scalar
+from flce.client import (Client, HostStaging, PendingForward, check_loss_options, to_torch,
+                         wire_scalar)
 from flce.row_pipeline import RowPipeline
 from flce.weight_registration import WeightRegistration
 
@@ -189,7 +190,8 @@ class _RemoteFunction(torch.autograd.Function):
         # for the host at once: on this stream its copy waits behind the
         # answer's fence, so it arrives with the answer instead of a round
         # trip to the GPU after it.
-        upstream = _HostScalar(grad_output) if ctx.eager is not None else None
+        upstream = (module._staging.start(grad_output.detach().float().reshape(()))
+                    if ctx.eager is not None else None)
         if ctx.pending is not None:
             # The answer first (a failed computation raises here).
             ctx.pending.result()
@@ -259,22 +261,6 @@ class _RemoteFunction(torch.autograd.Function):
                 device, dtype, _ = meta
                 result.append(to_torch(wire[i]).to(device=device, dtype=dtype))
         return result[0], result[1], result[2], None, None, None
-
-
-class _HostScalar:
-    """A scalar CUDA tensor's value on its way to the host: copied into
-    page-locked memory behind the work queued on the current stream;
-    ``result()`` waits for that copy alone."""
-
-    def __init__(self, tensor):
-        self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        self._host.copy_(tensor.detach().reshape(()), non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-
-    def result(self):
-        self._copied.synchronize()
-        return self._host
 
 
 def _can_add_into(grad, like) -> bool:
@@ -381,6 +367,8 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         # The upstream gradient the last backward had: through CUDA IPC the
         # next Forward computes the gradients for it.
         self._expected_grad_output = 1.0
+        # Page-locked memory the upstream gradient comes to the host in.
+        self._staging = HostStaging(max_kept=2)
 
     def __deepcopy__(self, memo):
         """A module with the same options on the same client (its connection
