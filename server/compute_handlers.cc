@@ -34,10 +34,10 @@ void EncodeGradient(HostTensor&& t, bool in_shm, const v1::SharedMemorySlice& sl
 }
 
 std::string ProblemDetail(const LossProblem& p) {
-  return absl::StrCat("n=", p.rows(), " h=", p.hidden_size(), " v=", p.vocab(),
-                      p.shard ? absl::StrCat(" shard=", p.shard->first, "/", p.shard->full_vocab)
-                              : std::string(),
-                      " dtype=", DTypeName(p.hidden.dtype), " ");
+  return absl::StrCat(
+      "n=", p.rows(), " h=", p.hidden_size(), " v=", p.vocab(),
+      p.shard ? absl::StrCat(" shard=", p.shard->first, "/", p.shard->full_vocab) : std::string(),
+      " dtype=", DTypeName(p.hidden.dtype), " ");
 }
 
 // Bytes a Forward response takes beyond its framing: the per-row tensors.
@@ -60,8 +60,19 @@ absl::StatusOr<BackwardCall> DecodeEagerBackward(const v1::ForwardRequest& reque
   if (!request.need_backward()) {
     return absl::InvalidArgumentError("backward: needs need_backward (it runs on the session)");
   }
-  if (!part.has_grad_hidden_out() || !part.has_grad_weight_out() ||
-      part.has_grad_bias_out() != forward.problem.bias.has_value()) {
+  if (part.gradients() == v1::GRADIENTS_WEIGHT) {
+    return absl::InvalidArgumentError(
+        "backward.gradients: GRADIENTS_ALL or GRADIENTS_HIDDEN in a Forward (GRADIENTS_WEIGHT "
+        "is a later Backward's)");
+  }
+  if (part.gradients() == v1::GRADIENTS_HIDDEN) {
+    if (!part.has_grad_hidden_out() || part.has_grad_weight_out() || part.has_grad_bias_out()) {
+      return absl::InvalidArgumentError(
+          "backward: GRADIENTS_HIDDEN writes dX only: grad_hidden_out, and no grad_weight_out "
+          "or grad_bias_out (dW and db stay in the session)");
+    }
+  } else if (!part.has_grad_hidden_out() || !part.has_grad_weight_out() ||
+             part.has_grad_bias_out() != forward.problem.bias.has_value()) {
     return absl::InvalidArgumentError(
         "backward: every gradient needs its destination (grad_hidden_out, grad_weight_out, and "
         "grad_bias_out exactly when there is a bias); gradients come back as bytes only from "
@@ -70,10 +81,11 @@ absl::StatusOr<BackwardCall> DecodeEagerBackward(const v1::ForwardRequest& reque
   v1::BackwardRequest as_backward;
   as_backward.set_session_id("(this Forward's)");
   as_backward.set_keep_session(true);
+  as_backward.set_gradients(part.gradients());
   if (part.has_grad_output()) *as_backward.mutable_grad_output() = part.grad_output();
   as_backward.set_grad_dtype(part.grad_dtype());
   *as_backward.mutable_grad_hidden_out() = part.grad_hidden_out();
-  *as_backward.mutable_grad_weight_out() = part.grad_weight_out();
+  if (part.has_grad_weight_out()) *as_backward.mutable_grad_weight_out() = part.grad_weight_out();
   if (part.has_grad_bias_out()) *as_backward.mutable_grad_bias_out() = part.grad_bias_out();
   as_backward.set_ready_event(request.ready_event());
   return DecodeBackward(as_backward, forward.shm);
@@ -305,30 +317,31 @@ void LossServiceImpl::ServeBackward(Call* call, const std::string& principal,
                                     v1::BackwardResponse* response_ptr) {
   auto outcome = std::make_shared<BackwardOutcome>();
   auto stats = std::make_shared<CallStats>();
-  StartBackward(call, principal, request_ptr, limits_.max_message_bytes, outcome, stats,
-                [this, call, request_ptr, response_ptr, outcome, stats](const absl::Status& status) {
-                  if (status.ok()) {
-                    core_->Answered(*outcome);
-                    const v1::BackwardRequest& request = *request_ptr;
-                    v1::BackwardResponse* response = response_ptr;
-                    BackwardOutcome& o = *outcome;
-                    if (o.has_grad_hidden) {
-                      EncodeGradient(std::move(o.grad_hidden), o.grad_hidden_in_shm,
-                                     request.grad_hidden_out(), response->mutable_grad_hidden());
-                    }
-                    if (o.grad_weight) {
-                      EncodeGradient(std::move(*o.grad_weight), o.grad_weight_in_shm,
-                                     request.grad_weight_out(), response->mutable_grad_weight());
-                    }
-                    if (o.grad_bias) {
-                      EncodeGradient(std::move(*o.grad_bias), o.grad_bias_in_shm,
-                                     request.grad_bias_out(), response->mutable_grad_bias());
-                    }
-                    response->mutable_stats()->set_queue_ms(stats->queue_ms);
-                    response->mutable_stats()->set_engine_ms(stats->engine_ms);
-                  }
-                  call->Reply(status);
-                });
+  StartBackward(
+      call, principal, request_ptr, limits_.max_message_bytes, outcome, stats,
+      [this, call, request_ptr, response_ptr, outcome, stats](const absl::Status& status) {
+        if (status.ok()) {
+          core_->Answered(*outcome);
+          const v1::BackwardRequest& request = *request_ptr;
+          v1::BackwardResponse* response = response_ptr;
+          BackwardOutcome& o = *outcome;
+          if (o.has_grad_hidden) {
+            EncodeGradient(std::move(o.grad_hidden), o.grad_hidden_in_shm,
+                           request.grad_hidden_out(), response->mutable_grad_hidden());
+          }
+          if (o.grad_weight) {
+            EncodeGradient(std::move(*o.grad_weight), o.grad_weight_in_shm,
+                           request.grad_weight_out(), response->mutable_grad_weight());
+          }
+          if (o.grad_bias) {
+            EncodeGradient(std::move(*o.grad_bias), o.grad_bias_in_shm, request.grad_bias_out(),
+                           response->mutable_grad_bias());
+          }
+          response->mutable_stats()->set_queue_ms(stats->queue_ms);
+          response->mutable_stats()->set_engine_ms(stats->engine_ms);
+        }
+        call->Reply(status);
+      });
 }
 
 // --- Streams ---------------------------------------------------------------

@@ -788,8 +788,8 @@ TEST_F(ServerTest, VocabularyShardsAndTheirRefusals) {
   EXPECT_EQ(response.shard_stats().max().shape(0), 6);
   EXPECT_EQ(response.shard_stats().argmax().dtype(), v1::DTYPE_INT64);
   for (int64_t i = 0; i < 6; ++i) {
-    const int64_t id = reinterpret_cast<const int64_t*>(
-        response.shard_stats().argmax().data().data())[i];
+    const int64_t id =
+        reinterpret_cast<const int64_t*>(response.shard_stats().argmax().data().data())[i];
     EXPECT_TRUE(id >= 10 && id < 40) << id;
   }
 
@@ -1010,7 +1010,8 @@ TEST_F(ServerTest, SharedMemoryIsOffByDefault) {
   // Slices may still name regions of server memory, which need no flag:
   // one that names none is NOT_FOUND.
   r.mutable_hidden()->mutable_shm()->set_region_id("x");
-  EXPECT_THAT(RawForward(r), StatusIs(Code::kNotFound, HasSubstr("hidden.shm: unknown region 'x'")));
+  EXPECT_THAT(RawForward(r),
+              StatusIs(Code::kNotFound, HasSubstr("hidden.shm: unknown region 'x'")));
   r = BuildForwardRequest(Args(p));
   r.set_ready_event("x");
   EXPECT_THAT(RawForward(r), StatusIs(Code::kNotFound, HasSubstr("ready_event: unknown region")));
@@ -1056,8 +1057,8 @@ TEST_F(ServerTest, MetricsEndpointAndGetStatsCountRequests) {
   const std::string ok = "flce_requests_total{rpc=\"Backward\",code=\"OK\"} 1\n";
   const std::string last = "flce_requests_total{rpc=\"Backward\",code=\"FAILED_PRECONDITION\"} 1\n";
   std::string reply;
-  for (int i = 0; i < 500 && (reply.find(last) == std::string::npos ||
-                              reply.find(ok) == std::string::npos);
+  for (int i = 0;
+       i < 500 && (reply.find(last) == std::string::npos || reply.find(ok) == std::string::npos);
        ++i) {
     if (i > 0) absl::SleepFor(absl::Milliseconds(10));
     reply = HttpGet(server_->metrics_port(), "/metrics");
@@ -1308,6 +1309,35 @@ TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
   again.grad_output = two.view();
   again.keep_session = true;
   EXPECT_TRUE(client_->Backward(again).ok());
+  // dX alone in the same call (a remote caller's row pieces): dW and db
+  // stay in the session for a Backward with GRADIENTS_WEIGHT.
+  std::memset(shm.base() + out, 0, x + w + b);
+  v1::ForwardRequest hidden_only = r;
+  hidden_only.mutable_backward()->set_gradients(v1::GRADIENTS_HIDDEN);
+  *hidden_only.mutable_backward()->mutable_grad_hidden_out() = back.grad_hidden_out();
+  grpc::ClientContext hidden_only_context;
+  v1::ForwardResponse hidden_only_response;
+  ASSERT_TRUE(stub_->Forward(&hidden_only_context, hidden_only, &hidden_only_response).ok());
+  EXPECT_EQ(std::string(shm.base() + out, x), wire_grads->grad_hidden.data);
+  EXPECT_EQ(std::string(shm.base() + out + x, w + b), std::string(w + b, '\0'));  // not written
+  EXPECT_FALSE(hidden_only_response.backward().has_grad_weight());
+  v1::BackwardRequest weight_part;
+  weight_part.set_session_id(hidden_only_response.session_id());
+  weight_part.set_gradients(v1::GRADIENTS_WEIGHT);
+  grpc::ClientContext weight_part_context;
+  v1::BackwardResponse weight_grads;
+  ASSERT_TRUE(stub_->Backward(&weight_part_context, weight_part, &weight_grads).ok());
+  EXPECT_EQ(weight_grads.grad_weight().data(), wire_grads->grad_weight->data);
+  EXPECT_EQ(weight_grads.grad_bias().data(), wire_grads->grad_bias->data);
+  EXPECT_FALSE(weight_grads.has_grad_hidden());
+  v1::ForwardRequest hidden_and_weight = hidden_only;
+  *hidden_and_weight.mutable_backward()->mutable_grad_weight_out() = back.grad_weight_out();
+  EXPECT_THAT(RawForward(hidden_and_weight),
+              StatusIs(Code::kInvalidArgument, HasSubstr("GRADIENTS_HIDDEN writes dX only")));
+  v1::ForwardRequest weight_first = both;
+  weight_first.mutable_backward()->set_gradients(v1::GRADIENTS_WEIGHT);
+  EXPECT_THAT(RawForward(weight_first),
+              StatusIs(Code::kInvalidArgument, HasSubstr("backward.gradients")));
   // The next Forward may release it (as ReleaseSession; unknown ids ignored).
   const int64_t live = server_->Metrics().gauges.live_sessions;
   v1::ForwardRequest releasing = r;

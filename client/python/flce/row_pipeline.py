@@ -5,11 +5,11 @@ milliseconds each for a large batch, as long as the engine's own work. Here
 the batch's rows go in pieces (``pieces``, each at least
 ``min_piece_bytes`` of X). Each piece is written into a region of the
 server's memory over all of the client's bulk connections (:mod:`flce.bulk`);
-its Forward starts as soon as it has arrived, while the next piece travels;
-as soon as the Forward is done, a Backward with ``gradients="hidden"``
-writes the piece's dX into the region for the upstream gradient the last
-step had, and the client reads it back while the server works on the
-following pieces. When autograd's backward comes with that same upstream
+its Forward starts as soon as it has arrived, while the next piece travels,
+and in the same call (its eager backward, ``GRADIENTS_HIDDEN``) writes the
+piece's dX into the region for the upstream gradient the last step had,
+before the server starts the next piece; the client reads it back while the
+server works on the following pieces. When autograd's backward comes with that same upstream
 gradient, one small Backward per piece (``gradients="weight"``) adds dW and
 db into the registered weight's sum on the server — left in flight, waited
 for by the weight's next pull — and dX is already here: a step is the
@@ -177,7 +177,7 @@ class RowPipeline:
             flat.record_stream(self._stream)
         else:
             x_host = flat
-        scale = _piece_grad(expected, denom)
+        scale_wire = to_wire(np.asarray(_piece_grad(expected, denom), dtype=np.float32))
 
         base = pb.ForwardRequest(need_backward=True, backward_mode=_MODES[module.backward_mode])
         base.weight_ref.name = weight_name
@@ -199,17 +199,11 @@ class RowPipeline:
         dx_ready = []
 
         def chain(i: int, call):
-            """Piece i after its Forward went out: its answer, its dX
-            written into the region, read back, and copied to dX."""
+            """Piece i after its Forward went out: its answer (its dX in
+            the region by then), dX read back and copied to dX."""
             first, last = rows[i]
             resp = future_result(call, client.timeout, "Forward")
             sessions[i] = resp.session_id
-            r = pb.BackwardRequest(session_id=resp.session_id, keep_session=True,
-                                   gradients=pb.GRADIENTS_HIDDEN)
-            to_wire(np.asarray(scale, dtype=np.float32), r.grad_output)
-            r.grad_hidden_out.region_id = region
-            r.grad_hidden_out.offset = dx_at + first * h * elem
-            back = client._call(client._stub.Backward, r)
             span = slice(first * h * elem, last * h * elem)
             transfer.read(region, dx_at + span.start, dx_view[span], client.timeout)
             if on_gpu:
@@ -219,7 +213,7 @@ class RowPipeline:
                     event.record()
                 with lock:
                     dx_ready.append(event)
-            return resp, back
+            return resp
 
         futures = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(rows),
@@ -235,6 +229,13 @@ class RowPipeline:
                     r.hidden.shape.extend([last - first, h])
                     r.hidden.shm.region_id = region
                     r.hidden.shm.offset = span.start
+                    # Its dX into the region in the same call, before the
+                    # server starts the next piece; dW and db stay in the
+                    # session (finish adds them into the registered sum).
+                    r.backward.gradients = pb.GRADIENTS_HIDDEN
+                    r.backward.grad_output.CopyFrom(scale_wire)
+                    r.backward.grad_hidden_out.region_id = region
+                    r.backward.grad_hidden_out.offset = dx_at + span.start
                     to_wire(targets[first:last], r.target)
                     call = client._stub.Forward.future(r, timeout=client.timeout,
                                                        metadata=client._metadata)
@@ -250,15 +251,14 @@ class RowPipeline:
                 raise
         if on_gpu:
             dx.record_stream(self._stream)
-        loss = sum(wire_scalar(f.loss) for f, _ in answers)
-        z_loss = sum(wire_scalar(f.z_loss) for f, _ in answers)
+        loss = sum(wire_scalar(f.loss) for f in answers)
+        z_loss = sum(wire_scalar(f.z_loss) for f in answers)
         if denom is not None:
             loss, z_loss = loss / denom, z_loss / denom
-        stats = pb.CallStats(queue_ms=sum(f.stats.queue_ms + b.stats.queue_ms for f, b in answers),
-                             engine_ms=sum(f.stats.engine_ms + b.stats.engine_ms
-                                           for f, b in answers))
+        stats = pb.CallStats(queue_ms=sum(f.stats.queue_ms for f in answers),
+                             engine_ms=sum(f.stats.engine_ms for f in answers))
         return PipelinedStep(self, sessions, rows, denom, expected, dx, np.float32(loss), z_loss,
-                             sum(f.num_valid for f, _ in answers), stats, dx_ready)
+                             sum(f.num_valid for f in answers), stats, dx_ready)
 
     def finish(self, step: PipelinedStep, grad_output: float, registration) -> torch.Tensor:
         """Backward of a step's pieces (see PipelinedStep.finish)."""
