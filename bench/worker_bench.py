@@ -238,6 +238,7 @@ class Timeline:
     def __init__(self):
         self.step = None
         self.steps = []
+        self.module = None  # the module timed now (its row pieces' moments)
         for module, attribute, name in self.TARGETS:
             wrap_in_place(module, attribute, lambda f, static, label=name:
                           self._timed(f, label, static))
@@ -271,6 +272,10 @@ class Timeline:
                 return step(h, w, t)
             finally:
                 self.step["end"] = time.monotonic()
+                # A registered module's row pieces: their moments too.
+                pipeline = getattr(self.module, "_pipeline", None)
+                for key, at in (getattr(pipeline, "last_stamps", None) or {}).items():
+                    self.step["pieces " + key] = at
                 self.steps.append(self.step)
                 self.step = None
         return run
@@ -297,10 +302,13 @@ class Timeline:
                 if isinstance(value, torch.cuda.Event):
                     value = t0 + step["gpu start"].elapsed_time(value) / 1e3
                 points.setdefault("worker " + key, []).append((value - t0) * 1e3)
+            seen = {}  # calls of each rpc in this step so far
             for rpc, start, stamps in calls:
                 if t0 <= start <= step["end"]:
+                    k = seen[rpc] = seen.get(rpc, 0) + 1
+                    label = f"{rpc}#{k}" if k > 1 else rpc
                     for stage, at in stamps.items():
-                        points.setdefault(f"server {rpc} {stage}", []).append((at - t0) * 1e3)
+                        points.setdefault(f"server {label} {stage}", []).append((at - t0) * 1e3)
         rows = sorted((statistics.median(v), k) for k, v in points.items())
         print(f"  {shape} {transport} timeline (ms from the step's start, medians of "
               f"{len(self.steps) - skip} steps):", flush=True)
@@ -423,6 +431,7 @@ def main(argv):
                 if phases is not None:
                     step = phases.wrap(step)
                 if timeline is not None:
+                    timeline.module = module
                     step = timeline.wrap(step)
                 profiler = None
                 if args.profile:

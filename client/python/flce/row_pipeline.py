@@ -29,6 +29,7 @@ registered weight over the network (``pipeline_pieces``); reduction "none",
 
 import concurrent.futures
 import threading
+import time
 from typing import List, Optional
 
 import grpc
@@ -119,6 +120,10 @@ class RowPipeline:
         self.min_piece_bytes = min_piece_bytes
         self._buffers = _Buffers()
         self._stream = None  # a side stream for the pieces' host ↔ GPU copies
+        # The last forward's moments (time.monotonic(), by name: "start",
+        # "staged i", "written i", "answered i", "read i", "end"), for
+        # benchmarks' timelines.
+        self.last_stamps = {}
 
     def plan(self, hidden, reduction: str) -> int:
         """How many pieces a step of ``hidden`` takes (0: not through here)."""
@@ -134,6 +139,7 @@ class RowPipeline:
         upstream gradient ``expected``; None where the batch has nothing to
         normalise by (all rows ignored): the caller takes one call."""
         client = self.client
+        stamps = self.last_stamps = {"start": time.monotonic()}
         n, h = hidden.shape
         elem = hidden.element_size()
         targets = target.detach().to("cpu")
@@ -203,9 +209,11 @@ class RowPipeline:
             the region by then), dX read back and copied to dX."""
             first, last = rows[i]
             resp = future_result(call, client.timeout, "Forward")
+            stamps[f"answered {i}"] = time.monotonic()
             sessions[i] = resp.session_id
             span = slice(first * h * elem, last * h * elem)
             transfer.read(region, dx_at + span.start, dx_view[span], client.timeout)
+            stamps[f"read {i}"] = time.monotonic()
             if on_gpu:
                 with torch.cuda.stream(self._stream):
                     dx_flat[span].copy_(dx_host[span], non_blocking=True)
@@ -222,8 +230,10 @@ class RowPipeline:
                 for i, (first, last) in enumerate(rows):
                     if staged:
                         staged[i].synchronize()
+                    stamps[f"staged {i}"] = time.monotonic()
                     span = slice(first * h * elem, last * h * elem)
                     transfer.write(region, span.start, x_view[span], client.timeout)
+                    stamps[f"written {i}"] = time.monotonic()
                     r = pb.ForwardRequest()
                     r.CopyFrom(base)
                     r.hidden.shape.extend([last - first, h])
@@ -251,6 +261,7 @@ class RowPipeline:
                 raise
         if on_gpu:
             dx.record_stream(self._stream)
+        stamps["end"] = time.monotonic()
         loss = sum(wire_scalar(f.loss) for f in answers)
         z_loss = sum(wire_scalar(f.z_loss) for f in answers)
         if denom is not None:
