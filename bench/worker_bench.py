@@ -371,6 +371,11 @@ def main(argv):
                              "to compare against)")
     parser.add_argument("--pieces", type=int, default=4,
                         help="row pieces of the registered transport (pipeline_pieces)")
+    parser.add_argument("--min_piece_mib", type=float, default=16,
+                        help="the registered transport's smallest piece of X, MiB "
+                             "(pipeline_min_piece_bytes)")
+    parser.add_argument("--bulk_connections", type=int, default=4,
+                        help="the client's bulk connections (Client(bulk_connections=))")
     parser.add_argument("--breakdown", action="store_true",
                         help="also print where each transport's step time went")
     parser.add_argument("--phases", action="store_true",
@@ -394,8 +399,10 @@ def main(argv):
                            *args.server_flags.split())
     rows = []
     try:
-        client = flce.Client(server.address, max_message_bytes=1 << 30)
-        grpc_client = flce.Client(server.address, max_message_bytes=1 << 30, call_channel=False)
+        client = flce.Client(server.address, max_message_bytes=1 << 30,
+                             bulk_connections=args.bulk_connections)
+        grpc_client = flce.Client(server.address, max_message_bytes=1 << 30, call_channel=False,
+                                  bulk_connections=args.bulk_connections)
         info = client.info()
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         bare = []
@@ -425,6 +432,7 @@ def main(argv):
                     cuda_ipc=kind.startswith("cuda_ipc"),
                     shared_memory=kind.startswith("shm"),
                     register_weight=kind.startswith("registered"),
+                    pipeline_min_piece_bytes=int(args.min_piece_mib * 2 ** 20),
                     pipeline_pieces=(1 if kind == "registered_one_call"
                                      else int(pieces or args.pieces)))
                 step = flce_step(module)
