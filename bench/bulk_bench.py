@@ -8,6 +8,10 @@ of ``--iters`` after one warm-up each:
   (``http``: the server's bulk port; ``grpc``: WriteRegion / ReadRegion
   streams, for each read part size and with each part's CRC-32 on or
   off), size and connection count: GB/s each way;
+- ``duplex``: over the bulk HTTP port, a write and a read of each size
+  alone and at once (the read from its own range, on a thread of its own),
+  for each connection count: as a remote worker's row pieces move the next
+  piece's X up while the last piece's dX comes down;
 - ``weight``: ``Client.put_weight`` of a bf16 weight of each size and
   ``take_weight_grad(out=...)`` of its gradient in bf16 (one tiny Backward
   accumulates into it before each take), for each transport and
@@ -18,7 +22,7 @@ of ``--iters`` after one warm-up each:
 
 Usage: bulk_bench.py FLCE_SERVER [--backend cuda] [--sizes_mib 64,1024]
   [--transports http,grpc] [--connections 1,2,4,8] [--part_mib 1,4,16]
-  [--crc 1,0] [--what region,weight] [--iters 3] [--json PATH]
+  [--crc 1,0] [--what region,duplex,weight] [--iters 3] [--json PATH]
 Needs the flce package (and torch for ``weight``) and server_process.py on
 PYTHONPATH.
 """
@@ -81,6 +85,47 @@ def region_rows(address, transports, sizes, connections, parts, crcs, iters):
             print(f"region {transport:<4} {size >> 20:>6} MiB  {conns:>2} conn  {how:<26} "
                   f"write {put * 1e3:9.1f} ms {size / put / 1e9:6.2f} GB/s  "
                   f"read {take * 1e3:9.1f} ms {size / take / 1e9:6.2f} GB/s", flush=True)
+    return rows
+
+
+def duplex_rows(address, sizes, connections, iters):
+    import threading
+
+    rows = []
+    for size in sizes:
+        data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+        back = np.empty_like(data)
+        for conns in connections:
+            client = flce.Client(address, bulk_connections=conns, bulk_http=True)
+            try:
+                bulk = client.bulk(size)
+                region = bulk.region(2 * size)
+                if not bulk.over_http:
+                    raise AssertionError("no bulk HTTP port")
+                bulk.write(region, size, data, 300.0)
+
+                def write():
+                    bulk.write(region, 0, data, 300.0)
+
+                def read():
+                    bulk.read(region, size, back, 300.0)
+
+                def both():
+                    reader = threading.Thread(target=read)
+                    reader.start()
+                    write()
+                    reader.join()
+
+                alone_w, alone_r, at_once = (timed(f, iters) for f in (write, read, both))
+                if not np.array_equal(back, data):
+                    raise AssertionError("the region did not read back what was written")
+            finally:
+                client.close()
+            rows.append({"what": "duplex", "bytes": size, "connections": conns,
+                         "write_s": alone_w, "read_s": alone_r, "both_s": at_once})
+            print(f"duplex http {size >> 20:>6} MiB  {conns:>2} conn  write {alone_w * 1e3:7.2f} ms  "
+                  f"read {alone_r * 1e3:7.2f} ms  both at once {at_once * 1e3:7.2f} ms "
+                  f"({at_once / max(alone_w, alone_r):.2f}x the longer alone)", flush=True)
     return rows
 
 
@@ -168,6 +213,9 @@ def main(argv):
             rows += region_rows(server.address, transports, sizes,
                                 [c for c in connections if c > 0], parts,
                                 [c == "1" for c in args.crc.split(",")], args.iters)
+        if "duplex" in what:
+            rows += duplex_rows(server.address, sizes, [c for c in connections if c > 0],
+                                args.iters)
         if "weight" in what:
             rows += weight_rows(server, transports, sizes, connections, args.iters)
     finally:
