@@ -321,6 +321,22 @@ void RegisteredWeight::AccumulateGrad(HostTensor dw, std::optional<HostTensor> d
   MergeGrad(Grad{std::move(dw), std::move(db), 1});
 }
 
+namespace {
+
+// Zeroes each part's sums (dW's, and db's where there are any); false at
+// the first that cannot be (a device fault).
+bool ZeroSums(const std::vector<WeightPart>& parts,
+              const std::vector<std::unique_ptr<DeviceBlock>>& dw,
+              const std::vector<std::unique_ptr<DeviceBlock>>& db) {
+  for (size_t k = 0; k < parts.size(); ++k) {
+    if (!parts[k].memory->Zero(dw[k]->data(), dw[k]->bytes()).ok()) return false;
+    if (!db.empty() && !parts[k].memory->Zero(db[k]->data(), db[k]->bytes()).ok()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending, uint64_t resume) {
   absl::MutexLock device_lock(&device_mu_);
   absl::MutexLock lock(&mu_);
@@ -365,18 +381,10 @@ absl::StatusOr<RegisteredWeight::Grad> RegisteredWeight::TakeGrad(bool pending, 
     // The sums start again from zero, where the next Backwards add; a sum
     // that cannot be zeroed (a device fault) is dropped, its contents taken
     // already, and the host accumulator serves from then on.
-    for (size_t k = 0; k < device_parts_.size(); ++k) {
-      absl::Status zeroed =
-          device_parts_[k].memory->Zero(device_dw_[k]->data(), device_dw_[k]->bytes());
-      if (zeroed.ok() && !device_db_.empty()) {
-        zeroed = device_parts_[k].memory->Zero(device_db_[k]->data(), device_db_[k]->bytes());
-      }
-      if (!zeroed.ok()) {
-        FreeParts(device_dw_);
-        FreeParts(device_db_);
-        no_device_ = true;
-        break;
-      }
+    if (!ZeroSums(device_parts_, device_dw_, device_db_)) {
+      FreeParts(device_dw_);
+      FreeParts(device_db_);
+      no_device_ = true;
     }
   }
   Grad grad = std::move(*grad_);
@@ -545,12 +553,7 @@ std::optional<RegisteredWeight::DeviceGrad> RegisteredWeight::LeaseDeviceGrad(
             AdoptDeviceSpare(SpareWeights::DeviceKind::kSums, parts, weight_.shape[1] * 4)) {
       dw = std::move(spare->blocks);
       db = std::move(spare->bias_blocks);
-      bool usable = db.empty() != bias_.has_value();
-      for (size_t k = 0; usable && !spare->zero && k < parts.size(); ++k) {
-        usable = parts[k].memory->Zero(dw[k]->data(), dw[k]->bytes()).ok() &&
-                 (db.empty() || parts[k].memory->Zero(db[k]->data(), db[k]->bytes()).ok());
-      }
-      if (!usable) {
+      if (db.empty() == bias_.has_value() || (!spare->zero && !ZeroSums(parts, dw, db))) {
         FreeParts(dw);
         FreeParts(db);
       }
