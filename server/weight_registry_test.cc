@@ -511,6 +511,24 @@ TEST(WeightRegistryTest, DeviceSparesYieldToAnyWeight) {
   EXPECT_EQ(memory.allocations, 2);
 }
 
+// Device memory kept from versions gone is bounded too: at most kMaxSpares
+// weight copies, the oldest freed first, their bytes back in the budget.
+TEST(WeightRegistryTest, DeviceSparesKeptAreBounded) {
+  FakeDeviceMemory memory;
+  const int64_t v = 512, h = 512, bytes = v * h * 4;  // 1 MiB fp32
+  WeightRegistry registry(int64_t{256} << 20);
+  const int names = static_cast<int>(SpareWeights::kMaxSpares) + 3;
+  for (int i = 0; i < names; ++i) {
+    const std::string name = absl::StrCat("w", i);
+    auto w = *registry.Put(name, "", Weight(v, h, 1.0f), std::nullopt);
+    ASSERT_EQ(w->DeviceWeight(Whole(w, &memory)).size(), 1u);
+    w.reset();
+    ASSERT_TRUE(registry.Put(name, "", Weight(v, h, 2.0f), std::nullopt).ok());  // v1 goes
+  }
+  EXPECT_EQ(memory.allocations, names);
+  EXPECT_EQ(registry.device_bytes_in_use(), static_cast<int64_t>(SpareWeights::kMaxSpares) * bytes);
+}
+
 // Landings of versions gone are bounded: at most kMaxSpares, the oldest
 // freed first.
 TEST(WeightRegistryTest, LandingsKeptAreBounded) {
