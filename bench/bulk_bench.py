@@ -11,7 +11,10 @@ of ``--iters`` after one warm-up each:
 - ``duplex``: over the bulk HTTP port, a write and a read of each size
   alone and at once (the read from its own range, on a thread of its own),
   for each connection count: as a remote worker's row pieces move the next
-  piece's X up while the last piece's dX comes down;
+  piece's X up while the last piece's dX comes down; then reads back to
+  back with writes back to back beside them, the reads in a thread of the
+  writer's process and in a process of their own (whether the two slow
+  each other in the wire and the server, or in one interpreter);
 - ``weight``: ``Client.put_weight`` of a bf16 weight of each size and
   ``take_weight_grad(out=...)`` of its gradient in bf16 (one tiny Backward
   accumulates into it before each take), for each transport and
@@ -88,7 +91,52 @@ def region_rows(address, transports, sizes, connections, parts, crcs, iters):
     return rows
 
 
+_READER = r"""
+import concurrent.futures, json, sys, time
+from flce import bulk_http
+host, port, region, ticket = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+offset, size, conns, reps = (int(a) for a in sys.argv[5:9])
+http = bulk_http.BulkHttp(host, port, timeout=300.0, max_connections=conns)
+out = memoryview(bytearray(size))
+per = -(-size // conns)
+spans = [(a, min(size, a + per)) for a in range(0, size, per)]
+pool = concurrent.futures.ThreadPoolExecutor(conns)
+def read():
+    fs = [pool.submit(http.get, region, ticket, offset + a, out[a:b]) for a, b in spans]
+    for f in fs:
+        f.result()
+read()
+print("ready", flush=True)
+sys.stdin.readline()
+times = []
+for _ in range(reps):
+    start = time.perf_counter()
+    read()
+    times.append(time.perf_counter() - start)
+print(json.dumps(times), flush=True)
+"""
+
+
+def _reads_during(reader, write, writing: bool):
+    """(median read s, median write s or None): ``reader()`` runs its reads
+    (a callable returning their times), ``write()`` back to back beside them
+    while ``writing``."""
+    import threading
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(times=reader()))
+    thread.start()
+    writes = []
+    while writing and thread.is_alive():
+        start = time.perf_counter()
+        write()
+        writes.append(time.perf_counter() - start)
+    thread.join()
+    return statistics.median(result["times"]), (statistics.median(writes) if writes else None)
+
+
 def duplex_rows(address, sizes, connections, iters):
+    import subprocess
     import threading
 
     rows = []
@@ -119,13 +167,48 @@ def duplex_rows(address, sizes, connections, iters):
                 alone_w, alone_r, at_once = (timed(f, iters) for f in (write, read, both))
                 if not np.array_equal(back, data):
                     raise AssertionError("the region did not read back what was written")
+                reps = 4 * iters
+
+                def reads_here():
+                    times = []
+                    for _ in range(reps):
+                        start = time.perf_counter()
+                        read()
+                        times.append(time.perf_counter() - start)
+                    return times
+
+                def reads_in_process():
+                    child = subprocess.Popen(
+                        [sys.executable, "-c", _READER, bulk._http.host, str(bulk._http.port),
+                         region, bulk._ticket, str(size), str(size), str(conns), str(reps)],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                    assert child.stdout.readline().strip() == "ready"
+                    child.stdin.write("go\n")
+                    child.stdin.flush()
+                    times = json.loads(child.stdout.readline())
+                    child.wait()
+                    return times
+
+                thread_r, _ = _reads_during(reads_here, write, False)
+                thread_rw, thread_wr = _reads_during(reads_here, write, True)
+                proc_r, _ = _reads_during(reads_in_process, write, False)
+                proc_rw, proc_wr = _reads_during(reads_in_process, write, True)
             finally:
                 client.close()
             rows.append({"what": "duplex", "bytes": size, "connections": conns,
-                         "write_s": alone_w, "read_s": alone_r, "both_s": at_once})
+                         "write_s": alone_w, "read_s": alone_r, "both_s": at_once,
+                         "thread_read_s": thread_r, "thread_read_while_writing_s": thread_rw,
+                         "thread_write_while_reading_s": thread_wr,
+                         "process_read_s": proc_r, "process_read_while_writing_s": proc_rw,
+                         "process_write_while_reading_s": proc_wr})
             print(f"duplex http {size >> 20:>6} MiB  {conns:>2} conn  write {alone_w * 1e3:7.2f} ms  "
                   f"read {alone_r * 1e3:7.2f} ms  both at once {at_once * 1e3:7.2f} ms "
                   f"({at_once / max(alone_w, alone_r):.2f}x the longer alone)", flush=True)
+            print(f"  reads back to back, writes beside them: in a thread of the writer's "
+                  f"process read {thread_r * 1e3:.2f} alone, {thread_rw * 1e3:.2f} while "
+                  f"writes take {thread_wr * 1e3:.2f} ms; in a process of their own read "
+                  f"{proc_r * 1e3:.2f} alone, {proc_rw * 1e3:.2f} while writes take "
+                  f"{proc_wr * 1e3:.2f} ms", flush=True)
     return rows
 
 
