@@ -19,8 +19,7 @@ Forward and one Backward, X and dX in the messages), ``shm`` (CPU tensors throug
 shared-memory region, the calls through a call channel), ``shm_grpc`` (the
 same through gRPC). GPU tensors need ``--device=cuda``; ``shm`` takes CPU
 tensors. ``registered:K`` is ``registered`` in K row pieces (``--pieces``
-otherwise), so that piece counts compare in one run; ``registered:Kt`` the
-same with the first and last piece half as long (RowPipeline's ``taper``).
+otherwise), so that piece counts compare in one run.
 
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
@@ -427,10 +426,7 @@ def main(argv):
                                                args.warmup, args.iters)
             eager_ms = statistics.median(eager)
             for transport in transports:
-                # registered:K, K row pieces; registered:Kt, the ends tapered
-                kind, _, pieces = transport.partition(":")
-                taper = pieces.endswith("t")
-                pieces = pieces.rstrip("t")
+                kind, _, pieces = transport.partition(":")  # registered:K, K row pieces
                 module = flce.RemoteLinearCrossEntropy(
                     grpc_client if kind.endswith("_grpc") else client,
                     cuda_ipc=kind.startswith("cuda_ipc"),
@@ -439,8 +435,6 @@ def main(argv):
                     pipeline_min_piece_bytes=int(args.min_piece_mib * 2 ** 20),
                     pipeline_pieces=(1 if kind == "registered_one_call"
                                      else int(pieces or args.pieces)))
-                if module._pipeline is not None:
-                    module._pipeline.taper = taper
                 step = flce_step(module)
                 if phases is not None:
                     step = phases.wrap(step)

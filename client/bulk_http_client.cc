@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -174,28 +173,6 @@ absl::Status BulkHttpClient::Put(const std::string& region, const std::string& t
 absl::Status BulkHttpClient::Get(const std::string& region, const std::string& ticket,
                                  int64_t offset, char* out, int64_t bytes) {
   return Run(false, region, ticket, offset, out, bytes);
-}
-
-absl::Status BulkHttpClient::Move(bool put, const std::string& region,
-                                  const std::string& ticket, int64_t offset, char* buffer,
-                                  int64_t bytes, int ranges) {
-  constexpr int64_t kAlign = 4096;
-  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(ranges, bytes >> 20));
-  const int64_t per = ((bytes + n - 1) / n + kAlign - 1) / kAlign * kAlign;
-  std::vector<absl::Status> statuses(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int64_t i = 1; i * per < bytes; ++i) {
-    threads.emplace_back([&, i] {
-      const int64_t begin = i * per, end = std::min(bytes, begin + per);
-      statuses[i] = Run(put, region, ticket, offset + begin, buffer + begin, end - begin);
-    });
-  }
-  statuses[0] = Run(put, region, ticket, offset, buffer, std::min(bytes, per));
-  for (std::thread& t : threads) t.join();
-  for (absl::Status& status : statuses) {
-    if (!status.ok()) return status;
-  }
-  return absl::OkStatus();
 }
 
 absl::Status BulkHttpClient::Run(bool put, const std::string& region, const std::string& ticket,

@@ -45,13 +45,6 @@ class BulkHttpClient {
   absl::Status Get(const std::string& region, const std::string& ticket, int64_t offset,
                    char* out, int64_t bytes);
 
-  // Put (put) or Get of `bytes` at `offset` of `region` in up to `ranges`
-  // ranges at once, each on a connection of its own (each at least 1 MiB
-  // and 4 KiB-aligned; the caller's thread moves the first): the first
-  // error, once every range is over.
-  absl::Status Move(bool put, const std::string& region, const std::string& ticket,
-                    int64_t offset, char* buffer, int64_t bytes, int ranges);
-
   // Connects from now on to the address of the host that holds `region`:
   // where the name resolves to one address, that one; else the first whose
   // port answers for the ticket. Unreachable (IsUnreachable) where none does.

@@ -116,7 +116,8 @@ bool BulkTransfer::over_http() const {
 
 absl::StatusOr<bool> BulkTransfer::OverHttp(
     const std::string& region, int64_t bytes,
-    const std::function<absl::Status(BulkHttpClient&, const std::string&)>& f) {
+    const std::function<absl::Status(BulkHttpClient&, const std::string&, int64_t, int64_t)>&
+        f) {
   std::string ticket;
   std::shared_ptr<BulkHttpClient> http;
   bool pinned = false;
@@ -142,7 +143,13 @@ absl::StatusOr<bool> BulkTransfer::OverHttp(
     absl::MutexLock lock(&mu_);
     pinned_region_ = region;
   }
-  absl::Status status = f(*http, ticket);
+  // Ranges of at least 1 MiB, 4 KiB-aligned.
+  const int64_t unit = 4096;
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(connections(), bytes >> 20));
+  const int64_t per = ((bytes + ranges - 1) / ranges + unit - 1) / unit * unit;
+  absl::Status status = ForEachRange(bytes, per, [&](int, int64_t begin, int64_t end) {
+    return f(*http, ticket, begin, end);
+  });
   if (BulkHttpClient::IsUnreachable(status)) {
     absl::MutexLock lock(&mu_);
     http_off_until_ = absl::Now() + absl::Minutes(1);
@@ -156,10 +163,10 @@ absl::Status BulkTransfer::Write(const std::string& region, int64_t offset, cons
                                  int64_t bytes) {
   FLCE_ASSIGN_OR_RETURN(
       const bool done,
-      OverHttp(region, bytes, [&](BulkHttpClient& http, const std::string& ticket) {
-        return http.Move(true, region, ticket, offset, const_cast<char*>(data), bytes,
-                         connections());
-      }));
+      OverHttp(region, bytes,
+               [&](BulkHttpClient& http, const std::string& ticket, int64_t begin, int64_t end) {
+                 return http.Put(region, ticket, offset + begin, data + begin, end - begin);
+               }));
   if (done) return absl::OkStatus();
   return ForEachRange(bytes, part_bytes_, [&](int i, int64_t begin, int64_t end) {
     grpc::ClientContext context;
@@ -185,9 +192,10 @@ absl::Status BulkTransfer::Read(const std::string& region, int64_t offset, char*
                                 int64_t bytes) {
   FLCE_ASSIGN_OR_RETURN(
       const bool done,
-      OverHttp(region, bytes, [&](BulkHttpClient& http, const std::string& ticket) {
-        return http.Move(false, region, ticket, offset, out, bytes, connections());
-      }));
+      OverHttp(region, bytes,
+               [&](BulkHttpClient& http, const std::string& ticket, int64_t begin, int64_t end) {
+                 return http.Get(region, ticket, offset + begin, out + begin, end - begin);
+               }));
   if (done) return absl::OkStatus();
   return ForEachRange(bytes, part_bytes_, [&](int i, int64_t begin, int64_t end) {
     grpc::ClientContext context;

@@ -61,11 +61,12 @@ class BulkTransfer {
   // thread of its own; the first error.
   absl::Status ForEachRange(int64_t bytes, int64_t unit,
                             const std::function<absl::Status(int, int64_t, int64_t)>& f);
-  // f(port, ticket) moves the bytes over the bulk port; false (and gRPC
-  // for a minute) where the port cannot be reached.
+  // f(port, ticket, begin, end) over the bulk port for every range; false
+  // (and gRPC for a minute) where the port cannot be reached.
   absl::StatusOr<bool> OverHttp(
       const std::string& region, int64_t bytes,
-      const std::function<absl::Status(BulkHttpClient&, const std::string&)>& f);
+      const std::function<absl::Status(BulkHttpClient&, const std::string&, int64_t, int64_t)>&
+          f);
 
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::LossService::Stub>> stubs_;

@@ -1,13 +1,11 @@
 """Weights and their gradients over several connections (flce/bulk.py)
 against a real flce_server: the same bytes as over one stream, into the
-caller's buffers, the fallback where the server offers no region, the
-bulk port's native transfers against its Python ones, and the parts'
-encoding.
+caller's buffers, the fallback where the server offers no region, and
+the parts' encoding.
 
 Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
 """
 
-import os
 import socket
 import sys
 import unittest
@@ -19,7 +17,7 @@ import numpy as np
 import torch
 
 import flce
-from flce import bulk, bulk_http
+from flce import bulk
 from server_process import ServerProcess, run_tests
 
 SERVER = sys.argv[1]
@@ -133,73 +131,12 @@ class BulkTransferTest(unittest.TestCase):
                     for ip in ("127.0.0.2", "127.0.0.1")]
 
         w = np.random.default_rng(3).standard_normal((700, 64)).astype(np.float32)
-        # (The transfers in Python: the native ones resolve names in C,
-        # beyond this mock.)
-        with mock.patch("socket.getaddrinfo", pods), \
-                mock.patch("flce.bulk_http.native_library", return_value=None):
+        with mock.patch("socket.getaddrinfo", pods):
             c.put_weight("w", w)
             self.assertTrue(c.bulk(w.nbytes).over_http)
         self.assertRegex(mine.read_log(), r"rpc=BulkWrite via=http .*code=OK")
         self.assertNotRegex(other.read_log(), r"rpc=Bulk\w+ via=http .*code=OK")
         self.assertRegex(other.read_log(), r"rpc=BulkRead via=http .*code=NOT_FOUND")
-
-    def test_native_transfers_move_and_refuse_as_the_python_ones_do(self):
-        if bulk_http.native_library() is None:
-            # The wheel Bazel builds carries the library: it must load there.
-            self.assertFalse(os.environ.get("FLCE_FROM_WHEEL"),
-                             "the wheel's native bulk transfers (libflce_bulk.so) do not load")
-            self.skipTest("no libflce_bulk.so (a pure wheel, or FLCE_BULK_NATIVE=0)")
-        data = np.random.default_rng(4).integers(0, 256, (5 << 20) + 4097, dtype=np.uint8)
-        c = self.client(bulk_connections=3, bulk_threshold=1 << 20)
-        transfer = c.bulk(data.nbytes)
-        region = transfer.region(2 * data.nbytes)
-        self.assertTrue(transfer.over_http)
-        self.assertTrue(transfer._http.native)  # the client's own choice
-        port, ticket = transfer._http.port, transfer._ticket
-        outcomes = {}
-        for native in (True, False):
-            http = bulk_http.BulkHttp(self.server.address.rsplit(":", 1)[0], port, timeout=30,
-                                      max_connections=6, native=native)
-            self.assertEqual(http.native, native)
-            got = []
-            # Written at an odd offset over 3 ranges, read back over 2 and 1.
-            http.move(True, region, ticket, 4097, memoryview(data), 3)
-            for ranges in (2, 1):
-                back = np.zeros_like(data)
-                http.move(False, region, ticket, 4097, memoryview(back), ranges)
-                got.append(np.array_equal(back, data))
-            # Written from read-only bytes.
-            http.move(True, region, ticket, 0, memoryview(data[:3 << 20].tobytes()), 3)
-            back = np.zeros(3 << 20, np.uint8)
-            http.move(False, region, ticket, 0, memoryview(back), 3)
-            got.append(np.array_equal(back, data[:3 << 20]))
-            refusals = []
-            for what in ("ticket", "range"):
-                with self.assertRaises(flce.FlceError) as e:
-                    if what == "ticket":
-                        http.move(False, region, "x" * len(ticket), 0, memoryview(back), 2)
-                    else:
-                        http.move(True, region, ticket, 2 * data.nbytes - 5,
-                                  memoryview(data[:4 << 20]), 2)
-                refusals.append(e.exception.code)
-                self.assertIn("bulk", str(e.exception))
-            http.close()
-            outcomes[native] = (got, refusals)
-        self.assertEqual(outcomes[True], outcomes[False])
-        self.assertEqual(outcomes[True][0], [True, True, True])
-        self.assertEqual(outcomes[True][1],
-                         [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT])
-        # A port nobody listens on: Unreachable (the client then goes over
-        # gRPC), from either.
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            closed = s.getsockname()[1]
-        for native in (True, False):
-            http = bulk_http.BulkHttp("127.0.0.1", closed, timeout=5, max_connections=2,
-                                      native=native)
-            with self.assertRaises(bulk_http.Unreachable):
-                http.move(True, region, ticket, 0, memoryview(data[:1 << 20]), 1)
-        self.assertTrue(c.info().version)
 
     def test_parts_round_trip_and_a_bad_crc_is_refused(self):
         data = bytes(range(256)) * 300

@@ -12,7 +12,7 @@ root="${TEST_SRCDIR}/flce"
 script="$1"
 shift
 python=/usr/bin/python3
-for wheel in "$root"/client/python/flce-*.whl; do
+for wheel in "$root"/client/python/flce-*-py3-none-any.whl; do
   [ -f "$wheel" ] || continue
   python="${TEST_TMPDIR}/venv/bin/python"
   /usr/bin/python3 -m venv --system-site-packages "${TEST_TMPDIR}/venv"

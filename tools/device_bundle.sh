@@ -33,7 +33,7 @@ tools/package.sh "$stage" "${binaries[@]}"
 # The Python client as its wheel (device_run.sh installs it), the example,
 # and the tests.
 mkdir -p "$stage/python"
-cp bazel-bin/client/python/flce-*.whl client/python/examples/*.py "$stage/python/"
+cp bazel-bin/client/python/flce-*-py3-none-any.whl client/python/examples/*.py "$stage/python/"
 cp tests/python_client_test.py tests/call_channel_test.py tests/row_pipeline_test.py \
   tests/integrations_test.py tests/vocab_parallel_test.py tests/server_process.py \
   bench/worker_bench.py bench/bulk_bench.py \

@@ -28,7 +28,7 @@ bin=/tmp/flce/bin
 # The Python client installed from its wheel, as a user would (no index;
 # torch, grpcio, protobuf and numpy are the machine's).
 python3 -m pip install --quiet --no-index --no-deps --no-cache-dir --target /tmp/flce/site \
-  /tmp/flce/python/flce-*.whl
+  /tmp/flce/python/flce-*-py3-none-any.whl
 # CUDA_DEVICES: the devices of the several-engine servers the tests and the
 # smoke run (default 0,0: two engines sharing one GPU; 0,1 on a machine of
 # two GPUs, with NCCL between them).

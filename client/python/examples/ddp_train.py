@@ -1,6 +1,6 @@
 """Data-parallel workers (DDP) whose LM-head loss runs on one flce server.
 
-    pip install flce-<version>-py3-none-<platform>.whl      # tools/build_wheel.sh makes it
+    pip install flce-<version>-py3-none-any.whl      # tools/build_wheel.sh makes it
     python3 client/python/examples/ddp_train.py --server=localhost:50051 --world=2
 
 Starts ``--world`` worker processes (torch.distributed with gloo, on the

@@ -1,6 +1,6 @@
 """A Hugging Face Trainer run whose loss is computed by flce, beside the same run without it.
 
-    pip install flce-<version>-py3-none-<platform>.whl transformers
+    pip install flce-<version>-py3-none-any.whl transformers
     python3 client/python/examples/hf_trainer.py --server=localhost:50051 [--arch llama]
 
 Builds a small random causal LM (``--arch``: llama, mistral, qwen2, qwen3,

@@ -1,6 +1,6 @@
 """Trains a tiny language model whose LM-head loss runs on an flce server.
 
-    pip install flce-<version>-py3-none-<platform>.whl      # tools/build_wheel.sh makes it
+    pip install flce-<version>-py3-none-any.whl      # tools/build_wheel.sh makes it
     python3 client/python/examples/train_tiny_lm.py --server=localhost:50051 [--compare]
 
 The model, optimizer and data stay in this process (and on its device); only

@@ -112,8 +112,8 @@ class BulkTransfer:
         self.part_bytes = part_bytes
         self._make_channel = make_channel
         self._grpc = None  # (channels, write and read callables), made on first use
-        # The gRPC fallback's reads, one stream per connection (a read and a
-        # write at once, from several threads, may all be in flight).
+        # Callers' threads run one range each; the rest run here (a read and
+        # a write at once, from several threads, may all be in flight).
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4 * connections,
                                                            thread_name_prefix="flce-bulk")
         self._lock = threading.Lock()
@@ -122,9 +122,7 @@ class BulkTransfer:
         self.checksums = True
         self._region: Optional[str] = None
         self._region_bytes = 0
-        # (host, the CAs of TLS (b"": the system's; None: plain TCP), server
-        # name) or None
-        self._http_where = http
+        self._http_where = http  # (host, ssl context or None, server name) or None
         self._http: Optional[bulk_http.BulkHttp] = None
         self._ticket = ""
         self._pinned = None  # the region the port's address was pinned for
@@ -166,6 +164,14 @@ class BulkTransfer:
         return (self._http is not None and bool(self._ticket)
                 and time.monotonic() >= self._http_off_until)
 
+    def _http_ranges(self, total: int) -> List[range]:
+        """`total` bytes in up to one range per connection, each at least
+        1 MiB and 4 KiB-aligned."""
+        n = max(1, min(self.connections, total >> 20))
+        per = -(-total // n)                # ceil(total / n)
+        per = -(-per // 4096) * 4096        # up to whole 4 KiB
+        return [range(a, min(total, a + per)) for a in range(0, total, per)]
+
     def _over_http(self, write: bool, region_id: str, offset: int, view: memoryview) -> bool:
         """Writes ``view`` at ``offset`` of the region (or reads into it)
         over the bulk port, one range per connection; False (and gRPC for a
@@ -184,11 +190,28 @@ class BulkTransfer:
                 self._off_http(e)
                 return False
             self._pinned = region_id
+        move = self._http.put if write else self._http.get
+        spans = self._http_ranges(len(view))
+
+        def one(span: range):
+            move(region_id, ticket, offset + span.start, view[span.start:span.stop])
+
+        futures = [self._pool.submit(one, span) for span in spans[1:]]
+        error = None
         try:
-            self._http.move(write, region_id, ticket, offset, view, self.connections)
-        except bulk_http.Unreachable as e:
-            self._off_http(e)
+            one(spans[0])
+        except BaseException as e:  # the others finish first: they use `view`
+            error = e
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:
+                error = error or e
+        if isinstance(error, bulk_http.Unreachable):
+            self._off_http(error)
             return False
+        if error is not None:
+            raise error
         return True
 
     def _streams(self):

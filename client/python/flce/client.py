@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import grpc
 import numpy as np
 
+from flce import bulk_http as _bulk_http
 from flce import call_channel as _call_channel
 from flce.shared_memory import SharedMemoryRegion
 from flce.wire_dtypes import NP_DTYPES as _NP_DTYPES
@@ -422,9 +423,8 @@ class Client:
 
         self._make_channel = make_channel
         host = target_host(target) if bulk_http else None
-        # (host, the CAs of TLS (b"": the system's; None: plain TCP), server name)
         self._bulk_http_where = None if host is None else (
-            host, None if credentials is None else (root_certificates or b""),
+            host, None if credentials is None else _bulk_http.tls_context(root_certificates),
             server_name or host)
         self._channel = make_channel()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()

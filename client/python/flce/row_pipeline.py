@@ -114,15 +114,10 @@ class PipelinedStep:
 class RowPipeline:
     """The row pieces of a remote module's steps (see the module's doc)."""
 
-    def __init__(self, client, pieces: int = 4, min_piece_bytes: int = 4 << 20,
-                 taper: bool = False):
+    def __init__(self, client, pieces: int = 4, min_piece_bytes: int = 4 << 20):
         self.client = client
         self.pieces = pieces
         self.min_piece_bytes = min_piece_bytes
-        # With 3 pieces or more, the first and the last half as long as the
-        # others: the wire's fill before the server starts and its drain
-        # after it ends are a small piece's.
-        self.taper = taper
         self._buffers = _Buffers()
         self._stream = None  # a side stream for the pieces' host ↔ GPU copies
         # The last forward's moments (time.monotonic(), by name: "start",
@@ -162,7 +157,8 @@ class RowPipeline:
                 return None
         else:
             denom = None
-        rows = piece_rows(n, pieces, self.taper)
+        bounds = np.linspace(0, n, pieces + 1).astype(int)
+        rows = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
         x_bytes = n * h * elem
         transfer = client.bulk(x_bytes)
         if transfer is None:
@@ -309,19 +305,6 @@ class RowPipeline:
         for answer, (first, last) in zip(answers, step.rows):
             step.dx[first:last].copy_(to_torch(answer.grad_hidden, step.dx.device))
         return step.dx
-
-
-def piece_rows(n: int, pieces: int, taper: bool = False) -> List[tuple]:
-    """(first, last) rows of each of ``pieces`` pieces of ``n`` rows: even,
-    or with ``taper`` (and 3 pieces or more) the first and the last half as
-    long as the others; none empty where n >= pieces."""
-    weights = np.ones(pieces)
-    if taper and pieces >= 3:
-        weights[0] = weights[-1] = 0.5
-    bounds = np.round(np.concatenate(([0.0], np.cumsum(weights))) / weights.sum() * n)
-    bounds = np.maximum.accumulate(np.maximum(bounds.astype(int), np.arange(pieces + 1)))
-    bounds = np.minimum(bounds, n - pieces + np.arange(pieces + 1))
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _piece_grad(grad_output: float, denom: Optional[float]) -> np.float32:
