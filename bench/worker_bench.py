@@ -374,7 +374,7 @@ def main(argv):
     parser.add_argument("--min_piece_mib", type=float, default=16,
                         help="the registered transport's smallest piece of X, MiB "
                              "(pipeline_min_piece_bytes)")
-    parser.add_argument("--bulk_connections", type=int, default=4,
+    parser.add_argument("--bulk_connections", type=int, default=8,
                         help="the client's bulk connections (Client(bulk_connections=))")
     parser.add_argument("--breakdown", action="store_true",
                         help="also print where each transport's step time went")

@@ -388,7 +388,8 @@ class Client:
     ``call_channel_spin`` is how long such a call polls for its answer
     before it sleeps. Weights and their gradients of at least
     ``bulk_threshold`` bytes travel over ``bulk_connections`` connections at
-    once, through a region of the server's memory (see :mod:`flce.bulk`;
+    once (over the bulk port, at most 4 for less than 64 MiB, such as a row
+    piece's X), through a region of the server's memory (see :mod:`flce.bulk`;
     0 connections: over the one channel, as chunks of one stream): over the
     server's bulk HTTP port where it offers one and ``bulk_http`` (TLS like
     the channel, without a client certificate: a region's ticket is its
@@ -400,7 +401,7 @@ class Client:
                  certificate_chain: Optional[bytes] = None, private_key: Optional[bytes] = None,
                  server_name: Optional[str] = None, token: Optional[str] = None,
                  cuda_ipc_keep_registrations: bool = True, call_channel="auto",
-                 call_channel_spin: float = 0.25, bulk_connections: int = 4,
+                 call_channel_spin: float = 0.25, bulk_connections: int = 8,
                  bulk_threshold: int = 8 << 20, bulk_http: bool = True):
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
