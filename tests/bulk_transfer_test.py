@@ -8,6 +8,7 @@ Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
 
 import socket
 import sys
+import time
 import unittest
 import zlib
 from unittest import mock
@@ -25,6 +26,18 @@ SERVER = sys.argv[1]
 
 def count_streams(server, rpc):
     return server.read_log().count(f"rpc={rpc} ")
+
+
+def settled_count(server, rpc):
+    """count_streams once no access line of `rpc` came for 0.2 s (a
+    request's line is written after its answer went out)."""
+    last = count_streams(server, rpc)
+    while True:
+        time.sleep(0.2)
+        now = count_streams(server, rpc)
+        if now == last:
+            return now
+        last = now
 
 
 class BulkTransferTest(unittest.TestCase):
@@ -96,6 +109,26 @@ class BulkTransferTest(unittest.TestCase):
                 c.take_weight_grad("bf", float32=False, out=(torch.empty(3), None))
             _, _, count = c.take_weight_grad("bf")
             self.assertEqual(count, 1)
+
+    def test_a_transfer_below_64_mib_uses_at_most_4_connections(self):
+        # A row piece's 16 MiB in 4 ranges, a 64 MiB weight over all 8
+        # connections: over the bulk port and over gRPC streams alike.
+        for http in (True, False):
+            c = self.client(bulk_connections=8, bulk_threshold=1 << 20, bulk_http=http)
+            transfer = c.bulk(64 << 20)
+            region = transfer.region(64 << 20)
+            self.assertEqual(transfer.over_http, http)
+            rpc = "BulkWrite" if http else "WriteRegion"
+            used = []
+            for size in (16 << 20, 64 << 20):
+                data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+                before = settled_count(self.server, rpc)
+                transfer.write(region, 0, data, 60.0)
+                used.append(settled_count(self.server, rpc) - before)
+                back = np.zeros_like(data)
+                transfer.read(region, 0, back, 60.0)
+                self.assertTrue(np.array_equal(back, data))
+            self.assertEqual(used, [4, 8], f"over {rpc}")
 
     def test_without_regions_the_one_stream_serves(self):
         server = ServerProcess(SERVER, "--backend=cpu", "--region_memory_bytes=0")

@@ -32,11 +32,13 @@ _log = logging.getLogger("flce")
 _WRITE = "/flce.v1.LossService/WriteRegion"
 WRITE_PART_BYTES = 1 << 20
 _READ = "/flce.v1.LossService/ReadRegion"
-# Over the bulk port a transfer below 64 MiB (a row piece's X or dX) goes in
-# at most 4 ranges, a larger one (a weight, its gradient) over every
-# connection: on the H200 host's loopback 8 connections move 1 GiB faster
-# than 4 (take 0.230 against 0.268 s, put 0.198 against 0.215) and 16 MiB
-# slower (bench/RESULTS.md).
+# A transfer below 64 MiB (a row piece's X or dX) goes in at most 4 ranges,
+# a larger one (a weight, its gradient) over every connection: over the bulk
+# port on the H200 host's loopback 8 connections move 1 GiB faster than 4
+# (take 0.158 against 0.193 s, put 0.168 against 0.192) and 16 MiB no faster
+# or slower (bench/RESULTS.md). So a worker's pieces hold at most 4 streams
+# each way in the gRPC fallback, as before, within the server's
+# --max_streams for 8 workers.
 SMALL_TRANSFER_BYTES = 64 << 20
 SMALL_TRANSFER_RANGES = 4
 
@@ -171,13 +173,17 @@ class BulkTransfer:
         return (self._http is not None and bool(self._ticket)
                 and time.monotonic() >= self._http_off_until)
 
+    def _most_ranges(self, total: int) -> int:
+        """How many connections a transfer of `total` bytes may use."""
+        if total >= SMALL_TRANSFER_BYTES:
+            return self.connections
+        return min(self.connections, SMALL_TRANSFER_RANGES)
+
     def _http_ranges(self, total: int) -> List[range]:
         """`total` bytes in up to one range per connection, each at least
         1 MiB and 4 KiB-aligned; below SMALL_TRANSFER_BYTES in at most
         SMALL_TRANSFER_RANGES."""
-        most = self.connections if total >= SMALL_TRANSFER_BYTES else min(
-            self.connections, SMALL_TRANSFER_RANGES)
-        n = max(1, min(most, total >> 20))
+        n = max(1, min(self._most_ranges(total), total >> 20))
         per = -(-total // n)                # ceil(total / n)
         per = -(-per // 4096) * 4096        # up to whole 4 KiB
         return [range(a, min(total, a + per)) for a in range(0, total, per)]
@@ -235,11 +241,13 @@ class BulkTransfer:
             return self._grpc
 
     def _ranges(self, total: int) -> List[range]:
-        """`total` bytes split in one range per connection, whole parts each."""
+        """`total` bytes split in one range per connection, whole parts each
+        (at most SMALL_TRANSFER_RANGES below SMALL_TRANSFER_BYTES)."""
+        n = self._most_ranges(total)
         parts = max(1, -(-total // self.part_bytes))
-        per = -(-parts // self.connections)
+        per = -(-parts // n)
         return [range(i * per * self.part_bytes, min(total, (i + 1) * per * self.part_bytes))
-                for i in range(self.connections) if i * per * self.part_bytes < total]
+                for i in range(n) if i * per * self.part_bytes < total]
 
     def write(self, region_id: str, offset: int, data, timeout: float):
         """Writes ``data`` (a bytes-like object) at ``offset`` of the region."""
