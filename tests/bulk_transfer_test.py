@@ -130,34 +130,6 @@ class BulkTransferTest(unittest.TestCase):
                 self.assertTrue(np.array_equal(back, data))
             self.assertEqual(used, [4, 8], f"over {rpc}")
 
-    def test_a_take_lands_in_segments_each_whole_when_announced(self):
-        torch.manual_seed(5)
-        w = torch.randn(4099, 1001).to(torch.bfloat16)  # 7.8 MiB: 7 segments of 1 MiB
-        x = torch.randn(7, 1001).to(torch.bfloat16)
-        t = torch.randint(0, 4099, (7,))
-        for connections in (3, 0):
-            c = self.client(bulk_connections=connections, bulk_threshold=1 << 20)
-            c.put_weight("seg", w)
-            self.accumulate(c, "seg", x, t)
-            out = torch.full((4099, 1001), float("nan"), dtype=torch.bfloat16)
-            flat = out.reshape(-1).view(torch.uint8)
-            seen, copies = [], []
-
-            def landed(start, stop):
-                seen.append((start, stop))
-                copies.append(flat[start:stop].clone())  # whole by now
-
-            with mock.patch("flce.client.TAKE_SEGMENT_BYTES", 1 << 20):
-                got, _, count = c.take_weight_grad("seg", float32=False, out=(out, None),
-                                                   landed=landed)
-            self.assertIs(got, out)
-            self.assertEqual(count, 1)
-            self.assertEqual(len(seen), 7 if connections else 1)
-            self.assertEqual([a for a, _ in seen], [0] + [b for _, b in seen[:-1]])
-            self.assertEqual(seen[-1][1], out.numel() * 2)
-            self.assertTrue(torch.equal(torch.cat(copies), flat))
-            self.assertTrue(torch.isfinite(out.float()).all())
-
     def test_without_regions_the_one_stream_serves(self):
         server = ServerProcess(SERVER, "--backend=cpu", "--region_memory_bytes=0")
         self.addCleanup(server.kill)

@@ -45,10 +45,6 @@ _MODES = {
 _MODE_NAMES = {v: k for k, v in _MODES.items()}
 
 DEFAULT_PORT = 50051
-# A large take into the caller's buffers lands in segments of at least
-# this many bytes (take_weight_grad's `landed`): the pull into a CUDA .grad
-# copies each to the GPU while the next arrives.
-TAKE_SEGMENT_BYTES = 128 << 20
 
 
 def with_default_port(target: str) -> str:
@@ -910,17 +906,12 @@ class Client:
     def list_weights(self) -> Sequence["pb.WeightInfo"]:
         return list(self._call(self._stub.ListWeights, pb.ListWeightsRequest()).weights)
 
-    def take_weight_grad(self, name: str, version: int = 0, float32: bool = True, out=None,
-                         landed=None):
+    def take_weight_grad(self, name: str, version: int = 0, float32: bool = True, out=None):
         """The gradient accumulated into a weight (and resets it): returns
         (grad_weight, grad_bias or None, accumulated_backwards) as wire
         Tensors; with ``out`` = (w, b or None), writable contiguous CPU
         buffers (torch tensors or NumPy arrays) of the gradient's shapes and
-        dtype, it lands in them and they are returned instead, and
-        ``landed(start, stop)``, if given, is called with each byte range of
-        ``out[0]`` once it is there, in order (over the bulk connections a
-        large one in segments of at least TAKE_SEGMENT_BYTES, so that the
-        caller can copy each on while the next arrives).
+        dtype, it lands in them and they are returned instead.
         ``float32=False`` asks for the weight's dtype where this client knows
         it (it put the weight; rounded once from the fp32 sum on the server),
         else fp32. The server keeps each take until the next one of the
@@ -974,17 +965,8 @@ class Client:
                 raise
         if bulk is not None:
             transfer, region = bulk
-            # Segments only when there is a caller to tell, each at least
-            # TAKE_SEGMENT_BYTES (over every connection, in ranges of 16 MiB
-            # or more), at most 8.
-            segments = (max(1, min(8, w_bytes // TAKE_SEGMENT_BYTES))
-                        if landed is not None else 1)
-            bounds = [w_bytes * i // segments // 4096 * 4096 for i in range(segments)] + [w_bytes]
             try:
-                for start, stop in zip(bounds[:-1], bounds[1:]):
-                    transfer.read(region, start, views[0][start:stop], self.timeout)
-                    if landed is not None:
-                        landed(start, stop)
+                transfer.read(region, 0, views[0], self.timeout)
                 if b_bytes:
                     transfer.read(region, w_bytes, views[1], self.timeout)
             except FlceError:
@@ -995,8 +977,6 @@ class Client:
             views[0][:] = data[:w_bytes]
             if b_bytes:
                 views[1][:] = data[w_bytes:]
-            if landed is not None:
-                landed(0, w_bytes)
         self._lost_takes.pop(name, None)
         if out is not None:
             return out[0], (out[1] if b_bytes else None), header.accumulated_backwards

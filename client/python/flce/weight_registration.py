@@ -104,38 +104,22 @@ class WeightRegistration:
             return
         weight, bias = self._params
         # Straight into CPU tensors of the parameters' dtype (the weight's
-        # on the server), then onto their device: dW segment by segment as
-        # it lands, each copy beside the next segment's transfer.
+        # on the server), then onto their device.
         out = self._landing(weight, bias)
-        on_device = None
-        landed = None
-        if weight.is_cuda and weight.requires_grad:
-            on_device = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-            src = out[0].reshape(-1).view(torch.uint8)
-            dst = on_device.reshape(-1).view(torch.uint8)
-
-            def landed(start, stop):
-                dst[start:stop].copy_(src[start:stop], non_blocking=True)
-
-        try:
-            dw, db, _ = self._client.take_weight_grad(self.name, self.version, float32=False,
-                                                      out=out, landed=landed)
-            self._pending = 0
-            for param, grad in ((weight, on_device if on_device is not None else dw),
-                                (bias, db)):
-                if param is None or grad is None or not param.requires_grad:
-                    continue
-                grad = grad.to(device=param.device, non_blocking=True)
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
-        finally:
-            if weight.is_cuda:
-                # The next pull reuses the page-locked landing once the copies
-                # out of it (a failed take's too) are done.
-                self._staged = torch.cuda.Event()
-                self._staged.record(torch.cuda.current_stream(weight.device))
+        dw, db, _ = self._client.take_weight_grad(self.name, self.version, float32=False,
+                                                  out=out)
+        self._pending = 0
+        for param, grad in ((weight, dw), (bias, db)):
+            if param is None or grad is None or not param.requires_grad:
+                continue
+            grad = grad.to(device=param.device, non_blocking=True)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+        if weight.is_cuda:
+            self._staged = torch.cuda.Event()
+            self._staged.record(torch.cuda.current_stream(weight.device))
 
     def _landing(self, weight, bias):
         """CPU tensors of the parameters' shapes and dtypes for a take. For
