@@ -69,14 +69,14 @@ class BulkTransferTest(unittest.TestCase):
         rpcs = ("WriteRegion", "ReadRegion", "BulkWrite", "BulkRead")
         for connections, http in ((0, True), (3, True), (3, False)):
             c = self.client(bulk_connections=connections, bulk_threshold=1 << 20, bulk_http=http)
-            before = [count_streams(self.server, rpc) for rpc in rpcs]
+            before = [settled_count(self.server, rpc) for rpc in rpcs]
             name = f"w{connections}{http}"
             info = c.put_weight(name, w, b)
             self.assertEqual(info.bytes, w.nbytes + b.nbytes)
             loss = self.accumulate(c, name, x, t)
             dw, db, count = c.take_weight_grad(name)
             self.assertEqual(count, 1)
-            used = tuple(count_streams(self.server, rpc) - n for rpc, n in zip(rpcs, before))
+            used = tuple(settled_count(self.server, rpc) - n for rpc, n in zip(rpcs, before))
             # Over 3 gRPC connections: W's two parts on two, b on one; the
             # same back. Over the bulk port: W's 8 MB in 3 ranges, b in one.
             self.assertEqual(used, {0: (0, 0, 0, 0), 3: (0, 0, 4, 4) if http else (3, 3, 0, 0)}[
