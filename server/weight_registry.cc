@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 #include "server/host_memory.h"
@@ -686,9 +687,10 @@ SpareWeights::HostMemory WeightRegistry::TakeSpare(const std::string& name,
 absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
     const std::string& name, const std::string& principal, HostTensor weight,
     std::optional<HostTensor> bias, BudgetHold hold, std::shared_ptr<DeviceBlock> locked) {
-  // (A refusal unlocks `weight`'s memory here, before the caller frees it.)
+  // Any refusal unlocks `weight`'s memory here, before the caller frees it
+  // (a version made takes `locked` over, leaving this nothing to do).
+  absl::Cleanup unlock = [&locked] { locked.reset(); };
   if (!ValidName(name)) {
-    locked.reset();
     return absl::InvalidArgumentError(
         absl::StrCat("header.name: '", name, "' must be 1-128 characters of [A-Za-z0-9_.-]"));
   }
@@ -711,7 +713,6 @@ absl::StatusOr<std::shared_ptr<RegisteredWeight>> WeightRegistry::Put(
         !(spares_->Clear() && host_budget_->TryReserve(bytes))) {
       absl::Status over = OverBudget(name, bytes);
       if (replaced != nullptr) latest_[key] = std::move(replaced);
-      locked.reset();
       return over;
     }
     hold = BudgetHold(host_budget_, bytes);
