@@ -388,8 +388,8 @@ class Client:
     ``call_channel_spin`` is how long such a call polls for its answer
     before it sleeps. Weights and their gradients of at least
     ``bulk_threshold`` bytes travel over ``bulk_connections`` connections at
-    once (over the bulk port, at most 4 for less than 64 MiB, such as a row
-    piece's X), through a region of the server's memory (see :mod:`flce.bulk`;
+    once (at most 4 for less than 64 MiB, such as a row piece's X), through
+    a region of the server's memory (see :mod:`flce.bulk`;
     0 connections: over the one channel, as chunks of one stream): over the
     server's bulk HTTP port where it offers one and ``bulk_http`` (TLS like
     the channel, without a client certificate: a region's ticket is its
