@@ -95,12 +95,11 @@ _READER = r"""
 import concurrent.futures, json, sys, time
 from flce import bulk_http
 host, port, region, ticket = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-offset, size, conns, reps = (int(a) for a in sys.argv[5:9])
-http = bulk_http.BulkHttp(host, port, timeout=300.0, max_connections=conns)
+offset, size, reps = (int(a) for a in sys.argv[5:8])
+spans = json.loads(sys.argv[8])  # the writer's client's ranges (BulkTransfer's split)
+http = bulk_http.BulkHttp(host, port, timeout=300.0, max_connections=len(spans))
 out = memoryview(bytearray(size))
-per = -(-size // conns)
-spans = [(a, min(size, a + per)) for a in range(0, size, per)]
-pool = concurrent.futures.ThreadPoolExecutor(conns)
+pool = concurrent.futures.ThreadPoolExecutor(len(spans))
 def read():
     fs = [pool.submit(http.get, region, ticket, offset + a, out[a:b]) for a, b in spans]
     for f in fs:
@@ -180,7 +179,8 @@ def duplex_rows(address, sizes, connections, iters):
                 def reads_in_process():
                     child = subprocess.Popen(
                         [sys.executable, "-c", _READER, bulk._http.host, str(bulk._http.port),
-                         region, bulk._ticket, str(size), str(size), str(conns), str(reps)],
+                         region, bulk._ticket, str(size), str(size), str(reps),
+                         json.dumps([(r.start, r.stop) for r in bulk._http_ranges(size)])],
                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                     assert child.stdout.readline().strip() == "ready"
                     child.stdin.write("go\n")
