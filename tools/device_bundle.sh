@@ -14,10 +14,12 @@ TARGETS=(
   //bench:flce_bench
   //bench:rpc_bench
   //bench:gemm_algos
+  //bench:hopper_gemm_bench
   //kernels/cuda:cuda_engine_test
   //kernels/cuda:cuda_shards_test
   //kernels/cuda:device_destinations_test
   //kernels/cuda:gemm_test
+  //kernels/cuda:hopper_gemm_test
   //tests:server_integration_gpu_test
   //tests:sticky_error_gpu_test
 )

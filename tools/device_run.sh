@@ -4,14 +4,15 @@
 # suite (REQUIRE_GPU=1, no skips allowed), `flce smoke` against a CUDA
 # server, and flce_bench. Logs and gtest XML go to $OUT.
 # Usage: tools/device_run.sh [tests] [smoke] [python] [examples] [bench] [rpc] [worker] [gemms]
-#   [latency] [bulk]
+#   [latency] [bulk] [hopper]
 # bench reads BENCH_SHAPES, BENCH_DTYPES, BENCH_MODES, BENCH_WARMUP,
 # BENCH_CHUNK_BYTES and BENCH_FLAGS (more flce_bench flags); gemms reads
 # BENCH_SHAPES, GEMM_CHUNK_ROWS, GEMM_ALGOS and GEMM_FLAGS (more gemm_algos
 # flags, e.g. --full=false); rpc reads RPC_SHAPE and RPC_FLAGS (e.g.
 # "--transfer_mib=64,1024 --connections=0,1,2,4,8"); worker
 # (bench/worker_bench.py) reads WORKER_TRANSPORTS, WORKER_FLAGS and WORKER_MPS; bulk
-# (bench/bulk_bench.py) reads BULK_FLAGS.
+# (bench/bulk_bench.py) reads BULK_FLAGS; hopper (bench/hopper_gemm_bench)
+# reads HOPPER_FLAGS.
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
@@ -47,6 +48,9 @@ if [ -z "$ARGS" ] || want tests; then
     > "$OUT/gemm_test.log" 2>&1 || status=1
   grep -E '^tuned' "$OUT/gemm_test.log"
   tail -3 "$OUT/gemm_test.log"
+  REQUIRE_GPU=1 "$bin/hopper_gemm_test" --gtest_output="xml:$OUT/hopper_gemm_test.xml" \
+    > "$OUT/hopper_gemm_test.log" 2>&1 || status=1
+  tail -3 "$OUT/hopper_gemm_test.log"
   REQUIRE_GPU=1 "$bin/cuda_engine_test" --gtest_output="xml:$OUT/cuda_engine_test.xml" \
     > "$OUT/cuda_engine_test.log" 2>&1 || status=1
   tail -5 "$OUT/cuda_engine_test.log"
@@ -184,6 +188,12 @@ if want gemms && [ -n "$ARGS" ]; then
   read -r -a gemm_flags <<< "${GEMM_FLAGS:-}"
   "$bin/gemm_algos" --shapes="$shapes" --chunk_rows="${GEMM_CHUNK_ROWS:-2048}" \
     --algos="${GEMM_ALGOS:-24}" ${gemm_flags[@]+"${gemm_flags[@]}"} 2>&1 | tee -a "$OUT/gemm_algos.txt" || status=1
+fi
+if want hopper && [ -n "$ARGS" ]; then
+  echo "== hopper_gemm_bench ${HOPPER_FLAGS:-}"
+  read -r -a hopper_flags <<< "${HOPPER_FLAGS:-}"
+  "$bin/hopper_gemm_bench" ${hopper_flags[@]+"${hopper_flags[@]}"} 2>&1 \
+    | tee -a "$OUT/hopper_gemm_bench.txt" || status=1
 fi
 if want rpc && [ -n "$ARGS" ]; then
   echo "== rpc_bench --backend=cuda --shape=${RPC_SHAPE:-8192x4096x128256}"

@@ -1,0 +1,438 @@
+// flce's Hopper GEMM: C = A·Bᵀ, both operands K-major. See hopper_gemm.h.
+//
+// Per block (one per multiprocessor, persistent over output tiles of
+// kBlockM × kBlockN): warpgroup 0 is the producer, one thread of which
+// loads each k-block of the tile's A rows (kBlockM × kBlockK) and B rows
+// (kBlockN × kBlockK) into a ring of kStages shared-memory stages through
+// the TMA (128-byte swizzle, completion counted on the stage's "full"
+// mbarrier); warpgroups 1 and 2 each own 64 of the tile's rows, wait on
+// "full", issue four wgmma m64n256k16 per stage from shared memory (fp32
+// accumulators in registers, one group kept in flight) and give the stage
+// back on its "empty" mbarrier once their wgmma read it; after the tile's
+// last k-block they write their 64×256 fp32 results to C in its dtype,
+// while the producer already loads the next tile's stages. Tiles run in
+// bands of kBandM row tiles, row tiles fastest, so the blocks in flight
+// share B's tile and A's band stays in L2.
+//
+// Traffic: A read once per column tile of the band (from L2 mostly),
+// B once per band, C written once; 2·m·n·k FLOP.
+
+#include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/cuda/hopper_gemm.h"
+
+namespace flce {
+namespace internal_cuda {
+namespace {
+
+constexpr int kBlockM = 128;     // two consumer warpgroups × 64 rows
+constexpr int kBlockN = 256;     // one wgmma's n
+constexpr int kBlockK = 64;      // 64 bf16 = 128 bytes: one swizzle row
+constexpr int kStages = 4;       // 48 KiB each
+constexpr int kThreads = 384;    // producer + two consumer warpgroups
+constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK * 2;
+// The stages, then kStages "full" and kStages "empty" barriers, plus the
+// slack that aligns the stages to the swizzle's 1024 bytes.
+constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;
+
+// wgmma m64n256k16 with fp32 accumulators d (this thread's 128 of the
+// 64×256 tile), A and B from shared memory by descriptor, D = A·B + D, or
+// D = A·B where scale_d is 0. TYPE: the operands' PTX type.
+#define FLCE_WGMMA_M64N256K16(TYPE, d, desc_a, desc_b, scale_d)                        \
+  asm volatile(                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                  \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"               \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "  \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "  \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "  \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"  \
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"                                            \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),  \
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),  \
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),  \
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),  \
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),  \
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),  \
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),  \
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),  \
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),  \
+        "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),  \
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),  \
+        "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),  \
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),  \
+        "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),  \
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),  \
+        "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),  \
+        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),  \
+        "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),  \
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),  \
+        "+f"(d[126]), "+f"(d[127])  \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+constexpr int kBandM = 16;  // row tiles per band
+constexpr int kConsumerWarps = 8;
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void BarrierInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void BarrierExpectBytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void BarrierArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Waits until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void BarrierWait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// The 2-D box at (inner, outer) of `map` into shared memory at `dst`,
+// completing `bytes` on `bar`.
+__device__ __forceinline__ void TmaLoad(uint32_t dst, const CUtensorMap* map, int inner,
+                                        int outer, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(inner), "r"(outer)
+      : "memory");
+}
+
+// A wgmma shared-memory descriptor of a K-major tile whose rows are 128
+// bytes, 128-byte swizzled as the TMA wrote it (8-row groups 1024 bytes
+// apart), starting at shared address `addr`.
+__device__ __forceinline__ uint64_t Descriptor(uint32_t addr) {
+  uint64_t desc = (addr & 0x3FFFF) >> 4;  // start address
+  desc |= uint64_t{1} << 16;              // leading byte offset (unused when swizzled)
+  desc |= uint64_t{1024 >> 4} << 32;      // stride byte offset: one 8-row group
+  desc |= uint64_t{1} << 62;              // 128-byte swizzle
+  return desc;
+}
+
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accesses to the accumulators across the
+// asynchronous wgmma's fences.
+__device__ __forceinline__ void FenceAccumulators(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <typename T>
+__device__ __forceinline__ void Wgmma(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                      int scale_d);
+template <>
+__device__ __forceinline__ void Wgmma<__nv_bfloat16>(float (&d)[128], uint64_t desc_a,
+                                                     uint64_t desc_b, int scale_d) {
+  FLCE_WGMMA_M64N256K16("bf16", d, desc_a, desc_b, scale_d);
+}
+template <>
+__device__ __forceinline__ void Wgmma<__half>(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                              int scale_d) {
+  FLCE_WGMMA_M64N256K16("f16", d, desc_a, desc_b, scale_d);
+}
+
+// Two adjacent results of a row into C's dtype.
+template <typename OutT>
+__device__ __forceinline__ void StorePair(OutT* p, float x, float y, bool both);
+template <>
+__device__ __forceinline__ void StorePair<float>(float* p, float x, float y, bool both) {
+  if (both) {
+    *reinterpret_cast<float2*>(p) = make_float2(x, y);
+  } else {
+    *p = x;
+  }
+}
+template <>
+__device__ __forceinline__ void StorePair<__nv_bfloat16>(__nv_bfloat16* p, float x, float y,
+                                                         bool both) {
+  if (both) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+  } else {
+    *p = __float2bfloat16_rn(x);
+  }
+}
+template <>
+__device__ __forceinline__ void StorePair<__half>(__half* p, float x, float y, bool both) {
+  if (both) {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+  } else {
+    *p = __float2half_rn(x);
+  }
+}
+
+// Output tile `tile`'s row and column tile: bands of kBandM row tiles,
+// row tiles fastest within a band.
+__device__ __forceinline__ void TileAt(int tile, int tiles_m, int tiles_n, int& tm, int& tn) {
+  const int band = tile / (kBandM * tiles_n);
+  const int first = band * kBandM;
+  const int rows = min(kBandM, tiles_m - first);
+  const int local = tile - band * kBandM * tiles_n;
+  tm = first + local % rows;
+  tn = local / rows;
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+template <typename T, typename OutT>
+__global__ void __launch_bounds__(kThreads, 1)
+    HopperGemmKernel(const __grid_constant__ CUtensorMap map_a,
+                     const __grid_constant__ CUtensorMap map_b, OutT* c, int64_t ldc, int m,
+                     int n, int k, bool paired) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t shared_raw[];
+  const uint32_t raw = SharedAddress(shared_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;
+  const uint32_t stage_a = base;                                   // kStages × kBlockM×kBlockK
+  const uint32_t stage_b = base + kStages * kBlockM * kBlockK * 2;  // kStages × kBlockN×kBlockK
+  const uint32_t full = base + kStages * kStageBytes;               // kStages barriers
+  const uint32_t empty = full + kStages * 8;                        // kStages barriers
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      BarrierInit(full + 8 * s, 1);
+      BarrierInit(empty + 8 * s, kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int tiles_m = (m + kBlockM - 1) / kBlockM;
+  const int tiles_n = (n + kBlockN - 1) / kBlockN;
+  const int tiles = tiles_m * tiles_n;
+  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    // The producer: few registers, one thread issues the loads.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int tm, tn;
+        TileAt(tile, tiles_m, tiles_n, tm, tn);
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          BarrierWait(empty + 8 * stage, phase ^ 1);
+          const uint32_t bar = full + 8 * stage;
+          BarrierExpectBytes(bar, kStageBytes);
+          TmaLoad(stage_a + stage * kBlockM * kBlockK * 2, &map_a, kb * kBlockK, tm * kBlockM,
+                  bar);
+          TmaLoad(stage_b + stage * kBlockN * kBlockK * 2, &map_b, kb * kBlockK, tn * kBlockN,
+                  bar);
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // A consumer: 64 rows of each tile.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
+  const int lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x % 128) / 32;
+  float d[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int tm, tn;
+    TileAt(tile, tiles_m, tiles_n, tm, tn);
+    int previous = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      BarrierWait(full + 8 * stage, phase);
+      const uint64_t desc_a =
+          Descriptor(stage_a + stage * kBlockM * kBlockK * 2 + consumer * 64 * kBlockK * 2);
+      const uint64_t desc_b = Descriptor(stage_b + stage * kBlockN * kBlockK * 2);
+      WgmmaFence();
+      FenceAccumulators(d);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        // 16 elements along K: 32 bytes, 2 in the descriptor's address.
+        Wgmma<T>(d, desc_a + 2 * kk, desc_b + 2 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+      }
+      WgmmaCommit();
+      FenceAccumulators(d);
+      // The group before this one is done: its stage goes back.
+      WgmmaWait<1>();
+      if (previous >= 0 && lane == 0) BarrierArrive(empty + 8 * previous);
+      previous = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    WgmmaWait<0>();
+    FenceAccumulators(d);
+    if (previous >= 0 && lane == 0) BarrierArrive(empty + 8 * previous);
+
+    // d[4j + q] is row 16·warp + lane/4 + 8·(q/2), column 8j + 2·(lane%4) + q%2
+    // of this consumer's 64×256.
+    const int row0 = tm * kBlockM + consumer * 64 + warp * 16 + lane / 4;
+    const int col0 = tn * kBlockN + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const int col = col0 + 8 * j;
+      if (col < n) {
+        const bool both = paired && col + 1 < n;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = row0 + 8 * half;
+          if (row < m) {
+            OutT* p = c + static_cast<int64_t>(row) * ldc + col;
+            StorePair<OutT>(p, d[4 * j + 2 * half], d[4 * j + 2 * half + 1], both);
+            if (!both && col + 1 < n) {
+              StorePair<OutT>(p + 1, d[4 * j + 2 * half + 1], 0.0f, false);
+            }
+          }
+        }
+      }
+    }
+  }
+#else
+  __trap();  // built for Hopper's sm_90a only; the launcher checks the device
+#endif
+}
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled, through the runtime (no -lcuda).
+EncodeTiled TensorMapEncoder() {
+  static const EncodeTiled encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<EncodeTiled>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(fn);
+  }();
+  return encode;
+}
+
+// A map over `rows` rows of `k` elements (row stride `ld`) in boxes of
+// box_rows × kBlockK, 128-byte swizzled; zeros past the edges.
+cudaError_t MakeMap(CUtensorMap* map, const void* data, CUtensorMapDataType type, int64_t rows,
+                    int64_t k, int64_t ld, int box_rows) {
+  const EncodeTiled encode = TensorMapEncoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result =
+      encode(map, type, 2, const_cast<void*>(data), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename T, typename OutT>
+cudaError_t Launch(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
+                   cudaStream_t stream) {
+  CUtensorMap map_a, map_b;
+  cudaError_t error = MakeMap(&map_a, args.a, type, args.m, args.k, args.lda, kBlockM);
+  if (error != cudaSuccess) return error;
+  error = MakeMap(&map_b, args.b, type, args.n, args.k, args.ldb, kBlockN);
+  if (error != cudaSuccess) return error;
+  auto kernel = HopperGemmKernel<T, OutT>;
+  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  if (error != cudaSuccess) return error;
+  const int64_t tiles =
+      ((args.m + kBlockM - 1) / kBlockM) * ((args.n + kBlockN - 1) / kBlockN);
+  const int blocks = static_cast<int>(tiles < sms ? tiles : sms);
+  const bool paired = args.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(args.c) %
+                                                   (2 * sizeof(OutT)) == 0;
+  kernel<<<blocks, kThreads, kSharedBytes, stream>>>(
+      map_a, map_b, static_cast<OutT*>(args.c), args.ldc, static_cast<int>(args.m),
+      static_cast<int>(args.n), static_cast<int>(args.k), paired);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchFor(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
+                      cudaStream_t stream) {
+  if (args.out_type == DType::kFloat32) return Launch<T, float>(args, type, sms, stream);
+  return Launch<T, T>(args, type, sms, stream);
+}
+
+}  // namespace
+
+bool HopperGemmSupported(const HopperGemmArgs& args, int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      major != 9 || minor != 0) {
+    return false;
+  }
+  const bool half = args.in_type == DType::kBFloat16 || args.in_type == DType::kFloat16;
+  const bool out = args.out_type == args.in_type || args.out_type == DType::kFloat32;
+  constexpr int64_t kMax = int64_t{1} << 31;
+  return half && out && args.k > 0 && args.k % 8 == 0 && args.lda % 8 == 0 &&
+         args.ldb % 8 == 0 && args.lda >= args.k && args.ldb >= args.k && args.ldc >= args.n &&
+         args.m >= 0 && args.n >= 0 && args.m < kMax && args.n < kMax && args.k < kMax &&
+         reinterpret_cast<uintptr_t>(args.a) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(args.b) % 16 == 0;
+}
+
+cudaError_t LaunchHopperGemm(const HopperGemmArgs& args, int sms, cudaStream_t stream) {
+  if (args.m == 0 || args.n == 0) return cudaSuccess;
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  int major = 0;
+  error = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (error != cudaSuccess) return error;
+  if (major != 9) return cudaErrorNotSupported;
+  if (!HopperGemmSupported(args, device) || sms <= 0) return cudaErrorInvalidValue;
+  if (args.in_type == DType::kBFloat16) {
+    return LaunchFor<__nv_bfloat16>(args, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sms, stream);
+  }
+  return LaunchFor<__half>(args, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, sms, stream);
+}
+
+}  // namespace internal_cuda
+}  // namespace flce

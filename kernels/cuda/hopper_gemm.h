@@ -1,0 +1,52 @@
+#ifndef FLCE_KERNELS_CUDA_HOPPER_GEMM_H_
+#define FLCE_KERNELS_CUDA_HOPPER_GEMM_H_
+
+// flce's own GEMM for Hopper (compute capability 9.0): the engine's logits
+// shape, both operands K-major,
+//   C[m×n] = A[m×k] · B[n×k]ᵀ   (row-major A, B and C; fp32 accumulation),
+// as logits = X·Wᵀ. Warp-specialised and persistent: one warpgroup feeds
+// shared memory through the tensor memory accelerator (TMA, 128-byte
+// swizzle), two warpgroups multiply with wgmma from shared memory and write
+// their tiles to C. Plain C++ and the CUDA runtime's types only (no Abseil,
+// no gRPC), so nvcc stays simple. The launcher never allocates and never
+// synchronises.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace flce {
+namespace internal_cuda {
+
+struct HopperGemmArgs {
+  const void* a = nullptr;  // [m, k] row-major, row stride lda elements
+  int64_t lda = 0;
+  const void* b = nullptr;  // [n, k] row-major, row stride ldb elements
+  int64_t ldb = 0;
+  void* c = nullptr;  // [m, n] row-major, row stride ldc elements
+  int64_t ldc = 0;
+  int64_t m = 0, n = 0, k = 0;
+  DType in_type = DType::kBFloat16;   // A's and B's: bf16 or fp16
+  DType out_type = DType::kBFloat16;  // C's: in_type or fp32
+};
+
+// Whether `device` runs the kernel (compute capability 9.0) and the
+// arguments fit it: bf16 or fp16 operands, C in their dtype or fp32,
+// lda and ldb multiples of 8 elements (16-byte rows, the TMA's rule) with
+// 16-byte aligned A and B, k a positive multiple of 8, ldc ≥ n, m, n and k
+// below 2³¹ (the TMA's coordinates).
+bool HopperGemmSupported(const HopperGemmArgs& args, int device);
+
+// C = A·Bᵀ on `stream` with at most `sms` resident blocks (the device's
+// multiprocessor count: one block each, persistent). REQUIRES:
+// HopperGemmSupported(args, the stream's device); otherwise
+// cudaErrorInvalidValue (cudaErrorNotSupported on another architecture).
+// m == 0 or n == 0 is a no-op.
+cudaError_t LaunchHopperGemm(const HopperGemmArgs& args, int sms, cudaStream_t stream);
+
+}  // namespace internal_cuda
+}  // namespace flce
+
+#endif  // FLCE_KERNELS_CUDA_HOPPER_GEMM_H_
