@@ -35,14 +35,17 @@ class ServerProcess:
         NAME``)."""
         self.log_path = os.path.join(tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR")),
                                      "server.log")
-        self.log = open(self.log_path, "w+")
+        # Append mode: the server's writes go to the end whatever the
+        # offset, which the server shares with this handle (without it, a
+        # line written between a reader's seek and read lands at offset 0,
+        # over the log's first lines). Readers open the file afresh.
+        self.log = open(self.log_path, "a")
         self.process = subprocess.Popen(
             [*prefix, binary, f"--listen_address={address or host + ':0'}", *(() if tls else ("--insecure",)),
              *flags], stderr=self.log)
         port = None
         for _ in range(400):
-            self.log.seek(0)
-            found = re.search(r"listening on port (\d+)", self.log.read())
+            found = re.search(r"listening on port (\d+)", self.read_log())
             if found:
                 port = found.group(1)
                 break
@@ -55,8 +58,8 @@ class ServerProcess:
         self.address = address or f"{host}:{port}"
 
     def read_log(self):
-        self.log.seek(0)
-        return self.log.read()
+        with open(self.log_path) as f:
+            return f.read()
 
     def kill(self):
         if self.process.poll() is None:
