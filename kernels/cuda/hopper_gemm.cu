@@ -33,9 +33,14 @@ constexpr int kBlockK = 64;      // 64 bf16 = 128 bytes: one swizzle row
 constexpr int kStages = 4;       // 48 KiB each
 constexpr int kThreads = 384;    // producer + two consumer warpgroups
 constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK * 2;
-// The stages, then kStages "full" and kStages "empty" barriers, plus the
-// slack that aligns the stages to the swizzle's 1024 bytes.
-constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;
+// The epilogue's staging: per consumer warp, 16 rows of 128 bytes of C,
+// each row padded by 8 elements' bytes (at most 32) so that neither the
+// fragment's writes nor the rows' reads meet in a bank.
+constexpr int kConsumerWarps = 8;
+constexpr int kStagingBytes = kConsumerWarps * 16 * (128 + 32);
+// The stages, then kStages "full" and kStages "empty" barriers, the
+// staging, plus the slack that aligns the stages to the swizzle's 1024 bytes.
+constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + kStagingBytes + 1024;
 
 // wgmma m64n256k16 with fp32 accumulators d (this thread's 128 of the
 // 64×256 tile), A and B from shared memory by descriptor, D = A·B + D, or
@@ -50,8 +55,10 @@ constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "  \
       "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "  \
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "  \
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"  \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "        \
+      "%108, %109, %110, %111, "                                                  \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "    \
+      "%124, %125, %126, %127"                                                    \
       "}, %128, %129, p, 1, 1, 0, 0;\n}\n"                                            \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),  \
         "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),  \
@@ -80,8 +87,7 @@ constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-constexpr int kBandM = 16;  // row tiles per band
-constexpr int kConsumerWarps = 8;
+constexpr int kBandM = 16;  // row tiles per band (in clusters of kCluster)
 
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -114,15 +120,65 @@ __device__ __forceinline__ void BarrierWait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
+// L2 cache policies for the TMA's loads: lines kept over others (A's
+// band, read again for each of the band's column tiles), or as usual.
+__device__ __forceinline__ uint64_t EvictLast() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint64_t EvictNormal() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // The 2-D box at (inner, outer) of `map` into shared memory at `dst`,
-// completing `bytes` on `bar`.
+// completing its bytes on `bar`, under L2 policy `policy`.
 __device__ __forceinline__ void TmaLoad(uint32_t dst, const CUtensorMap* map, int inner,
-                                        int outer, uint32_t bar) {
+                                        int outer, uint32_t bar, uint64_t policy) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(inner), "r"(outer)
+      ".L2::cache_hint [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(inner), "r"(outer), "l"(policy)
       : "memory");
+}
+
+// This block's rank in its cluster.
+__device__ __forceinline__ uint32_t ClusterRank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// Arrives on the barrier at `bar`'s offset in the shared memory of the
+// cluster's block `rank` (this block's own included). Release at the
+// block's scope only: the arrival says a stage's wgmma reads are done
+// (wgmma.wait_group already waited for them), which needs no fence; a
+// cluster-scope release costs a memory barrier per arrival, which waits
+// for the epilogue's outstanding stores.
+__device__ __forceinline__ void BarrierArriveIn(uint32_t bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// TmaLoad into the same offsets of every block of the cluster in `mask`,
+// completing on each one's barrier at `bar`'s offset.
+__device__ __forceinline__ void TmaMulticast(uint32_t dst, const CUtensorMap* map, int inner,
+                                             int outer, uint32_t bar, uint16_t mask,
+                                             uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster.L2::cache_hint [%0], [%1, {%3, %4}], [%2], %5, %6;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(inner), "r"(outer), "h"(mask),
+      "l"(policy)
+      : "memory");
+}
+
+// Every running thread of the cluster reaches this point before any goes on.
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // A wgmma shared-memory descriptor of a K-major tile whose rows are 128
@@ -136,7 +192,9 @@ __device__ __forceinline__ uint64_t Descriptor(uint32_t addr) {
   return desc;
 }
 
-__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void WgmmaCommit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
@@ -166,117 +224,64 @@ __device__ __forceinline__ void Wgmma<__half>(float (&d)[128], uint64_t desc_a, 
   FLCE_WGMMA_M64N256K16("f16", d, desc_a, desc_b, scale_d);
 }
 
-// Two adjacent results of a row into C's dtype.
+// Two adjacent results of a row, in C's dtype, to shared memory at `p`.
 template <typename OutT>
-__device__ __forceinline__ void StorePair(OutT* p, float x, float y, bool both);
+__device__ __forceinline__ void StagePair(uint8_t* p, float x, float y);
 template <>
-__device__ __forceinline__ void StorePair<float>(float* p, float x, float y, bool both) {
-  if (both) {
-    *reinterpret_cast<float2*>(p) = make_float2(x, y);
-  } else {
-    *p = x;
-  }
+__device__ __forceinline__ void StagePair<float>(uint8_t* p, float x, float y) {
+  *reinterpret_cast<float2*>(p) = make_float2(x, y);
 }
 template <>
-__device__ __forceinline__ void StorePair<__nv_bfloat16>(__nv_bfloat16* p, float x, float y,
-                                                         bool both) {
-  if (both) {
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-  } else {
-    *p = __float2bfloat16_rn(x);
-  }
+__device__ __forceinline__ void StagePair<__nv_bfloat16>(uint8_t* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
 }
 template <>
-__device__ __forceinline__ void StorePair<__half>(__half* p, float x, float y, bool both) {
-  if (both) {
-    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
-  } else {
-    *p = __float2half_rn(x);
-  }
+__device__ __forceinline__ void StagePair<__half>(uint8_t* p, float x, float y) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
 }
 
-// Output tile `tile`'s row and column tile: bands of kBandM row tiles,
+// Output tile `tile`'s row and column tile: bands of `band_m` row tiles,
 // row tiles fastest within a band.
-__device__ __forceinline__ void TileAt(int tile, int tiles_m, int tiles_n, int& tm, int& tn) {
-  const int band = tile / (kBandM * tiles_n);
-  const int first = band * kBandM;
-  const int rows = min(kBandM, tiles_m - first);
-  const int local = tile - band * kBandM * tiles_n;
+__device__ __forceinline__ void TileAt(int tile, int tiles_m, int tiles_n, int band_m, int& tm,
+                                       int& tn) {
+  const int band = tile / (band_m * tiles_n);
+  const int first = band * band_m;
+  const int rows = min(band_m, tiles_m - first);
+  const int local = tile - band * band_m * tiles_n;
   tm = first + local % rows;
   tn = local / rows;
 }
 
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
-
-template <typename T, typename OutT>
-__global__ void __launch_bounds__(kThreads, 1)
-    HopperGemmKernel(const __grid_constant__ CUtensorMap map_a,
-                     const __grid_constant__ CUtensorMap map_b, OutT* c, int64_t ldc, int m,
-                     int n, int k, bool paired) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ uint8_t shared_raw[];
-  const uint32_t raw = SharedAddress(shared_raw);
-  const uint32_t base = (raw + 1023) & ~1023u;
-  const uint32_t stage_a = base;                                   // kStages × kBlockM×kBlockK
-  const uint32_t stage_b = base + kStages * kBlockM * kBlockK * 2;  // kStages × kBlockN×kBlockK
-  const uint32_t full = base + kStages * kStageBytes;               // kStages barriers
-  const uint32_t empty = full + kStages * 8;                        // kStages barriers
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      BarrierInit(full + 8 * s, 1);
-      BarrierInit(empty + 8 * s, kConsumerWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-
-  const int tiles_m = (m + kBlockM - 1) / kBlockM;
-  const int tiles_n = (n + kBlockN - 1) / kBlockN;
-  const int tiles = tiles_m * tiles_n;
-  const int k_blocks = (k + kBlockK - 1) / kBlockK;
-  const int warpgroup = threadIdx.x / 128;
-
-  if (warpgroup == 0) {
-    // The producer: few registers, one thread issues the loads.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) {
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int tm, tn;
-        TileAt(tile, tiles_m, tiles_n, tm, tn);
-        for (int kb = 0; kb < k_blocks; ++kb) {
-          BarrierWait(empty + 8 * stage, phase ^ 1);
-          const uint32_t bar = full + 8 * stage;
-          BarrierExpectBytes(bar, kStageBytes);
-          TmaLoad(stage_a + stage * kBlockM * kBlockK * 2, &map_a, kb * kBlockK, tm * kBlockM,
-                  bar);
-          TmaLoad(stage_b + stage * kBlockN * kBlockK * 2, &map_b, kb * kBlockK, tn * kBlockN,
-                  bar);
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      }
-    }
-    return;
-  }
-
-  // A consumer: 64 rows of each tile.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int consumer = warpgroup - 1;
+// A consumer warpgroup's part of HopperGemmKernel: 64 rows of each tile
+// (warpgroup 1 the first 64, warpgroup 2 the next), from the stages the
+// producer fills, written to C.
+template <typename T, typename OutT, int kCluster>
+__device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int tiles_m,
+                                        int tiles_n, int tiles, int k_blocks, int first_tile,
+                                        int tile_step, uint32_t rank, uint32_t stage_a,
+                                        uint32_t stage_b, uint32_t full, uint32_t empty,
+                                        uint8_t* staging, bool whole_pieces) {
+  const int consumer = threadIdx.x / 128 - 1;
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x % 128) / 32;
+  // Gives a stage back to every block of the cluster.
+  auto release = [&](int stage) {
+    if (lane != 0) return;
+    if constexpr (kCluster > 1) {
+      for (uint32_t q = 0; q < kCluster; ++q) BarrierArriveIn(empty + 8 * stage, q);
+    } else {
+      BarrierArrive(empty + 8 * stage);
+    }
+  };
   float d[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) d[i] = 0.0f;
   int stage = 0;
   uint32_t phase = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int tile = first_tile; tile < tiles; tile += tile_step) {
     int tm, tn;
-    TileAt(tile, tiles_m, tiles_n, tm, tn);
+    TileAt(tile, tiles_m, tiles_n, kBandM / kCluster, tm, tn);
+    tm = tm * kCluster + rank;
     int previous = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       BarrierWait(full + 8 * stage, phase);
@@ -294,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       FenceAccumulators(d);
       // The group before this one is done: its stage goes back.
       WgmmaWait<1>();
-      if (previous >= 0 && lane == 0) BarrierArrive(empty + 8 * previous);
+      if (previous >= 0) release(previous);
       previous = stage;
       if (++stage == kStages) {
         stage = 0;
@@ -303,35 +308,151 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     WgmmaWait<0>();
     FenceAccumulators(d);
-    if (previous >= 0 && lane == 0) BarrierArrive(empty + 8 * previous);
+    if (previous >= 0) release(previous);
 
-    // d[4j + q] is row 16·warp + lane/4 + 8·(q/2), column 8j + 2·(lane%4) + q%2
-    // of this consumer's 64×256.
-    const int row0 = tm * kBlockM + consumer * 64 + warp * 16 + lane / 4;
-    const int col0 = tn * kBlockN + 2 * (lane % 4);
+    // The epilogue, 128 bytes of columns at a time: the warp's fragment
+    // (d[4j + q] is row lane/4 + 8·(q/2), column 8j + 2·(lane%4) + q%2 of
+    // its 16 rows) into its staging, then whole 16-byte pieces of rows to
+    // C, so that each store writes whole lines; streaming (evict-first), as
+    // nothing reads C again here.
+    constexpr int kChunkCols = 128 / sizeof(OutT);
+    constexpr int kPitch = 128 + 8 * sizeof(OutT);
+    constexpr int kPieceCols = 16 / sizeof(OutT);
+    const int64_t warp_row = static_cast<int64_t>(tm) * kBlockM + consumer * 64 + warp * 16;
+    if (warp_row < m) {
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) {
-      const int col = col0 + 8 * j;
-      if (col < n) {
-        const bool both = paired && col + 1 < n;
+      for (int chunk = 0; chunk < kBlockN / kChunkCols; ++chunk) {
+        const int chunk_col = tn * kBlockN + chunk * kChunkCols;
+        if (chunk_col >= n) break;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = row0 + 8 * half;
-          if (row < m) {
-            OutT* p = c + static_cast<int64_t>(row) * ldc + col;
-            StorePair<OutT>(p, d[4 * j + 2 * half], d[4 * j + 2 * half + 1], both);
-            if (!both && col + 1 < n) {
-              StorePair<OutT>(p + 1, d[4 * j + 2 * half + 1], 0.0f, false);
+        for (int jj = 0; jj < kChunkCols / 8; ++jj) {
+          const int j = chunk * (kChunkCols / 8) + jj;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            StagePair<OutT>(staging + (lane / 4 + 8 * half) * kPitch +
+                                (8 * jj + 2 * (lane % 4)) * sizeof(OutT),
+                            d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+          }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = i * 4 + lane / 8;  // of the warp's 16
+          const int piece = lane % 8;        // of the row's 8
+          const int4 v = *reinterpret_cast<const int4*>(staging + row * kPitch + piece * 16);
+          const int64_t grow = warp_row + row;
+          const int gcol = chunk_col + piece * kPieceCols;
+          if (grow >= m || gcol >= n) continue;
+          OutT* p = c + grow * ldc + gcol;
+          if (whole_pieces && gcol + kPieceCols <= n) {
+            __stcs(reinterpret_cast<int4*>(p), v);
+          } else {
+            const OutT* e = reinterpret_cast<const OutT*>(&v);
+#pragma unroll
+            for (int q = 0; q < kPieceCols; ++q) {
+              if (gcol + q < n) p[q] = e[q];
             }
+          }
+        }
+        __syncwarp();
+      }
+    }
+  }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+template <typename T, typename OutT, int kCluster>
+__global__ void __launch_bounds__(kThreads, 1)
+    HopperGemmKernel(const __grid_constant__ CUtensorMap map_a,
+                     const __grid_constant__ CUtensorMap map_b, OutT* c, int64_t ldc, int m,
+                     int n, int k, bool whole_pieces) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t shared_raw[];
+  const uint32_t raw = SharedAddress(shared_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;
+  const uint32_t stage_a = base;                                   // kStages × kBlockM×kBlockK
+  const uint32_t stage_b = base + kStages * kBlockM * kBlockK * 2;  // kStages × kBlockN×kBlockK
+  const uint32_t full = base + kStages * kStageBytes;               // kStages barriers
+  const uint32_t empty = full + kStages * 8;                        // kStages barriers
+  // The blocks of a cluster take kCluster row tiles of one column tile:
+  // each loads its own A rows and 1/kCluster of B's, which the TMA writes
+  // into every block of the cluster. A stage is free again once every
+  // block's consumers are done with it.
+  const uint32_t rank = kCluster > 1 ? ClusterRank() : 0;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      BarrierInit(full + 8 * s, 1);
+      BarrierInit(empty + 8 * s, kConsumerWarps * kCluster);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if constexpr (kCluster > 1) {
+    ClusterSync();  // the peers' barriers exist before anything reaches them
+  } else {
+    __syncthreads();
+  }
+
+  const int tiles_m = (m + kBlockM * kCluster - 1) / (kBlockM * kCluster);  // cluster row tiles
+  const int tiles_n = (n + kBlockN - 1) / kBlockN;
+  const int tiles = tiles_m * tiles_n;
+  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+  const int warpgroup = threadIdx.x / 128;
+  const int first_tile = blockIdx.x / kCluster;
+  const int tile_step = gridDim.x / kCluster;
+  constexpr int kSliceRows = kBlockN / kCluster;  // B rows each block loads
+
+  if (warpgroup == 0) {
+    // The producer: few registers, one thread issues the loads.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      const uint64_t keep = EvictLast(), normal = EvictNormal();
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int tile = first_tile; tile < tiles; tile += tile_step) {
+        int tm, tn;
+        TileAt(tile, tiles_m, tiles_n, kBandM / kCluster, tm, tn);
+        tm = tm * kCluster + rank;
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          BarrierWait(empty + 8 * stage, phase ^ 1);
+          const uint32_t bar = full + 8 * stage;
+          BarrierExpectBytes(bar, kStageBytes);
+          TmaLoad(stage_a + stage * kBlockM * kBlockK * 2, &map_a, kb * kBlockK, tm * kBlockM,
+                  bar, keep);
+          const uint32_t b_stage = stage_b + stage * kBlockN * kBlockK * 2;
+          if constexpr (kCluster > 1) {
+            TmaMulticast(b_stage + rank * kSliceRows * kBlockK * 2, &map_b, kb * kBlockK,
+                         tn * kBlockN + rank * kSliceRows, bar, (1u << kCluster) - 1, normal);
+          } else {
+            for (int half = 0; half < 2; ++half) {
+              TmaLoad(b_stage + half * 128 * kBlockK * 2, &map_b, kb * kBlockK,
+                      tn * kBlockN + half * 128, bar, normal);
+            }
+          }
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
           }
         }
       }
     }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    // This warp's staging, after the barriers.
+    uint8_t* staging = shared_raw + (empty + kStages * 8 - raw) +
+                       (threadIdx.x / 32 - 4) * 16 * (128 + 32);
+    Consume<T, OutT, kCluster>(c, ldc, m, n, tiles_m, tiles_n, tiles, k_blocks, first_tile,
+                               tile_step, rank, stage_a, stage_b, full, empty, staging,
+                               whole_pieces);
   }
+  // No block leaves while a peer may still arrive on its barriers.
+  if constexpr (kCluster > 1) ClusterSync();
 #else
   __trap();  // built for Hopper's sm_90a only; the launcher checks the device
 #endif
 }
+
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                                  const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
@@ -370,33 +491,67 @@ cudaError_t MakeMap(CUtensorMap* map, const void* data, CUtensorMapDataType type
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+template <typename T, typename OutT, int kCluster>
+cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b,
+                   int sms, cudaStream_t stream) {
+  auto kernel = HopperGemmKernel<T, OutT, kCluster>;
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  if (error != cudaSuccess) return error;
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSharedBytes;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // Persistent: as many clusters as can be resident at once (a GPC's odd
+  // multiprocessor holds no cluster of 2), never more than there are tiles.
+  int resident = sms / kCluster;
+  if (kCluster > 1) {
+    config.gridDim = dim3(sms / kCluster * kCluster);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0) {
+      resident = clusters;
+    }
+    cudaGetLastError();  // a failed query only leaves the estimate
+  }
+  const int64_t tiles = ((args.m + kBlockM * kCluster - 1) / (kBlockM * kCluster)) *
+                        ((args.n + kBlockN - 1) / kBlockN);
+  config.gridDim = dim3(static_cast<unsigned>((tiles < resident ? tiles : resident) * kCluster));
+  // 16-byte stores where C's rows allow them.
+  const bool whole_pieces = (args.ldc * sizeof(OutT)) % 16 == 0 &&
+                            reinterpret_cast<uintptr_t>(args.c) % 16 == 0;
+  error = cudaLaunchKernelEx(&config, kernel, map_a, map_b, static_cast<OutT*>(args.c), args.ldc,
+                             static_cast<int>(args.m), static_cast<int>(args.n),
+                             static_cast<int>(args.k), whole_pieces);
+  if (error != cudaSuccess) return error;
+  return cudaGetLastError();
+}
+
 template <typename T, typename OutT>
-cudaError_t Launch(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
-                   cudaStream_t stream) {
+cudaError_t LaunchWithMaps(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
+                           cudaStream_t stream) {
+  // Both maps in boxes of 128 rows: A's tile, and the part of B's 256 that
+  // one load brings (half of it, or a cluster block's share).
   CUtensorMap map_a, map_b;
   cudaError_t error = MakeMap(&map_a, args.a, type, args.m, args.k, args.lda, kBlockM);
   if (error != cudaSuccess) return error;
-  error = MakeMap(&map_b, args.b, type, args.n, args.k, args.ldb, kBlockN);
+  error = MakeMap(&map_b, args.b, type, args.n, args.k, args.ldb, kBlockN / 2);
   if (error != cudaSuccess) return error;
-  auto kernel = HopperGemmKernel<T, OutT>;
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (error != cudaSuccess) return error;
-  const int64_t tiles =
-      ((args.m + kBlockM - 1) / kBlockM) * ((args.n + kBlockN - 1) / kBlockN);
-  const int blocks = static_cast<int>(tiles < sms ? tiles : sms);
-  const bool paired = args.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(args.c) %
-                                                   (2 * sizeof(OutT)) == 0;
-  kernel<<<blocks, kThreads, kSharedBytes, stream>>>(
-      map_a, map_b, static_cast<OutT*>(args.c), args.ldc, static_cast<int>(args.m),
-      static_cast<int>(args.n), static_cast<int>(args.k), paired);
-  return cudaGetLastError();
+  if (args.cluster == 2) return Launch<T, OutT, 2>(args, map_a, map_b, sms, stream);
+  return Launch<T, OutT, 1>(args, map_a, map_b, sms, stream);
 }
 
 template <typename T>
 cudaError_t LaunchFor(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
                       cudaStream_t stream) {
-  if (args.out_type == DType::kFloat32) return Launch<T, float>(args, type, sms, stream);
-  return Launch<T, T>(args, type, sms, stream);
+  if (args.out_type == DType::kFloat32) return LaunchWithMaps<T, float>(args, type, sms, stream);
+  return LaunchWithMaps<T, T>(args, type, sms, stream);
 }
 
 }  // namespace
@@ -413,7 +568,8 @@ bool HopperGemmSupported(const HopperGemmArgs& args, int device) {
   constexpr int64_t kMax = int64_t{1} << 31;
   return half && out && args.k > 0 && args.k % 8 == 0 && args.lda % 8 == 0 &&
          args.ldb % 8 == 0 && args.lda >= args.k && args.ldb >= args.k && args.ldc >= args.n &&
-         args.m >= 0 && args.n >= 0 && args.m < kMax && args.n < kMax && args.k < kMax &&
+         (args.cluster == 1 || args.cluster == 2) && args.m >= 0 && args.n >= 0 &&
+         args.m < kMax && args.n < kMax && args.k < kMax &&
          reinterpret_cast<uintptr_t>(args.a) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(args.b) % 16 == 0;
 }

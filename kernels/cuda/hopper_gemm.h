@@ -30,13 +30,16 @@ struct HopperGemmArgs {
   int64_t m = 0, n = 0, k = 0;
   DType in_type = DType::kBFloat16;   // A's and B's: bf16 or fp16
   DType out_type = DType::kBFloat16;  // C's: in_type or fp32
+  // Blocks of a cluster that share each of B's tiles (1 or 2): the TMA
+  // multicasts B's rows into both, halving its reads from L2.
+  int cluster = 2;
 };
 
 // Whether `device` runs the kernel (compute capability 9.0) and the
 // arguments fit it: bf16 or fp16 operands, C in their dtype or fp32,
 // lda and ldb multiples of 8 elements (16-byte rows, the TMA's rule) with
 // 16-byte aligned A and B, k a positive multiple of 8, ldc ≥ n, m, n and k
-// below 2³¹ (the TMA's coordinates).
+// below 2³¹ (the TMA's coordinates), cluster 1 or 2.
 bool HopperGemmSupported(const HopperGemmArgs& args, int device);
 
 // C = A·Bᵀ on `stream` with at most `sms` resident blocks (the device's

@@ -93,75 +93,83 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
       cases.push_back({733, 257, 264, in, out});
     }
   }
-  // Many tiles per block (persistence, bands), a long K, padded rows and an
-  // odd C stride (unpaired stores).
+  // Many tiles per block (persistence, bands), an odd count of row tiles
+  // (a cluster's second block past m), a long K, padded rows and an odd C
+  // stride (element stores), C's rows in 16-byte pieces with n ending
+  // inside one.
   cases.push_back({1000, 8191, 256, DType::kBFloat16, DType::kBFloat16});
   cases.push_back({2100, 1100, 128, DType::kBFloat16, DType::kFloat32});
   cases.push_back({129, 513, 4096, DType::kBFloat16, DType::kFloat32});
   cases.push_back({300, 301, 136, DType::kBFloat16, DType::kBFloat16, 144, 152, 307});
   cases.push_back({130, 260, 40, DType::kFloat16, DType::kFloat32, 48, 40, 263});
+  cases.push_back({70, 300, 64, DType::kBFloat16, DType::kBFloat16, 0, 0, 304});
+  cases.push_back({65, 258, 32, DType::kFloat16, DType::kFloat32, 0, 0, 260});
 
   uint32_t seed = 1;
   for (const Case& c : cases) {
-    const int64_t lda = c.lda ? c.lda : c.k, ldb = c.ldb ? c.ldb : c.k, ldc = c.ldc ? c.ldc : c.n;
-    SCOPED_TRACE(::testing::Message() << "m=" << c.m << " n=" << c.n << " k=" << c.k << " in="
-                                      << DTypeName(c.in) << " out=" << DTypeName(c.out)
-                                      << " lda=" << lda << " ldb=" << ldb << " ldc=" << ldc);
-    std::vector<uint16_t> a_bits, b_bits;
-    std::vector<double> a, b;
-    RandomMatrix(c.m, c.k, lda, c.in, seed++, a_bits, a);
-    RandomMatrix(c.n, c.k, ldb, c.in, seed++, b_bits, b);
-    const size_t out_size = DTypeSize(c.out);
-    Buffer da(a_bits.size() * 2), db(b_bits.size() * 2), dc(c.m * ldc * out_size);
-    ASSERT_EQ(cudaMemcpy(da.data, a_bits.data(), da.bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(db.data, b_bits.data(), db.bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemset(dc.data, 0xff, dc.bytes), cudaSuccess);  // NaN: unwritten shows
+    for (const int cluster : {1, 2}) {
+      const int64_t lda = c.lda ? c.lda : c.k, ldb = c.ldb ? c.ldb : c.k, ldc = c.ldc ? c.ldc : c.n;
+      SCOPED_TRACE(::testing::Message()
+                   << "m=" << c.m << " n=" << c.n << " k=" << c.k << " in=" << DTypeName(c.in)
+                   << " out=" << DTypeName(c.out) << " lda=" << lda << " ldb=" << ldb
+                   << " ldc=" << ldc << " cluster=" << cluster);
+      std::vector<uint16_t> a_bits, b_bits;
+      std::vector<double> a, b;
+      RandomMatrix(c.m, c.k, lda, c.in, seed++, a_bits, a);
+      RandomMatrix(c.n, c.k, ldb, c.in, seed++, b_bits, b);
+      const size_t out_size = DTypeSize(c.out);
+      Buffer da(a_bits.size() * 2), db(b_bits.size() * 2), dc(c.m * ldc * out_size);
+      ASSERT_EQ(cudaMemcpy(da.data, a_bits.data(), da.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(db.data, b_bits.data(), db.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemset(dc.data, 0xff, dc.bytes), cudaSuccess);  // NaN: unwritten shows
 
-    HopperGemmArgs args;
-    args.a = da.data;
-    args.lda = lda;
-    args.b = db.data;
-    args.ldb = ldb;
-    args.c = dc.data;
-    args.ldc = ldc;
-    args.m = c.m;
-    args.n = c.n;
-    args.k = c.k;
-    args.in_type = c.in;
-    args.out_type = c.out;
-    ASSERT_TRUE(HopperGemmSupported(args, 0));
-    ASSERT_EQ(LaunchHopperGemm(args, sms_, stream_), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+      HopperGemmArgs args;
+      args.a = da.data;
+      args.lda = lda;
+      args.b = db.data;
+      args.ldb = ldb;
+      args.c = dc.data;
+      args.ldc = ldc;
+      args.m = c.m;
+      args.n = c.n;
+      args.k = c.k;
+      args.in_type = c.in;
+      args.out_type = c.out;
+      args.cluster = cluster;
+      ASSERT_TRUE(HopperGemmSupported(args, 0));
+      ASSERT_EQ(LaunchHopperGemm(args, sms_, stream_), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
 
-    std::vector<char> raw(dc.bytes);
-    ASSERT_EQ(cudaMemcpy(raw.data(), dc.data, dc.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-    std::vector<float> got(c.m * ldc);
-    ToFloat(c.out, raw.data(), c.m * ldc, got.data());
-    // fp32 accumulation over k, then C's one rounding.
-    const double round = c.out == DType::kBFloat16 ? std::ldexp(1.0, -8)
-                         : c.out == DType::kFloat16 ? std::ldexp(1.0, -11)
-                                                    : 0.0;
-    int64_t bad = 0, untouched = 0;
-    for (int64_t i = 0; i < c.m; ++i) {
-      for (int64_t j = 0; j < ldc; ++j) {
-        const float x = got[i * ldc + j];
-        if (j >= c.n) {
-          if (!std::isnan(x)) ++untouched;  // past n: still the poison
-          continue;
-        }
-        double exact = 0, magnitude = 0;
-        for (int64_t p = 0; p < c.k; ++p) {
-          exact += a[i * c.k + p] * b[j * c.k + p];
-          magnitude += std::fabs(a[i * c.k + p] * b[j * c.k + p]);
-        }
-        const double bar = 1e-5 * magnitude + round * std::fabs(exact) + 1e-30;
-        if (!(std::fabs(x - exact) <= bar) && bad++ < 5) {
-          ADD_FAILURE() << "C[" << i << "][" << j << "] = " << x << ", expected " << exact;
+      std::vector<char> raw(dc.bytes);
+      ASSERT_EQ(cudaMemcpy(raw.data(), dc.data, dc.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      std::vector<float> got(c.m * ldc);
+      ToFloat(c.out, raw.data(), c.m * ldc, got.data());
+      // fp32 accumulation over k, then C's one rounding.
+      const double round = c.out == DType::kBFloat16  ? std::ldexp(1.0, -8)
+                           : c.out == DType::kFloat16 ? std::ldexp(1.0, -11)
+                                                      : 0.0;
+      int64_t bad = 0, untouched = 0;
+      for (int64_t i = 0; i < c.m; ++i) {
+        for (int64_t j = 0; j < ldc; ++j) {
+          const float x = got[i * ldc + j];
+          if (j >= c.n) {
+            if (!std::isnan(x)) ++untouched;  // past n: still the poison
+            continue;
+          }
+          double exact = 0, magnitude = 0;
+          for (int64_t p = 0; p < c.k; ++p) {
+            exact += a[i * c.k + p] * b[j * c.k + p];
+            magnitude += std::fabs(a[i * c.k + p] * b[j * c.k + p]);
+          }
+          const double bar = 1e-5 * magnitude + round * std::fabs(exact) + 1e-30;
+          if (!(std::fabs(x - exact) <= bar) && bad++ < 5) {
+            ADD_FAILURE() << "C[" << i << "][" << j << "] = " << x << ", expected " << exact;
+          }
         }
       }
+      EXPECT_EQ(bad, 0);
+      EXPECT_EQ(untouched, 0) << "elements past n were written";
     }
-    EXPECT_EQ(bad, 0);
-    EXPECT_EQ(untouched, 0) << "elements past n were written";
   }
 }
 
@@ -187,6 +195,10 @@ TEST_F(HopperGemmTest, RefusesWhatItDoesNotTake) {
   HopperGemmArgs misaligned = args;
   misaligned.a = static_cast<char*>(a.data) + 2;
   EXPECT_FALSE(HopperGemmSupported(misaligned, 0));
+
+  HopperGemmArgs cluster = args;
+  cluster.cluster = 3;
+  EXPECT_FALSE(HopperGemmSupported(cluster, 0));
 
   HopperGemmArgs empty = args;
   empty.m = 0;
