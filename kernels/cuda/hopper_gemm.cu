@@ -9,10 +9,18 @@
 // "full", issue four wgmma m64n256k16 per stage from shared memory (fp32
 // accumulators in registers, one group kept in flight) and give the stage
 // back on its "empty" mbarrier once their wgmma read it; after the tile's
-// last k-block they write their 64×256 fp32 results to C in its dtype,
-// while the producer already loads the next tile's stages. Tiles run in
-// bands of kBandM row tiles, row tiles fastest, so the blocks in flight
-// share B's tile and A's band stays in L2.
+// last k-block they write their 64×256 fp32 results to C in its dtype
+// (each warp through its staging in shared memory, so that every global
+// store writes whole 16-byte pieces of rows: written straight from the
+// fragment, half of each stored sector was waste and the stores held the
+// accumulators' registers past the next tile's first wgmma), while the
+// producer already loads the next tile's stages. Tiles run in bands of
+// kBandM row tiles, row tiles fastest, so the blocks in flight share B's
+// tile and A's band stays in L2 (its loads marked evict-last).
+//
+// In clusters of 2, the blocks take adjacent row tiles of one column tile:
+// each loads its own A rows and half of B's, which the TMA multicasts into
+// both; a stage is free again once both blocks' consumers gave it back.
 //
 // Traffic: A read once per column tile of the band (from L2 mostly),
 // B once per band, C written once; 2·m·n·k FLOP.

@@ -7,7 +7,7 @@
 // as logits = X·Wᵀ. Warp-specialised and persistent: one warpgroup feeds
 // shared memory through the tensor memory accelerator (TMA, 128-byte
 // swizzle), two warpgroups multiply with wgmma from shared memory and write
-// their tiles to C. Plain C++ and the CUDA runtime's types only (no Abseil,
+// their tiles to C through shared memory in whole lines. Plain C++ and the CUDA runtime's types only (no Abseil,
 // no gRPC), so nvcc stays simple. The launcher never allocates and never
 // synchronises.
 
@@ -31,7 +31,9 @@ struct HopperGemmArgs {
   DType in_type = DType::kBFloat16;   // A's and B's: bf16 or fp16
   DType out_type = DType::kBFloat16;  // C's: in_type or fp32
   // Blocks of a cluster that share each of B's tiles (1 or 2): the TMA
-  // multicasts B's rows into both, halving its reads from L2.
+  // multicasts B's rows into both, halving its reads from L2. 2 is the
+  // faster at the engine's logits shapes (V of 128256 and more); 1 at
+  // 4096×4096×32000 and 8192³ (bench/RESULTS.md, "Hopper GEMM" entries).
   int cluster = 2;
 };
 
