@@ -78,7 +78,7 @@ ABSL_FLAG(bool, cuda_stages, false,
 ABSL_FLAG(bool, cuda_tune_gemms, true,
           "CUDA engine: tune each GEMM shape's algorithm (bit-identical to cuBLAS's default); "
           "the floor is then also timed with tuned algorithms, printed under the row");
-ABSL_FLAG(bool, cuda_one_pass_rows, true,
+ABSL_FLAG(bool, cuda_one_pass_rows, flce::CudaEngineOptions().one_pass_rows,
           "CUDA engine: STORE_GRADS reads each logit once where it can (false: twice)");
 ABSL_FLAG(bool, cuda_keep_chunk_logits, true,
           "CUDA engine: STORE_GRADS in one chunk keeps the logits, dW made in Backward in its "

@@ -1089,14 +1089,15 @@ TEST_F(ServerTest, MetricsEndpointAndGetStatsCountRequests) {
 }
 
 // A NaN in X makes its row's logits NaN: the loss is NaN and the call
-// succeeds. On the CUDA server that row is out of the one-pass rows' range
-// (fp32, V a multiple of 4, STORE_GRADS): Forward runs again with two
-// passes and GetStats and /metrics count it; the CPU engine has no such
-// path.
+// succeeds. On a CUDA server with one-pass rows (--cuda_one_pass_rows) that
+// row is out of their range (fp32, V a multiple of 4, STORE_GRADS): Forward
+// runs again with two passes and GetStats and /metrics count it; the CPU
+// engine has no such path.
 TEST_F(ServerTest, NonFiniteLogitsAreServedAndCountedAsForwardReruns) {
   server_.reset();
   ServerOptions o = TestOptions();
   o.metrics_address = "127.0.0.1:0";
+  o.engine.cuda.one_pass_rows = true;
   StartServer(o);
   OwnedProblem p = Problem(9, 7, 32);
   p.hidden.mutable_data<float>()[7 * 3] = std::nanf("");  // row 3

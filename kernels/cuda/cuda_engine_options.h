@@ -31,8 +31,12 @@ struct CudaEngineOptions {
   // STORE_GRADS Forward reads each logit once where the rows allow it
   // (no label smoothing, bf16 or fp32: LaunchOnePassRows), else twice. A call whose
   // rows fall outside the one-pass kernel's range runs again with two
-  // passes (forward_reruns()). Off: always two passes (benchmarks compare).
-  bool one_pass_rows = true;
+  // passes (forward_reruns()). Off by default: one pass rounds each
+  // gradient term twice (before its row's sum is known, then scaled into
+  // the dW GEMM's operand), which puts bf16 dW at 1.1–1.2× eager's error
+  // against the ≤ 1.05× bar; two passes are ≤ 1.0× on every output, for
+  // 1–2 % more time (bench/RESULTS.md, 2026-12-04).
+  bool one_pass_rows = false;
   // STORE_GRADS of a problem whose rows fit one chunk keeps the chunk's
   // logits and runs the gradient GEMMs in Backward, dW in its final dtype
   // (KeptLogits in device_pipeline.h). Off: fp32 gradients made in Forward,
