@@ -2,9 +2,9 @@
 #define FLCE_KERNELS_CUDA_DEVICE_PRIMITIVES_CUH_
 
 // Device-side building blocks of the CUDA engine's kernels (row_kernels.cu,
-// reductions.cu, elementwise.cu): element conversions, block reductions over
-// a row's threads, 16-byte accesses with L2 eviction hints, fast exp, and
-// the one dtype dispatch. Plain CUDA C++ (no Abseil, no gRPC).
+// reductions.cu, elementwise.cu, hopper_gemm.cu): element conversions, block
+// reductions over a row's threads, 16-byte accesses with L2 eviction hints,
+// fast exp, and the one dtype dispatch. Plain CUDA C++ (no Abseil, no gRPC).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -166,7 +166,8 @@ __device__ inline float BlockMax(float v, float* shared) {
 
 __device__ __forceinline__ bool BlockAny(bool v) { return __syncthreads_or(v ? 1 : 0) != 0; }
 
-// L2 eviction priorities for the row kernels' 16-byte accesses. The
+// L2 eviction priorities (the row kernels' 16-byte accesses, the GEMM's
+// TMA loads). The
 // statistics pass marks what it reads evict-last when the gradient pass will
 // read it again, so other blocks' streaming traffic (their gradient passes'
 // reads and writes, marked evict-first) is evicted before it.
@@ -178,6 +179,12 @@ __device__ __forceinline__ uint64_t L2EvictLast() {
 __device__ __forceinline__ uint64_t L2EvictFirst() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+// As a load without a hint (for instructions that always take a policy).
+__device__ __forceinline__ uint64_t L2EvictNormal() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/cuda_test_support.h"
 #include "kernels/cuda/cuda_resources.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/reductions.h"
@@ -21,10 +22,7 @@ namespace flce {
 namespace internal_cuda {
 namespace {
 
-bool RequireGpu() {
-  const char* v = std::getenv("REQUIRE_GPU");
-  return v != nullptr && std::string(v) == "1";
-}
+using cuda_test::RequireGpu;
 
 // A stream and a cuBLAS handle bound to it; skips without a device.
 class GemmRunnerTest : public ::testing::Test {

@@ -29,6 +29,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/cuda/device_primitives.cuh"
 #include "kernels/cuda/hopper_gemm.h"
 
 namespace flce {
@@ -126,19 +127,6 @@ __device__ __forceinline__ void BarrierWait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
-}
-
-// L2 cache policies for the TMA's loads: lines kept over others (A's
-// band, read again for each of the band's column tiles), or as usual.
-__device__ __forceinline__ uint64_t EvictLast() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ uint64_t EvictNormal() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
 }
 
 // The 2-D box at (inner, outer) of `map` into shared memory at `dst`,
@@ -248,15 +236,18 @@ __device__ __forceinline__ void StagePair<__half>(uint8_t* p, float x, float y) 
   *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
 }
 
-// Output tile `tile`'s row and column tile: bands of `band_m` row tiles,
-// row tiles fastest within a band.
-__device__ __forceinline__ void TileAt(int tile, int tiles_m, int tiles_n, int band_m, int& tm,
-                                       int& tn) {
-  const int band = tile / (band_m * tiles_n);
-  const int first = band * band_m;
-  const int rows = min(band_m, tiles_m - first);
-  const int local = tile - band * band_m * tiles_n;
-  tm = first + local % rows;
+// The row and column tile of cluster block `rank` for the cluster's tile
+// `tile` of tiles_m × tiles_n (tiles_m counting kCluster row tiles each):
+// bands of kBandM row tiles, row tiles fastest within a band.
+template <int kCluster>
+__device__ __forceinline__ void TileAt(int tile, int tiles_m, int tiles_n, uint32_t rank,
+                                       int& tm, int& tn) {
+  constexpr int kBand = kBandM / kCluster;
+  const int band = tile / (kBand * tiles_n);
+  const int first = band * kBand;
+  const int rows = min(kBand, tiles_m - first);
+  const int local = tile - band * kBand * tiles_n;
+  tm = (first + local % rows) * kCluster + rank;
   tn = local / rows;
 }
 
@@ -288,8 +279,7 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
   uint32_t phase = 0;
   for (int tile = first_tile; tile < tiles; tile += tile_step) {
     int tm, tn;
-    TileAt(tile, tiles_m, tiles_n, kBandM / kCluster, tm, tn);
-    tm = tm * kCluster + rank;
+    TileAt<kCluster>(tile, tiles_m, tiles_n, rank, tm, tn);
     int previous = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       BarrierWait(full + 8 * stage, phase);
@@ -415,13 +405,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The producer: few registers, one thread issues the loads.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
-      const uint64_t keep = EvictLast(), normal = EvictNormal();
+      // A's band is read again for each of its column tiles: kept in L2.
+      const uint64_t keep = L2EvictLast(), normal = L2EvictNormal();
       int stage = 0;
       uint32_t phase = 0;
       for (int tile = first_tile; tile < tiles; tile += tile_step) {
         int tm, tn;
-        TileAt(tile, tiles_m, tiles_n, kBandM / kCluster, tm, tn);
-        tm = tm * kCluster + rank;
+        TileAt<kCluster>(tile, tiles_m, tiles_n, rank, tm, tn);
         for (int kb = 0; kb < k_blocks; ++kb) {
           BarrierWait(empty + 8 * stage, phase ^ 1);
           const uint32_t bar = full + 8 * stage;

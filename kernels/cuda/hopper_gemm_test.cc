@@ -15,16 +15,14 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/cuda_test_support.h"
 #include "kernels/dtype.h"
 
 namespace flce {
 namespace internal_cuda {
 namespace {
 
-bool RequireGpu() {
-  const char* v = std::getenv("REQUIRE_GPU");
-  return v != nullptr && std::string(v) == "1";
-}
+using cuda_test::RequireGpu;
 
 class HopperGemmTest : public ::testing::Test {
  protected:
