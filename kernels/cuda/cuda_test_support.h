@@ -26,6 +26,17 @@ inline bool RequireGpu() {
   return v != nullptr && std::string(v) == "1";
 }
 
+// Returns from the calling test (or SetUp), skipped, when there is no CUDA
+// device; failed instead under REQUIRE_GPU=1.
+#define FLCE_SKIP_WITHOUT_DEVICE()                                                   \
+  do {                                                                               \
+    int device_count_ = 0;                                                           \
+    if (cudaGetDeviceCount(&device_count_) != cudaSuccess || device_count_ == 0) {   \
+      if (::flce::cuda_test::RequireGpu()) FAIL() << "REQUIRE_GPU=1 but no CUDA device"; \
+      GTEST_SKIP() << "no CUDA device";                                              \
+    }                                                                                \
+  } while (0)
+
 // How the RECOMPUTE backward walks the logits.
 enum class Layout {
   kTokenChunks,       // token chunks, like Forward (slices of every row do not fit)

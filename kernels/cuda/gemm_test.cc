@@ -22,17 +22,11 @@ namespace flce {
 namespace internal_cuda {
 namespace {
 
-using cuda_test::RequireGpu;
-
 // A stream and a cuBLAS handle bound to it; skips without a device.
 class GemmRunnerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but no CUDA device";
-      GTEST_SKIP() << "no CUDA device";
-    }
+    FLCE_SKIP_WITHOUT_DEVICE();
     auto stream = CudaStream::Create(health_);
     ASSERT_TRUE(stream.ok());
     stream_ = *std::move(stream);

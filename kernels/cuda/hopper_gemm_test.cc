@@ -22,16 +22,10 @@ namespace flce {
 namespace internal_cuda {
 namespace {
 
-using cuda_test::RequireGpu;
-
 class HopperGemmTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-      if (RequireGpu()) FAIL() << "REQUIRE_GPU=1 but no CUDA device";
-      GTEST_SKIP() << "no CUDA device";
-    }
+    FLCE_SKIP_WITHOUT_DEVICE();
     int major = 0, minor = 0;
     ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
     ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
