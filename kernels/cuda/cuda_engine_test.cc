@@ -284,8 +284,7 @@ std::vector<std::string> StoreGradsBits(CudaEngine& engine, const OwnedProblem& 
 // the one-pass kernel's range: Forward runs again with two passes, and its
 // results are those of an engine that always reads twice, bit for bit.
 TEST(CudaEngineSemanticsTest, RowsOutOfOnePassRangeRunAgainWithTwoPasses) {
-  FLCE_GET_ENGINE_OR_SKIP(shared);  // skips without a device
-  (void)shared;
+  FLCE_SKIP_WITHOUT_DEVICE();
   CudaEngineOptions options;
   options.chunk_bytes = 64 << 10;
   options.one_pass_rows = false;

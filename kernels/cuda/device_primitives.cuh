@@ -167,9 +167,8 @@ __device__ inline float BlockMax(float v, float* shared) {
 __device__ __forceinline__ bool BlockAny(bool v) { return __syncthreads_or(v ? 1 : 0) != 0; }
 
 // L2 eviction priorities (the row kernels' 16-byte accesses, the GEMM's
-// TMA loads). The
-// statistics pass marks what it reads evict-last when the gradient pass will
-// read it again, so other blocks' streaming traffic (their gradient passes'
+// TMA loads). The statistics pass marks what it reads evict-last when the
+// gradient pass will read it again, so other blocks' streaming traffic (their gradient passes'
 // reads and writes, marked evict-first) is evicted before it.
 __device__ __forceinline__ uint64_t L2EvictLast() {
   uint64_t policy;

@@ -42,15 +42,6 @@ class HopperGemmTest : public ::testing::Test {
 };
 
 // Device memory that frees itself.
-struct Buffer {
-  explicit Buffer(size_t bytes) : bytes(bytes) { EXPECT_EQ(cudaMalloc(&data, bytes), cudaSuccess); }
-  ~Buffer() { cudaFree(data); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  void* data = nullptr;
-  size_t bytes = 0;
-};
-
 struct Case {
   int64_t m, n, k;
   DType in, out;
@@ -110,10 +101,10 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
       RandomMatrix(c.m, c.k, lda, c.in, seed++, a_bits, a);
       RandomMatrix(c.n, c.k, ldb, c.in, seed++, b_bits, b);
       const size_t out_size = DTypeSize(c.out);
-      Buffer da(a_bits.size() * 2), db(b_bits.size() * 2), dc(c.m * ldc * out_size);
-      ASSERT_EQ(cudaMemcpy(da.data, a_bits.data(), da.bytes, cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(db.data, b_bits.data(), db.bytes, cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(cudaMemset(dc.data, 0xff, dc.bytes), cudaSuccess);  // NaN: unwritten shows
+      cuda_test::DeviceBytes da(a_bits.size() * 2), db(b_bits.size() * 2), dc(c.m * ldc * out_size);
+      ASSERT_EQ(cudaMemcpy(da.data, a_bits.data(), da.size, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(db.data, b_bits.data(), db.size, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemset(dc.data, 0xff, dc.size), cudaSuccess);  // NaN: unwritten shows
 
       HopperGemmArgs args;
       args.a = da.data;
@@ -132,8 +123,8 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
       ASSERT_EQ(LaunchHopperGemm(args, sms_, stream_), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
 
-      std::vector<char> raw(dc.bytes);
-      ASSERT_EQ(cudaMemcpy(raw.data(), dc.data, dc.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      std::vector<char> raw(dc.size);
+      ASSERT_EQ(cudaMemcpy(raw.data(), dc.data, dc.size, cudaMemcpyDeviceToHost), cudaSuccess);
       std::vector<float> got(c.m * ldc);
       ToFloat(c.out, raw.data(), c.m * ldc, got.data());
       // fp32 accumulation over k, then C's one rounding.
@@ -166,7 +157,7 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
 }
 
 TEST_F(HopperGemmTest, RefusesWhatItDoesNotTake) {
-  Buffer a(1 << 16), b(1 << 16), c(1 << 16);
+  cuda_test::DeviceBytes a(1 << 16), b(1 << 16), c(1 << 16);
   HopperGemmArgs args;
   args.a = a.data;
   args.b = b.data;
