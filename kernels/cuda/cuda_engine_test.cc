@@ -206,7 +206,7 @@ TEST(CudaEngineSemanticsTest, TunedGemmsChangeNoBit) {
 // and together. None of them leaves the kernel's range, so none runs again
 // with two passes: the one-pass results are what was judged.
 TEST(CudaEngineSemanticsTest, OnePassRowsMeetTheBar) {
-  FLCE_GET_ENGINE_OR_SKIP(engine);
+  FLCE_GET_ENGINE_OR_SKIP(engine, Layout::kTokenChunks, /*one_pass_rows=*/true);
   const int64_t reruns = engine->forward_reruns();
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
     auto one_pass = [&](const std::string& name, Reduction reduction) {
@@ -238,7 +238,7 @@ TEST(CudaEngineSemanticsTest, OnePassRowsMeetTheBar) {
 // row: the one-pass rows give it a zero factor without a rerun, and the
 // results meet the bar.
 TEST(CudaEngineSemanticsTest, ZeroClassWeightRowsStayOnePass) {
-  FLCE_GET_ENGINE_OR_SKIP(engine);
+  FLCE_GET_ENGINE_OR_SKIP(engine, Layout::kTokenChunks, /*one_pass_rows=*/true);
   RandomProblemSpec spec;
   spec.rows = 50;
   spec.hidden = 24;

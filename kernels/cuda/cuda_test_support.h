@@ -68,18 +68,26 @@ inline std::string DTypeLayoutName(DType dtype, Layout layout) {
 // in Forward, and with it several vocabulary slices or token chunks in the
 // RECOMPUTE backward; one with the default budget, in which a test's rows
 // fit one chunk (STORE_GRADS then keeps the logits).
-inline CudaEngine* Engine(std::string* why, Layout layout = Layout::kTokenChunks) {
-  auto make = [](int64_t chunk_bytes, int64_t min_slice_columns) {
+// one_pass_rows: token chunks with STORE_GRADS's one-pass rows
+// (CudaEngineOptions::one_pass_rows, off by default), `layout` ignored.
+inline CudaEngine* Engine(std::string* why, Layout layout = Layout::kTokenChunks,
+                          bool one_pass_rows = false) {
+  auto make = [](int64_t chunk_bytes, int64_t min_slice_columns, bool one_pass) {
     CudaEngineOptions options;
     if (chunk_bytes > 0) options.chunk_bytes = chunk_bytes;
     options.min_slice_columns = min_slice_columns;
+    options.one_pass_rows = one_pass;
     return new absl::StatusOr<std::unique_ptr<CudaEngine>>(CudaEngine::Create(options));
   };
-  static absl::StatusOr<std::unique_ptr<CudaEngine>>* chunks = make(64 << 10, int64_t{1} << 40);
-  static absl::StatusOr<std::unique_ptr<CudaEngine>>* slices = make(64 << 10, 16);
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* chunks =
+      make(64 << 10, int64_t{1} << 40, false);
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* one_pass =
+      make(64 << 10, int64_t{1} << 40, true);
+  static absl::StatusOr<std::unique_ptr<CudaEngine>>* slices = make(64 << 10, 16, false);
   static absl::StatusOr<std::unique_ptr<CudaEngine>>* whole =
-      make(0, CudaEngineOptions().min_slice_columns);
-  auto* engine = layout == Layout::kTokenChunks        ? chunks
+      make(0, CudaEngineOptions().min_slice_columns, false);
+  auto* engine = one_pass_rows                         ? one_pass
+                 : layout == Layout::kTokenChunks      ? chunks
                  : layout == Layout::kVocabularySlices ? slices
                                                        : whole;
   if (!engine->ok()) {
