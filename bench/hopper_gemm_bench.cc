@@ -1,13 +1,20 @@
 // hopper_gemm_bench: flce's own Hopper GEMM against cuBLAS on the engine's
-// logits GEMM (logits [N, V] = X [N, H] · W [V, H]ᵀ, bf16, fp32
-// accumulation) at each shape, and on the 8192³ product (the card's
-// ceiling), in alternating rounds in one process (median of each round's
-// runs; the best round's median of each, and the ratio of every round).
-// flce's GEMM runs with clusters of 1 and of 2 blocks (HopperGemmArgs::cluster).
-// Also the relative L2 difference of cuBLAS's output and flce's (the last
-// run, cluster 2) over a sample.
+// three GEMMs of a token chunk of N rows (bf16, fp32 accumulation), each
+// called as the engine calls cuBLAS for it:
+//   logits [N, V] (bf16) = X [N, H] · W [V, H]ᵀ
+//   dx     [N, H] (fp32) = G [N, V] · W [V, H]
+//   dw     [V, H] (fp32) += G [N, V]ᵀ · X [N, H]   (a later chunk's sum)
+//   dw_last [V, H] (bf16) = dw (fp32) + G [N, V]ᵀ · X [N, H]   (the last
+//          chunk's: cuBLAS adds into the fp32 sum and the engine's narrowing
+//          kernel rounds it; flce rounds its sum once on the way out)
+// and on the 8192³ product (the card's ceiling), in alternating rounds in
+// one process (median of each round's runs; the median round of each, the
+// median of the rounds' ratios, and the ratio of every round). flce's GEMM runs with clusters of 1
+// and of 2 blocks (HopperGemmArgs::cluster). Also the relative L2
+// difference of cuBLAS's output and flce's (cluster 2, one run each from
+// the same start) over a sample.
 //
-//   hopper_gemm_bench --shapes=4096x4096x128256,8192x4096x128256 --rounds=3
+//   hopper_gemm_bench --shapes=4096x4096x128256,8192x4096x128256 --gemms=logits,dx,dw --rounds=3
 
 #include <cstdio>
 
@@ -16,7 +23,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -25,13 +34,16 @@
 #include "absl/strings/str_split.h"
 #include "bench/cublas_floor.h"
 #include "kernels/cuda/cuda_resources.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/hopper_gemm.h"
 #include "kernels/dtype.h"
 #include "kernels/status_macros.h"
 
 ABSL_FLAG(std::string, shapes, "4096x4096x128256,8192x4096x128256,8192x2304x256000,4096x4096x32000",
-          "comma-separated NxHxV: the logits GEMM's M=N, N=V, K=H (bf16)");
+          "comma-separated NxHxV (bf16)");
+ABSL_FLAG(std::string, gemms, "logits",
+          "comma-separated: logits, dx, dw, dw_last (see the file's comment)");
 ABSL_FLAG(int, rounds, 3, "alternating rounds of cuBLAS and flce's GEMM");
 ABSL_FLAG(int, iters, 10, "timed runs per round (median)");
 ABSL_FLAG(int, warmup, 5, "untimed runs before each round");
@@ -51,60 +63,132 @@ absl::Status CudaStatus(cudaError_t error, const char* what) {
   return BenchHealth().Check(error, what);
 }
 
-// Relative L2 difference of two bf16 buffers over their first and last
-// `sample` elements.
+// Relative L2 difference of two buffers of `count` values in `dtype` over
+// their first and last `sample` values.
 absl::StatusOr<double> SampledDifference(const DeviceBuffer& x, const DeviceBuffer& y,
-                                         int64_t count) {
+                                         int64_t count, DType dtype) {
   const int64_t sample = std::min<int64_t>(count / 2, int64_t{1} << 21);
-  std::vector<uint16_t> hx(2 * sample), hy(2 * sample);
+  const size_t size = DTypeSize(dtype);
+  std::vector<char> hx(2 * sample * size), hy(2 * sample * size);
   for (int part = 0; part < 2; ++part) {
     const int64_t first = part == 0 ? 0 : count - sample;
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(hx.data() + part * sample, x.as<uint16_t>() + first,
-                                               sample * 2, cudaMemcpyDeviceToHost),
-                                    "download"));
-    FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(hy.data() + part * sample, y.as<uint16_t>() + first,
-                                               sample * 2, cudaMemcpyDeviceToHost),
-                                    "download"));
+    for (auto [to, from] : {std::pair{&hx, &x}, std::pair{&hy, &y}}) {
+      FLCE_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpy(to->data() + part * sample * size,
+                     static_cast<const char*>(from->data()) + first * size, sample * size,
+                     cudaMemcpyDeviceToHost),
+          "download"));
+    }
   }
+  std::vector<float> fx(2 * sample), fy(2 * sample);
+  ToFloat(dtype, hx.data(), 2 * sample, fx.data());
+  ToFloat(dtype, hy.data(), 2 * sample, fy.data());
   double diff = 0, norm = 0;
-  for (size_t i = 0; i < hx.size(); ++i) {
-    const double a = BFloat16ToFloat(hx[i]), b = BFloat16ToFloat(hy[i]);
-    diff += (a - b) * (a - b);
-    norm += b * b;
+  for (size_t i = 0; i < fx.size(); ++i) {
+    diff += (double{fx[i]} - fy[i]) * (double{fx[i]} - fy[i]);
+    norm += double{fy[i]} * fy[i];
   }
   return norm > 0 ? std::sqrt(diff / norm) : 0.0;
 }
 
-absl::Status RunShape(int64_t n, int64_t h, int64_t v, int sms) {
+// One of the engine's GEMMs on both sides: cuBLAS as the engine calls it
+// (loss_gemms.cc's mapping) and flce's arguments for the same product.
+struct GemmCase {
+  GemmShape shape;  // cuBLAS's column-major view
+  const void* a;
+  const void* b;
+  float beta;
+  HopperGemmArgs args;  // flce's (c, and for dw the source, set by the caller)
+  int64_t outputs;      // elements of C
+  DType out_type;
+};
+
+absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, int sms) {
   FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(BenchHealth()));
   cudaStream_t s = stream.get();
   FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s, BenchHealth()));
   const DType dtype = DType::kBFloat16;
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer x, DeviceBuffer::Allocate(n * h * 2, s, BenchHealth()));
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer w, DeviceBuffer::Allocate(v * h * 2, s, BenchHealth()));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer z_cublas, DeviceBuffer::Allocate(n * v * 2, s, BenchHealth()));
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer z_flce, DeviceBuffer::Allocate(n * v * 2, s, BenchHealth()));
-  for (const DeviceBuffer* b : {&x, &w}) FLCE_RETURN_IF_ERROR(FillPattern(*b, dtype, s));
+  FLCE_RETURN_IF_ERROR(FillPattern(x, dtype, s));
+  FLCE_RETURN_IF_ERROR(FillPattern(w, dtype, s));
+  DeviceBuffer g;  // the chunk's gradient [N, V], for dx and dw
+  if (gemm != "logits") {
+    FLCE_ASSIGN_OR_RETURN(g, DeviceBuffer::Allocate(n * v * 2, s, BenchHealth()));
+    FLCE_RETURN_IF_ERROR(FillPattern(g, dtype, s));
+  }
+  GemmCase c;
+  HopperGemmArgs& args = c.args;
+  if (gemm == "logits") {
+    // logitsᵀ (V×N, ld V) = op(W) op(X): W column-major H×V op T, X H×N op N.
+    c = {{CUBLAS_OP_T, CUBLAS_OP_N, v, n, h, dtype, h, dtype, h, dtype, v}, w.data(), x.data(), 0,
+         {}, n * v, dtype};
+    args.a = x.data();
+    args.lda = h;
+    args.b = w.data();
+    args.ldb = h;
+    args.ldc = v;
+    args.m = n;
+    args.n = v;
+    args.k = h;
+  } else if (gemm == "dx") {
+    // dXᵀ (H×N, ld H) = W (H×V, ld H) · G (V×N, ld V), as ChunkDxGemm.
+    c = {{CUBLAS_OP_N, CUBLAS_OP_N, h, n, v, dtype, h, dtype, v, DType::kFloat32, h}, w.data(),
+         g.data(), 0, {}, n * h, DType::kFloat32};
+    args.a = g.data();
+    args.lda = v;
+    args.b = w.data();
+    args.ldb = h;
+    args.b_major = internal_cuda::Major::kMN;
+    args.ldc = h;
+    args.m = n;
+    args.n = h;
+    args.k = v;
+  } else if (gemm == "dw" || gemm == "dw_last") {
+    // dWᵀ (H×V, ld H) += X (H×N, ld H) · Gᵀ (G: V×N, ld V, op T), as
+    // ChunkDwGemm on a later chunk.
+    c = {{CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, dtype, h, dtype, v, DType::kFloat32, h}, x.data(),
+         g.data(), 1, {}, v * h, gemm == "dw" ? DType::kFloat32 : dtype};
+    args.a = g.data();
+    args.lda = v;
+    args.a_major = internal_cuda::Major::kMN;
+    args.b = x.data();
+    args.ldb = h;
+    args.b_major = internal_cuda::Major::kMN;
+    args.ldc = h;
+    args.ld_source = h;
+    args.m = v;
+    args.n = h;
+    args.k = n;
+  } else {
+    return absl::InvalidArgumentError("--gemms: unknown GEMM " + gemm);
+  }
+  args.in_type = dtype;
+  args.out_type = c.out_type;
+  const int64_t out_bytes = c.outputs * DTypeSize(c.out_type);
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer out_cublas, DeviceBuffer::Allocate(out_bytes, s, BenchHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer out_flce, DeviceBuffer::Allocate(out_bytes, s, BenchHealth()));
+  args.c = out_flce.data();
+  if (gemm == "dw") args.source = out_flce.as<float>();  // added in place
+  // dw_last: the fp32 sums (cuBLAS adds into its own; flce's stays as it was).
+  const bool narrow = gemm == "dw_last";
+  DeviceBuffer sum_cublas, sum_flce;
+  if (narrow) {
+    FLCE_ASSIGN_OR_RETURN(sum_cublas, DeviceBuffer::Allocate(v * h * 4, s, BenchHealth()));
+    FLCE_ASSIGN_OR_RETURN(sum_flce, DeviceBuffer::Allocate(v * h * 4, s, BenchHealth()));
+    args.source = sum_flce.as<float>();
+  }
   internal_cuda::GemmTuning untuned;
   untuned.enabled = false;
   FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms,
                         GemmRunner::Create(untuned, BenchHealth()));
   auto cublas = [&]() -> absl::Status {
-    // Column-major view, as the engine's ChunkLogitsGemm: logitsᵀ (V×N, ld V)
-    // = op(A)·op(B), A = W (column-major H×V, ld H) op T, B = X (H×N, ld H) op N.
-    const GemmShape shape{CUBLAS_OP_T, CUBLAS_OP_N, v, n, h, dtype, h, dtype, h, dtype, v};
-    return gemms->Run(blas.get(), s, shape, w.data(), x.data(), 0.0f, z_cublas.data());
+    if (!narrow) return gemms->Run(blas.get(), s, c.shape, c.a, c.b, c.beta, out_cublas.data());
+    FLCE_RETURN_IF_ERROR(gemms->Run(blas.get(), s, c.shape, c.a, c.b, c.beta, sum_cublas.data()));
+    return CudaStatus(internal_cuda::LaunchConvert(sum_cublas.data(), DType::kFloat32,
+                                                   out_cublas.data(), dtype, v * h, 1.0f, s),
+                      "narrowing");
   };
-  HopperGemmArgs args;
-  args.a = x.data();
-  args.lda = h;
-  args.b = w.data();
-  args.ldb = h;
-  args.c = z_flce.data();
-  args.ldc = v;
-  args.m = n;
-  args.n = v;
-  args.k = h;
   auto hopper = [&](int cluster) {
     return [&args, cluster, sms, s]() -> absl::Status {
       HopperGemmArgs a = args;
@@ -112,30 +196,59 @@ absl::Status RunShape(int64_t n, int64_t h, int64_t v, int sms) {
       return CudaStatus(internal_cuda::LaunchHopperGemm(a, sms, s), "hopper gemm");
     };
   };
+  // Zero sums; dw_last's start from the same values.
+  auto zero = [&]() -> absl::Status {
+    for (const DeviceBuffer* out : {&out_cublas, &out_flce}) {
+      FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(out->data(), 0, out_bytes, s), "zero"));
+    }
+    if (narrow) {
+      FLCE_RETURN_IF_ERROR(FillPattern(sum_flce, DType::kFloat32, s));
+      FLCE_RETURN_IF_ERROR(FillPattern(sum_cublas, DType::kFloat32, s));
+    }
+    return absl::OkStatus();
+  };
+  FLCE_RETURN_IF_ERROR(zero());
   const double flop = 2.0 * n * h * v;
   internal_cuda::EventTimer timer(BenchHealth());
-  // cuBLAS, then flce's GEMM with clusters of 1 and of 2, in turn.
+  // cuBLAS and flce's GEMM with clusters of 1 and of 2, in turn, each
+  // round starting with the next of them (the first runs of a process on
+  // a cool GPU ran up to 15 % faster than later ones).
+  const std::function<absl::Status()> candidates[3] = {cublas, hopper(1), hopper(2)};
   std::vector<double> ms[3];
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
   for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
-    FLCE_ASSIGN_OR_RETURN(const double c, timer.MedianMs(s, warmup, iters, cublas));
-    FLCE_ASSIGN_OR_RETURN(const double one, timer.MedianMs(s, warmup, iters, hopper(1)));
-    FLCE_ASSIGN_OR_RETURN(const double two, timer.MedianMs(s, warmup, iters, hopper(2)));
-    ms[0].push_back(c);
-    ms[1].push_back(one);
-    ms[2].push_back(two);
+    for (int i = 0; i < 3; ++i) {
+      const int which = (round + i) % 3;
+      FLCE_ASSIGN_OR_RETURN(const double t, timer.MedianMs(s, warmup, iters, candidates[which]));
+      ms[which].push_back(t);
+    }
   }
-  FLCE_ASSIGN_OR_RETURN(const double difference, SampledDifference(z_flce, z_cublas, n * v));
+  // The outputs compared from the same start: one run each.
+  FLCE_RETURN_IF_ERROR(zero());
+  FLCE_RETURN_IF_ERROR(cublas());
+  FLCE_RETURN_IF_ERROR(hopper(2)());
+  FLCE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(s), "sync"));
+  FLCE_ASSIGN_OR_RETURN(const double difference,
+                        SampledDifference(out_flce, out_cublas, c.outputs, c.out_type));
+  // Each one's median round, and the median of the rounds' ratios (the
+  // best round favoured whichever ran while the GPU was coolest).
+  auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x.size() % 2 ? x[x.size() / 2] : (x[x.size() / 2 - 1] + x[x.size() / 2]) / 2;
+  };
   double best[3];
-  for (int i = 0; i < 3; ++i) best[i] = *std::min_element(ms[i].begin(), ms[i].end());
+  for (int i = 0; i < 3; ++i) best[i] = median(ms[i]);
   std::string rounds;
+  std::vector<double> ratios;
   for (size_t i = 0; i < ms[2].size(); ++i) {
-    rounds += (i ? " " : "") + std::to_string(ms[2][i] / ms[0][i]).substr(0, 5);
+    ratios.push_back(ms[2][i] / ms[0][i]);
+    rounds += (i ? " " : "") + std::to_string(ratios.back()).substr(0, 5);
   }
-  std::printf("%6lldx%-6lldx%-7lld %8.3f %6.1f %8.3f %6.1f %8.3f %6.1f %7.3f  %-20s %.1e\n",
-              static_cast<long long>(n), static_cast<long long>(h), static_cast<long long>(v),
-              best[0], flop / (best[0] * 1e9), best[1], flop / (best[1] * 1e9), best[2],
-              flop / (best[2] * 1e9), best[2] / best[0], rounds.c_str(), difference);
+  std::printf("%-6s %6lldx%-6lldx%-7lld %8.3f %6.1f %8.3f %6.1f %8.3f %6.1f %7.3f  %-20s %.1e\n",
+              gemm.c_str(), static_cast<long long>(n), static_cast<long long>(h),
+              static_cast<long long>(v), best[0], flop / (best[0] * 1e9), best[1],
+              flop / (best[1] * 1e9), best[2], flop / (best[2] * 1e9), median(ratios),
+              rounds.c_str(), difference);
   return absl::OkStatus();
 }
 
@@ -146,12 +259,14 @@ int Main() {
     return 1;
   }
   std::printf(
-      "logits GEMM [N, V] = X [N, H] · W [V, H]ᵀ, bf16; ms and TFLOP/s of each one's best round;\n"
-      "flce's with clusters of 1 and 2 blocks; ratio: cluster 2 over cuBLAS\n");
-  std::printf("%-22s %8s %6s %8s %6s %8s %6s %7s  %-20s %s\n", "N x H x V", "cuBLAS", "TF/s",
-              "flce c1", "TF/s", "flce c2", "TF/s", "ratio", "ratio per round", "rel. diff");
+      "ms and TFLOP/s of each one's median round; flce's with clusters of 1 and 2 blocks;\n"
+      "ratio: cluster 2 over cuBLAS, the median of the rounds'\n");
+  std::printf("%-6s %-22s %8s %6s %8s %6s %8s %6s %7s  %-20s %s\n", "GEMM", "N x H x V", "cuBLAS",
+              "TF/s", "flce c1", "TF/s", "flce c2", "TF/s", "ratio", "ratio per round",
+              "rel. diff");
   std::vector<std::string> shapes = absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',');
   if (absl::GetFlag(FLAGS_ceiling)) shapes.push_back("8192x8192x8192");
+  const std::vector<std::string> gemms = absl::StrSplit(absl::GetFlag(FLAGS_gemms), ',');
   int status = 0;
   for (const std::string& text : shapes) {
     std::vector<std::string> parts = absl::StrSplit(text, 'x');
@@ -161,10 +276,14 @@ int Main() {
       std::fprintf(stderr, "bad shape %s\n", text.c_str());
       return 2;
     }
-    const absl::Status s = RunShape(n, h, v, sms);
-    if (!s.ok()) {
-      std::printf("%s: %s\n", text.c_str(), s.ToString().c_str());
-      status = 1;
+    // The ceiling is the logits form's 8192³ product.
+    const bool ceiling = absl::GetFlag(FLAGS_ceiling) && text == "8192x8192x8192";
+    for (const std::string& gemm : ceiling ? std::vector<std::string>{"logits"} : gemms) {
+      const absl::Status s = RunGemm(gemm, n, h, v, sms);
+      if (!s.ok()) {
+        std::printf("%s %s: %s\n", gemm.c_str(), text.c_str(), s.ToString().c_str());
+        status = 1;
+      }
     }
   }
   return status;

@@ -1,19 +1,23 @@
-// flce's Hopper GEMM: C = A·Bᵀ, both operands K-major. See hopper_gemm.h.
+// flce's Hopper GEMM: C = alpha·A·B (+ source), A and B K-major or MN-major.
+// See hopper_gemm.h.
 //
 // Per block (one per multiprocessor, persistent over output tiles of
 // kBlockM × kBlockN): warpgroup 0 is the producer, one thread of which
-// loads each k-block of the tile's A rows (kBlockM × kBlockK) and B rows
-// (kBlockN × kBlockK) into a ring of kStages shared-memory stages through
-// the TMA (128-byte swizzle, completion counted on the stage's "full"
-// mbarrier); warpgroups 1 and 2 each own 64 of the tile's rows, wait on
-// "full", issue four wgmma m64n256k16 per stage from shared memory (fp32
-// accumulators in registers, one group kept in flight) and give the stage
-// back on its "empty" mbarrier once their wgmma read it; after the tile's
-// last k-block they write their 64×256 fp32 results to C in its dtype
-// (each warp through its staging in shared memory, so that every global
-// store writes whole 16-byte pieces of rows: written straight from the
-// fragment, half of each stored sector was waste and the stores held the
-// accumulators' registers past the next tile's first wgmma), while the
+// loads each k-block of the tile's A (kBlockM × kBlockK) and B (kBlockN ×
+// kBlockK) into a ring of kStages shared-memory stages through the TMA
+// (128-byte swizzle, completion counted on the stage's "full" mbarrier): a
+// K-major operand as rows of 64 elements along K, an MN-major one as boxes
+// of 64 k-rows × 64 elements along M or N, which wgmma reads transposed.
+// Warpgroups 1 and 2 each own 64 of the tile's rows, wait on "full", issue
+// four wgmma m64n256k16 per stage from shared memory (fp32 accumulators in
+// registers, one group kept in flight) and give the stage back on its
+// "empty" mbarrier once their wgmma read it; after the tile's last k-block
+// they write their 64×256 results, times alpha and plus the source where
+// there is one, to C in its dtype (EpilogueMode: through shared memory in
+// whole 16-byte pieces of rows, as written straight from the fragment half
+// of each stored sector was waste and the stores held the accumulators'
+// registers past the next tile's first wgmma; an fp32 C added to in place
+// as boxes the TMA adds into it, while the warpgroup goes on), and the
 // producer already loads the next tile's stages. Tiles run in bands of
 // kBandM row tiles, row tiles fastest, so the blocks in flight share B's
 // tile and A's band stays in L2 (its loads marked evict-last).
@@ -23,11 +27,13 @@
 // both; a stage is free again once both blocks' consumers gave it back.
 //
 // Traffic: A read once per column tile of the band (from L2 mostly),
-// B once per band, C written once; 2·m·n·k FLOP.
+// B once per band, C written once (and the source read once); 2·m·n·k FLOP.
 
 #include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <type_traits>
 
 #include "kernels/cuda/device_primitives.cuh"
 #include "kernels/cuda/hopper_gemm.h"
@@ -42,19 +48,35 @@ constexpr int kBlockK = 64;      // 64 bf16 = 128 bytes: one swizzle row
 constexpr int kStages = 4;       // 48 KiB each
 constexpr int kThreads = 384;    // producer + two consumer warpgroups
 constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK * 2;
-// The epilogue's staging: per consumer warp, 16 rows of 128 bytes of C,
-// each row padded by 8 elements' bytes (at most 32) so that neither the
-// fragment's writes nor the rows' reads meet in a bank.
+// An MN-major operand's TMA box: kBlockK rows of k, 64 elements (128
+// bytes) of M or N each.
+constexpr int kMnBox = 64;
+// How the epilogue writes C. kStore: C = alpha·A·B, each consumer warp
+// through its staging of 16 rows of 128 bytes of C (each row padded by 8
+// elements' bytes, at most 32, so that neither the fragment's writes nor
+// the rows' reads meet in a bank), then whole 16-byte pieces of rows.
+// kAddSource: the same with fp32 staging and the source's values added
+// before C's rounding. kReduceInPlace (C fp32 and its own source): each
+// consumer warpgroup stages 64 rows × 32 columns of alpha·A·B (8 KiB,
+// 128-byte swizzled, two buffers in turn) and the TMA adds them into C in
+// L2 (cp.reduce.async.bulk .add): the warpgroup goes on to its next tile
+// without waiting for C's read and write.
+enum EpilogueMode { kStore, kAddSource, kReduceInPlace };
 constexpr int kConsumerWarps = 8;
-constexpr int kStagingBytes = kConsumerWarps * 16 * (128 + 32);
-// The stages, then kStages "full" and kStages "empty" barriers, the
-// staging, plus the slack that aligns the stages to the swizzle's 1024 bytes.
-constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + kStagingBytes + 1024;
+constexpr int kReduceCols = 32;  // fp32: one 128-byte swizzle row
+constexpr int kReduceBoxBytes = 64 * kReduceCols * 4;
+constexpr int kStagingBytes = 2 * 2 * kReduceBoxBytes;  // ≥ kConsumerWarps × 16 × (128 + 32)
+static_assert(kStagingBytes >= kConsumerWarps * 16 * (128 + 32), "staging too small");
+// The stages, the staging (1024-byte aligned, as the swizzle wants), then
+// kStages "full" and kStages "empty" barriers, plus the slack that aligns
+// the stages to the swizzle's 1024 bytes.
+constexpr int kSharedBytes = kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + 1024;
 
 // wgmma m64n256k16 with fp32 accumulators d (this thread's 128 of the
 // 64×256 tile), A and B from shared memory by descriptor, D = A·B + D, or
 // D = A·B where scale_d is 0. TYPE: the operands' PTX type.
-#define FLCE_WGMMA_M64N256K16(TYPE, d, desc_a, desc_b, scale_d)                        \
+// TRANS_A, TRANS_B: "1" where that operand is MN-major (read transposed).
+#define FLCE_WGMMA_M64N256K16(TYPE, TRANS_A, TRANS_B, d, desc_a, desc_b, scale_d)      \
   asm volatile(                                                                      \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                  \
       "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"               \
@@ -68,7 +90,7 @@ constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + kStagingB
       "%108, %109, %110, %111, "                                                  \
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "    \
       "%124, %125, %126, %127"                                                    \
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"                                            \
+      "}, %128, %129, p, 1, 1, " TRANS_A ", " TRANS_B ";\n}\n"                          \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),  \
         "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),  \
         "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),  \
@@ -94,9 +116,19 @@ constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + kStagingB
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
 
+// What the epilogue adds and scales: C = alpha·(A·B) + source (fp32,
+// row stride ld; null: nothing; C itself for kReduceInPlace).
+struct Epilogue {
+  const float* source;
+  int64_t ld_source;
+  float alpha;
+  bool whole_pieces;  // C (and the source) take 16-byte pieces of rows
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 constexpr int kBandM = 16;  // row tiles per band (in clusters of kCluster)
+constexpr int kMnBoxBytes = kBlockK * kMnBox * 2;  // an MN-major box: 8 KiB
 
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -140,6 +172,47 @@ __device__ __forceinline__ void TmaLoad(uint32_t dst, const CUtensorMap* map, in
       : "memory");
 }
 
+// Brings `bytes` (a multiple of 16) at global address `p` (16-byte
+// aligned) into L2, without waiting.
+__device__ __forceinline__ void PrefetchL2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// Makes this thread's writes to shared memory visible to the TMA (the
+// async proxy).
+__device__ __forceinline__ void FenceSharedToTma() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// The 128 threads of consumer warpgroup `consumer` (named barrier 1 + it).
+__device__ __forceinline__ void WarpgroupSync(int consumer) {
+  asm volatile("bar.sync %0, 128;" ::"r"(consumer + 1) : "memory");
+}
+
+// Adds the fp32 box at shared address `src` into the tensor of `map` at
+// (inner, outer), through L2; one bulk group per call.
+__device__ __forceinline__ void TmaReduceAdd(const CUtensorMap* map, int inner, int outer,
+                                             uint32_t src) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%1, %2}], [%3];\n"
+      "cp.async.bulk.commit_group;" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(inner), "r"(outer), "r"(src)
+      : "memory");
+}
+
+// Waits until at most N of this thread's bulk groups still read their
+// shared memory.
+template <int N>
+__device__ __forceinline__ void TmaWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// Waits until all of this thread's bulk groups are complete.
+__device__ __forceinline__ void TmaWaitAll() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 // This block's rank in its cluster.
 __device__ __forceinline__ uint32_t ClusterRank() {
   uint32_t rank;
@@ -177,16 +250,27 @@ __device__ __forceinline__ void ClusterSync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
-// A wgmma shared-memory descriptor of a K-major tile whose rows are 128
-// bytes, 128-byte swizzled as the TMA wrote it (8-row groups 1024 bytes
-// apart), starting at shared address `addr`.
+// A wgmma shared-memory descriptor of an operand's tile as the TMA wrote
+// it (rows of 128 bytes, 128-byte swizzled, 8-row groups 1024 bytes apart),
+// starting at shared address `addr`. K-major: the rows run along K, one per
+// row of the operand (the leading byte offset unused). MN-major: the rows
+// run along M or N, one per k, in boxes of 64 k-rows (8 KiB) that hold 64
+// elements of M or N each; the leading byte offset steps from one box to
+// the next along M or N, the stride byte offset from one 8-row group of k
+// to the next.
+template <bool kMN>
 __device__ __forceinline__ uint64_t Descriptor(uint32_t addr) {
-  uint64_t desc = (addr & 0x3FFFF) >> 4;  // start address
-  desc |= uint64_t{1} << 16;              // leading byte offset (unused when swizzled)
-  desc |= uint64_t{1024 >> 4} << 32;      // stride byte offset: one 8-row group
-  desc |= uint64_t{1} << 62;              // 128-byte swizzle
+  uint64_t desc = (addr & 0x3FFFF) >> 4;                    // start address
+  desc |= uint64_t{kMN ? kMnBoxBytes >> 4 : 1} << 16;       // leading byte offset
+  desc |= uint64_t{1024 >> 4} << 32;                        // stride byte offset
+  desc |= uint64_t{1} << 62;                                // 128-byte swizzle
   return desc;
 }
+
+// What a descriptor's address advances by for the next 16 elements of K
+// (one wgmma's k): 32 bytes along a K-major row; 16 rows of an MN-major tile.
+template <bool kMN>
+constexpr uint64_t kDescriptorStepK = kMN ? (16 * 128) >> 4 : 32 >> 4;
 
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -206,19 +290,26 @@ __device__ __forceinline__ void FenceAccumulators(float (&d)[128]) {
   for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <typename T>
+#define FLCE_WGMMA_FORMS(TYPE, d, desc_a, desc_b, scale_d)                          \
+  if constexpr (kMnA && kMnB) {                                                       \
+    FLCE_WGMMA_M64N256K16(TYPE, "1", "1", d, desc_a, desc_b, scale_d);                \
+  } else if constexpr (kMnB) {                                                        \
+    FLCE_WGMMA_M64N256K16(TYPE, "0", "1", d, desc_a, desc_b, scale_d);                \
+  } else {                                                                            \
+    static_assert(!kMnA, "an MN-major A only with an MN-major B");                    \
+    FLCE_WGMMA_M64N256K16(TYPE, "0", "0", d, desc_a, desc_b, scale_d);                \
+  }
+
+template <typename T, bool kMnA, bool kMnB>
 __device__ __forceinline__ void Wgmma(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                      int scale_d);
-template <>
-__device__ __forceinline__ void Wgmma<__nv_bfloat16>(float (&d)[128], uint64_t desc_a,
-                                                     uint64_t desc_b, int scale_d) {
-  FLCE_WGMMA_M64N256K16("bf16", d, desc_a, desc_b, scale_d);
+                                      int scale_d) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    FLCE_WGMMA_FORMS("bf16", d, desc_a, desc_b, scale_d);
+  } else {
+    FLCE_WGMMA_FORMS("f16", d, desc_a, desc_b, scale_d);
+  }
 }
-template <>
-__device__ __forceinline__ void Wgmma<__half>(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                              int scale_d) {
-  FLCE_WGMMA_M64N256K16("f16", d, desc_a, desc_b, scale_d);
-}
+#undef FLCE_WGMMA_FORMS
 
 // Two adjacent results of a row, in C's dtype, to shared memory at `p`.
 template <typename OutT>
@@ -236,6 +327,22 @@ __device__ __forceinline__ void StagePair<__half>(uint8_t* p, float x, float y) 
   *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
 }
 
+// Four adjacent results of a row, in C's dtype, to global memory at `p`
+// (aligned to their size), streaming.
+__device__ __forceinline__ void StoreFour(float* p, float4 x) {
+  __stcs(reinterpret_cast<float4*>(p), x);
+}
+__device__ __forceinline__ void StoreFour(__nv_bfloat16* p, float4 x) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
+  __stcs(reinterpret_cast<uint2*>(p), make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                                 *reinterpret_cast<const uint32_t*>(&hi)));
+}
+__device__ __forceinline__ void StoreFour(__half* p, float4 x) {
+  const __half2 lo = __floats2half2_rn(x.x, x.y), hi = __floats2half2_rn(x.z, x.w);
+  __stcs(reinterpret_cast<uint2*>(p), make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                                 *reinterpret_cast<const uint32_t*>(&hi)));
+}
+
 // The row and column tile of cluster block `rank` for the cluster's tile
 // `tile` of tiles_m × tiles_n (tiles_m counting kCluster row tiles each):
 // bands of kBandM row tiles, row tiles fastest within a band.
@@ -251,18 +358,45 @@ __device__ __forceinline__ void TileAt(int tile, int tiles_m, int tiles_n, uint3
   tn = local / rows;
 }
 
+// k-blocks before a tile's end at which the producer prefetches the
+// tile's source: about 8 stages' time ahead of the epilogue (the producer
+// runs up to kStages ahead of the consumers).
+constexpr int kSourcePrefetchBlocks = 4;
+
+// The tile's rows of the source (up to kBlockN values each) into L2, in
+// whole 16-byte pieces (a row's tail of fewer is left to the epilogue's
+// own load). Only where the epilogue takes whole pieces (aligned rows).
+__device__ __forceinline__ void PrefetchSource(const Epilogue& e, int m, int n, int tm, int tn) {
+  if (!e.whole_pieces) return;
+  const int col = tn * kBlockN;
+  const uint32_t bytes = static_cast<uint32_t>(min(kBlockN, n - col)) * 4 / 16 * 16;
+  if (bytes == 0) return;
+  const int last = min(m, (tm + 1) * kBlockM);
+  for (int row = tm * kBlockM; row < last; ++row) {
+    PrefetchL2(e.source + static_cast<int64_t>(row) * e.ld_source + col, bytes);
+  }
+}
+
 // A consumer warpgroup's part of HopperGemmKernel: 64 rows of each tile
 // (warpgroup 1 the first 64, warpgroup 2 the next), from the stages the
-// producer fills, written to C.
-template <typename T, typename OutT, int kCluster>
+// producer fills, written to C as kMode says (EpilogueMode). `staging`:
+// the block's staging region (shared address and pointer).
+template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode>
 __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int tiles_m,
                                         int tiles_n, int tiles, int k_blocks, int first_tile,
                                         int tile_step, uint32_t rank, uint32_t stage_a,
                                         uint32_t stage_b, uint32_t full, uint32_t empty,
-                                        uint8_t* staging, bool whole_pieces) {
+                                        uint32_t staging_address, uint8_t* staging_region,
+                                        const CUtensorMap* map_c, const Epilogue& epilogue) {
+  constexpr bool kAccumulate = kMode == kAddSource;
   const int consumer = threadIdx.x / 128 - 1;
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x % 128) / 32;
+  // This warp's staging (kStore, kAddSource), or this warpgroup's two
+  // buffers (kReduceInPlace), and which of them is next.
+  uint8_t* staging = staging_region + (threadIdx.x / 32 - 4) * 16 * (128 + 32);
+  const uint32_t reduce_buffers = staging_address + consumer * 2 * kReduceBoxBytes;
+  int reduce_next = 0;
   // Gives a stage back to every block of the cluster.
   auto release = [&](int stage) {
     if (lane != 0) return;
@@ -272,6 +406,9 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
       BarrierArrive(empty + 8 * stage);
     }
   };
+  // This warpgroup's 64 rows of A in a stage: the second half of a K-major
+  // tile's rows, or the second of an MN-major tile's two boxes (both 8 KiB on).
+  const uint32_t a_offset = consumer * 64 * kBlockK * 2;
   float d[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) d[i] = 0.0f;
@@ -284,14 +421,14 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
     for (int kb = 0; kb < k_blocks; ++kb) {
       BarrierWait(full + 8 * stage, phase);
       const uint64_t desc_a =
-          Descriptor(stage_a + stage * kBlockM * kBlockK * 2 + consumer * 64 * kBlockK * 2);
-      const uint64_t desc_b = Descriptor(stage_b + stage * kBlockN * kBlockK * 2);
+          Descriptor<kMnA>(stage_a + stage * kBlockM * kBlockK * 2 + a_offset);
+      const uint64_t desc_b = Descriptor<kMnB>(stage_b + stage * kBlockN * kBlockK * 2);
       WgmmaFence();
       FenceAccumulators(d);
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        // 16 elements along K: 32 bytes, 2 in the descriptor's address.
-        Wgmma<T>(d, desc_a + 2 * kk, desc_b + 2 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+        Wgmma<T, kMnA, kMnB>(d, desc_a + kk * kDescriptorStepK<kMnA>,
+                             desc_b + kk * kDescriptorStepK<kMnB>, (kb > 0 || kk > 0) ? 1 : 0);
       }
       WgmmaCommit();
       FenceAccumulators(d);
@@ -308,28 +445,82 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
     FenceAccumulators(d);
     if (previous >= 0) release(previous);
 
-    // The epilogue, 128 bytes of columns at a time: the warp's fragment
-    // (d[4j + q] is row lane/4 + 8·(q/2), column 8j + 2·(lane%4) + q%2 of
-    // its 16 rows) into its staging, then whole 16-byte pieces of rows to
-    // C, so that each store writes whole lines; streaming (evict-first), as
-    // nothing reads C again here.
-    constexpr int kChunkCols = 128 / sizeof(OutT);
-    constexpr int kPitch = 128 + 8 * sizeof(OutT);
-    constexpr int kPieceCols = 16 / sizeof(OutT);
+    // The epilogue, 128 bytes of staged columns at a time: the warp's
+    // fragment (d[4j + q] is row lane/4 + 8·(q/2), column 8j + 2·(lane%4) +
+    // q%2 of its 16 rows) into its staging, times alpha, then whole 16-byte
+    // pieces of rows to C, so that each store writes whole lines; streaming
+    // (evict-first), as nothing reads C again here. With a source, the
+    // staging holds fp32 and each piece of C is its four values plus the
+    // source's, rounded once.
+    if constexpr (kMode == kReduceInPlace) {
+      // 32 columns at a time: alpha times the fragment into a buffer (row
+      // r's 16-byte piece q at piece q ^ (r % 8), the TMA's 128-byte
+      // swizzle), then the TMA adds the 64×32 box into C. Before a buffer
+      // is written again, the add two boxes back has read it.
+      const int row0 = tm * kBlockM + consumer * 64;
+      if (row0 < m) {
+#pragma unroll
+        for (int chunk = 0; chunk < kBlockN / kReduceCols; ++chunk) {
+          const int chunk_col = tn * kBlockN + chunk * kReduceCols;
+          if (chunk_col >= n) break;
+          const uint32_t buffer = reduce_buffers + reduce_next * kReduceBoxBytes;
+          if (threadIdx.x % 128 == 0) TmaWaitRead<1>();
+          WarpgroupSync(consumer);
+#pragma unroll
+          for (int jj = 0; jj < kReduceCols / 8; ++jj) {
+            const int j = chunk * (kReduceCols / 8) + jj;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int r = warp * 16 + lane / 4 + 8 * half;
+              const int piece = 2 * jj + (lane % 4) / 2;
+              const uint32_t at = buffer + r * 128 + ((piece ^ (r % 8)) * 16) + 8 * (lane % 2);
+              asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at),
+                           "f"(epilogue.alpha * d[4 * j + 2 * half]),
+                           "f"(epilogue.alpha * d[4 * j + 2 * half + 1])
+                           : "memory");
+            }
+          }
+          FenceSharedToTma();
+          WarpgroupSync(consumer);
+          if (threadIdx.x % 128 == 0) TmaReduceAdd(map_c, chunk_col, row0, buffer);
+          reduce_next ^= 1;
+        }
+      }
+      continue;
+    }
+    using StageT = std::conditional_t<kAccumulate, float, OutT>;
+    constexpr int kChunkCols = 128 / sizeof(StageT);
+    constexpr int kPitch = 128 + 8 * sizeof(StageT);
+    constexpr int kPieceCols = 16 / sizeof(StageT);
     const int64_t warp_row = static_cast<int64_t>(tm) * kBlockM + consumer * 64 + warp * 16;
     if (warp_row < m) {
 #pragma unroll
       for (int chunk = 0; chunk < kBlockN / kChunkCols; ++chunk) {
         const int chunk_col = tn * kBlockN + chunk * kChunkCols;
         if (chunk_col >= n) break;
+        // The source's pieces of this chunk, all four loads in flight
+        // at once, before the staging's writes.
+        float4 added[4];
+        if constexpr (kAccumulate) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int64_t grow = warp_row + i * 4 + lane / 8;
+            const int gcol = chunk_col + (lane % 8) * kPieceCols;
+            if (epilogue.whole_pieces && grow < m && gcol + kPieceCols <= n) {
+              added[i] = *reinterpret_cast<const float4*>(epilogue.source +
+                                                          grow * epilogue.ld_source + gcol);
+            }
+          }
+        }
 #pragma unroll
         for (int jj = 0; jj < kChunkCols / 8; ++jj) {
           const int j = chunk * (kChunkCols / 8) + jj;
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            StagePair<OutT>(staging + (lane / 4 + 8 * half) * kPitch +
-                                (8 * jj + 2 * (lane % 4)) * sizeof(OutT),
-                            d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+            StagePair<StageT>(staging + (lane / 4 + 8 * half) * kPitch +
+                                  (8 * jj + 2 * (lane % 4)) * sizeof(StageT),
+                              epilogue.alpha * d[4 * j + 2 * half],
+                              epilogue.alpha * d[4 * j + 2 * half + 1]);
           }
         }
         __syncwarp();
@@ -342,7 +533,21 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
           const int gcol = chunk_col + piece * kPieceCols;
           if (grow >= m || gcol >= n) continue;
           OutT* p = c + grow * ldc + gcol;
-          if (whole_pieces && gcol + kPieceCols <= n) {
+          const bool whole = epilogue.whole_pieces && gcol + kPieceCols <= n;
+          if constexpr (kAccumulate) {
+            float4 x = *reinterpret_cast<const float4*>(&v);
+            const float* src = epilogue.source + grow * epilogue.ld_source + gcol;
+            if (whole) {
+              const float4 y = added[i];
+              StoreFour(p, make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w));
+            } else {
+              const float e[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+              for (int q = 0; q < 4; ++q) {
+                if (gcol + q < n) p[q] = FromFloatDev<OutT>(e[q] + src[q]);
+              }
+            }
+          } else if (whole) {
             __stcs(reinterpret_cast<int4*>(p), v);
           } else {
             const OutT* e = reinterpret_cast<const OutT*>(&v);
@@ -356,22 +561,27 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
       }
     }
   }
+  // The TMA's adds read this block's shared memory and write C: done
+  // before the block exits.
+  if (kMode == kReduceInPlace && threadIdx.x % 128 == 0) TmaWaitAll();
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <typename T, typename OutT, int kCluster>
+template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     HopperGemmKernel(const __grid_constant__ CUtensorMap map_a,
-                     const __grid_constant__ CUtensorMap map_b, OutT* c, int64_t ldc, int m,
-                     int n, int k, bool whole_pieces) {
+                     const __grid_constant__ CUtensorMap map_b,
+                     const __grid_constant__ CUtensorMap map_c, OutT* c, int64_t ldc, int m,
+                     int n, int k, const Epilogue epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t shared_raw[];
   const uint32_t raw = SharedAddress(shared_raw);
   const uint32_t base = (raw + 1023) & ~1023u;
   const uint32_t stage_a = base;                                   // kStages × kBlockM×kBlockK
   const uint32_t stage_b = base + kStages * kBlockM * kBlockK * 2;  // kStages × kBlockN×kBlockK
-  const uint32_t full = base + kStages * kStageBytes;               // kStages barriers
+  const uint32_t staging = base + kStages * kStageBytes;            // kStagingBytes
+  const uint32_t full = staging + kStagingBytes;                    // kStages barriers
   const uint32_t empty = full + kStages * 8;                        // kStages barriers
   // The blocks of a cluster take kCluster row tiles of one column tile:
   // each loads its own A rows and 1/kCluster of B's, which the TMA writes
@@ -413,13 +623,44 @@ __global__ void __launch_bounds__(kThreads, 1)
         int tm, tn;
         TileAt<kCluster>(tile, tiles_m, tiles_n, rank, tm, tn);
         for (int kb = 0; kb < k_blocks; ++kb) {
+          // The source's part of the tile into L2 some stages before the
+          // epilogue reads it (read straight from memory, each of its
+          // chunks waited for DRAM in turn).
+          if (kMode == kAddSource && kb == max(0, k_blocks - kSourcePrefetchBlocks)) {
+            PrefetchSource(epilogue, m, n, tm, tn);
+          }
           BarrierWait(empty + 8 * stage, phase ^ 1);
           const uint32_t bar = full + 8 * stage;
           BarrierExpectBytes(bar, kStageBytes);
-          TmaLoad(stage_a + stage * kBlockM * kBlockK * 2, &map_a, kb * kBlockK, tm * kBlockM,
-                  bar, keep);
+          // A K-major operand's box is 64 elements of K × its rows (at
+          // (k, row)); an MN-major one's 64 elements of M or N × 64 k-rows
+          // (at (column, k)), kMnBoxBytes each.
+          const uint32_t a_stage = stage_a + stage * kBlockM * kBlockK * 2;
+          if constexpr (kMnA) {
+            for (int box = 0; box < kBlockM / kMnBox; ++box) {
+              TmaLoad(a_stage + box * kMnBoxBytes, &map_a, tm * kBlockM + box * kMnBox,
+                      kb * kBlockK, bar, keep);
+            }
+          } else {
+            TmaLoad(a_stage, &map_a, kb * kBlockK, tm * kBlockM, bar, keep);
+          }
+          // B: this block's share of the tile's rows (all of them, or
+          // 1/kCluster multicast into every block of the cluster).
           const uint32_t b_stage = stage_b + stage * kBlockN * kBlockK * 2;
-          if constexpr (kCluster > 1) {
+          if constexpr (kMnB) {
+            constexpr int kBoxes = kBlockN / kMnBox / kCluster;
+            for (int i = 0; i < kBoxes; ++i) {
+              const int box = rank * kBoxes + i;
+              const uint32_t dst = b_stage + box * kMnBoxBytes;
+              const int column = tn * kBlockN + box * kMnBox;
+              if constexpr (kCluster > 1) {
+                TmaMulticast(dst, &map_b, column, kb * kBlockK, bar, (1u << kCluster) - 1,
+                             normal);
+              } else {
+                TmaLoad(dst, &map_b, column, kb * kBlockK, bar, normal);
+              }
+            }
+          } else if constexpr (kCluster > 1) {
             TmaMulticast(b_stage + rank * kSliceRows * kBlockK * 2, &map_b, kb * kBlockK,
                          tn * kBlockN + rank * kSliceRows, bar, (1u << kCluster) - 1, normal);
           } else {
@@ -437,12 +678,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    // This warp's staging, after the barriers.
-    uint8_t* staging = shared_raw + (empty + kStages * 8 - raw) +
-                       (threadIdx.x / 32 - 4) * 16 * (128 + 32);
-    Consume<T, OutT, kCluster>(c, ldc, m, n, tiles_m, tiles_n, tiles, k_blocks, first_tile,
-                               tile_step, rank, stage_a, stage_b, full, empty, staging,
-                               whole_pieces);
+    Consume<T, OutT, kCluster, kMnA, kMnB, kMode>(c, ldc, m, n, tiles_m, tiles_n, tiles, k_blocks,
+                                                   first_tile, tile_step, rank, stage_a, stage_b,
+                                                   full, empty, staging,
+                                                   shared_raw + (staging - raw), &map_c, epilogue);
   }
   // No block leaves while a peer may still arrive on its barriers.
   if constexpr (kCluster > 1) ClusterSync();
@@ -472,15 +711,21 @@ EncodeTiled TensorMapEncoder() {
   return encode;
 }
 
-// A map over `rows` rows of `k` elements (row stride `ld`) in boxes of
-// box_rows × kBlockK, 128-byte swizzled; zeros past the edges.
+// Whether rows of `ld` elements of `bytes` each at `p` start on 16 bytes.
+bool RowsOf16Bytes(const void* p, int64_t ld, size_t bytes) {
+  return (ld * bytes) % 16 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// A map over an operand of `rows` rows of `cols` elements (row stride
+// `ld`), in boxes of box_rows × box_cols, 128-byte swizzled (box_cols × 2
+// bytes = 128); zeros past the edges.
 cudaError_t MakeMap(CUtensorMap* map, const void* data, CUtensorMapDataType type, int64_t rows,
-                    int64_t k, int64_t ld, int box_rows) {
+                    int64_t cols, int64_t ld, int box_rows, int box_cols) {
   const EncodeTiled encode = TensorMapEncoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-  const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result =
       encode(map, type, 2, const_cast<void*>(data), dims, strides, box, element_strides,
@@ -489,10 +734,19 @@ cudaError_t MakeMap(CUtensorMap* map, const void* data, CUtensorMapDataType type
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <typename T, typename OutT, int kCluster>
+// The map of an operand with `extent` rows along M or N: K-major, boxes of
+// `k_major_rows` rows × kBlockK; MN-major (k rows of `extent`), boxes of
+// kBlockK rows × kMnBox.
+cudaError_t OperandMap(CUtensorMap* map, const void* data, CUtensorMapDataType type, Major major,
+                       int64_t extent, int64_t k, int64_t ld, int k_major_rows) {
+  if (major == Major::kMN) return MakeMap(map, data, type, k, extent, ld, kBlockK, kMnBox);
+  return MakeMap(map, data, type, extent, k, ld, k_major_rows, kBlockK);
+}
+
+template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode>
 cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b,
-                   int sms, cudaStream_t stream) {
-  auto kernel = HopperGemmKernel<T, OutT, kCluster>;
+                   const CUtensorMap& map_c, int sms, cudaStream_t stream) {
+  auto kernel = HopperGemmKernel<T, OutT, kCluster, kMnA, kMnB, kMode>;
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   if (error != cudaSuccess) return error;
@@ -521,35 +775,76 @@ cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const C
   const int64_t tiles = ((args.m + kBlockM * kCluster - 1) / (kBlockM * kCluster)) *
                         ((args.n + kBlockN - 1) / kBlockN);
   config.gridDim = dim3(static_cast<unsigned>((tiles < resident ? tiles : resident) * kCluster));
-  // 16-byte stores where C's rows allow them.
-  const bool whole_pieces = (args.ldc * sizeof(OutT)) % 16 == 0 &&
-                            reinterpret_cast<uintptr_t>(args.c) % 16 == 0;
-  error = cudaLaunchKernelEx(&config, kernel, map_a, map_b, static_cast<OutT*>(args.c), args.ldc,
-                             static_cast<int>(args.m), static_cast<int>(args.n),
-                             static_cast<int>(args.k), whole_pieces);
+  // 16-byte pieces of C's rows where its rows allow them (with a source,
+  // pieces of four values, of C and of the source alike).
+  Epilogue epilogue{args.source, args.ld_source, args.alpha, false};
+  if (kMode == kAddSource) {
+    epilogue.whole_pieces = args.ldc % 4 == 0 &&
+                            reinterpret_cast<uintptr_t>(args.c) % (4 * sizeof(OutT)) == 0 &&
+                            RowsOf16Bytes(args.source, args.ld_source, sizeof(float));
+  } else {
+    epilogue.whole_pieces = RowsOf16Bytes(args.c, args.ldc, sizeof(OutT));
+  }
+  error = cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, static_cast<OutT*>(args.c),
+                             args.ldc, static_cast<int>(args.m), static_cast<int>(args.n),
+                             static_cast<int>(args.k), epilogue);
   if (error != cudaSuccess) return error;
   return cudaGetLastError();
 }
 
+template <typename T, typename OutT, bool kMnA, bool kMnB, int kMode>
+cudaError_t LaunchForm(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
+                       cudaStream_t stream) {
+  // A's tile in one K-major box of 128 rows, B's in boxes of the 128 rows
+  // that one load brings (half of its 256, or a cluster block's share);
+  // MN-major operands in 8 KiB boxes; C (kReduceInPlace) in boxes of one
+  // warpgroup's 64 rows × kReduceCols.
+  CUtensorMap map_a, map_b, map_c = {};
+  cudaError_t error =
+      OperandMap(&map_a, args.a, type, args.a_major, args.m, args.k, args.lda, kBlockM);
+  if (error != cudaSuccess) return error;
+  error = OperandMap(&map_b, args.b, type, args.b_major, args.n, args.k, args.ldb, kBlockN / 2);
+  if (error != cudaSuccess) return error;
+  if (kMode == kReduceInPlace) {
+    error = MakeMap(&map_c, args.c, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, args.m, args.n,
+                    args.ldc * 2, 64, kReduceCols);  // (MakeMap's ld counts 2-byte elements)
+    if (error != cudaSuccess) return error;
+  }
+  if (args.cluster == 2) {
+    return Launch<T, OutT, 2, kMnA, kMnB, kMode>(args, map_a, map_b, map_c, sms, stream);
+  }
+  return Launch<T, OutT, 1, kMnA, kMnB, kMode>(args, map_a, map_b, map_c, sms, stream);
+}
+
+template <typename T, typename OutT, int kMode>
+cudaError_t LaunchWithEpilogue(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
+                               cudaStream_t stream) {
+  if (args.a_major == Major::kMN) {
+    return LaunchForm<T, OutT, true, true, kMode>(args, type, sms, stream);
+  }
+  if (args.b_major == Major::kMN) {
+    return LaunchForm<T, OutT, false, true, kMode>(args, type, sms, stream);
+  }
+  return LaunchForm<T, OutT, false, false, kMode>(args, type, sms, stream);
+}
+
 template <typename T, typename OutT>
-cudaError_t LaunchWithMaps(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
-                           cudaStream_t stream) {
-  // Both maps in boxes of 128 rows: A's tile, and the part of B's 256 that
-  // one load brings (half of it, or a cluster block's share).
-  CUtensorMap map_a, map_b;
-  cudaError_t error = MakeMap(&map_a, args.a, type, args.m, args.k, args.lda, kBlockM);
-  if (error != cudaSuccess) return error;
-  error = MakeMap(&map_b, args.b, type, args.n, args.k, args.ldb, kBlockN / 2);
-  if (error != cudaSuccess) return error;
-  if (args.cluster == 2) return Launch<T, OutT, 2>(args, map_a, map_b, sms, stream);
-  return Launch<T, OutT, 1>(args, map_a, map_b, sms, stream);
+cudaError_t LaunchWithOutput(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
+                             cudaStream_t stream) {
+  if (args.source == nullptr) return LaunchWithEpilogue<T, OutT, kStore>(args, type, sms, stream);
+  // An fp32 C that is its own source, in 16-byte rows: added by the TMA.
+  if (std::is_same_v<OutT, float> && args.source == args.c && args.ld_source == args.ldc &&
+      RowsOf16Bytes(args.c, args.ldc, sizeof(float))) {
+    return LaunchWithEpilogue<T, OutT, kReduceInPlace>(args, type, sms, stream);
+  }
+  return LaunchWithEpilogue<T, OutT, kAddSource>(args, type, sms, stream);
 }
 
 template <typename T>
 cudaError_t LaunchFor(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
                       cudaStream_t stream) {
-  if (args.out_type == DType::kFloat32) return LaunchWithMaps<T, float>(args, type, sms, stream);
-  return LaunchWithMaps<T, T>(args, type, sms, stream);
+  if (args.out_type == DType::kFloat32) return LaunchWithOutput<T, float>(args, type, sms, stream);
+  return LaunchWithOutput<T, T>(args, type, sms, stream);
 }
 
 }  // namespace
@@ -563,9 +858,16 @@ bool HopperGemmSupported(const HopperGemmArgs& args, int device) {
   }
   const bool half = args.in_type == DType::kBFloat16 || args.in_type == DType::kFloat16;
   const bool out = args.out_type == args.in_type || args.out_type == DType::kFloat32;
+  const bool form = args.a_major == Major::kK || args.b_major == Major::kMN;
+  // A row of an operand: K long (K-major) or M / N long (MN-major).
+  const auto rows_fit = [&](Major major, int64_t ld, int64_t extent) {
+    return ld % 8 == 0 && ld >= (major == Major::kK ? args.k : extent) &&
+           (major == Major::kMN || args.k % 8 == 0);
+  };
   constexpr int64_t kMax = int64_t{1} << 31;
-  return half && out && args.k > 0 && args.k % 8 == 0 && args.lda % 8 == 0 &&
-         args.ldb % 8 == 0 && args.lda >= args.k && args.ldb >= args.k && args.ldc >= args.n &&
+  return half && out && form && args.k > 0 && rows_fit(args.a_major, args.lda, args.m) &&
+         rows_fit(args.b_major, args.ldb, args.n) && args.ldc >= args.n &&
+         (args.source == nullptr || args.ld_source >= args.n) &&
          (args.cluster == 1 || args.cluster == 2) && args.m >= 0 && args.n >= 0 &&
          args.m < kMax && args.n < kMax && args.k < kMax &&
          reinterpret_cast<uintptr_t>(args.a) % 16 == 0 &&

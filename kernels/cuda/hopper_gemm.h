@@ -1,15 +1,19 @@
 #ifndef FLCE_KERNELS_CUDA_HOPPER_GEMM_H_
 #define FLCE_KERNELS_CUDA_HOPPER_GEMM_H_
 
-// flce's own GEMM for Hopper (compute capability 9.0): the engine's logits
-// shape, both operands K-major,
-//   C[m×n] = A[m×k] · B[n×k]ᵀ   (row-major A, B and C; fp32 accumulation),
-// as logits = X·Wᵀ. Warp-specialised and persistent: one warpgroup feeds
-// shared memory through the tensor memory accelerator (TMA, 128-byte
-// swizzle), two warpgroups multiply with wgmma from shared memory and write
-// their tiles to C through shared memory in whole lines. Plain C++ and the CUDA runtime's types only (no Abseil,
-// no gRPC), so nvcc stays simple. The launcher never allocates and never
-// synchronises.
+// flce's own GEMM for Hopper (compute capability 9.0), in the three forms
+// the engine's GEMMs take (row-major throughout, fp32 accumulation):
+//   logits = X·Wᵀ   C[m×n] = A[m×k] · B[n×k]ᵀ   both operands K-major;
+//   dX = dZ·W       C[m×n] = A[m×k] · B[k×n]    B MN-major;
+//   dW = dZᵀ·X      C[m×n] = A[k×m]ᵀ · B[k×n]   both MN-major;
+// each as C = alpha·A·B (+ an fp32 source, rounded once into C's dtype).
+// Warp-specialised and persistent: one warpgroup feeds shared memory
+// through the tensor memory accelerator (TMA, 128-byte swizzle), two
+// warpgroups multiply with wgmma from shared memory (the MN-major operands
+// through wgmma's transposed reads) and write their tiles to C through
+// shared memory in whole lines. Plain C++ and the CUDA runtime's types only
+// (no Abseil, no gRPC), so nvcc stays simple. The launcher never allocates
+// and never synchronises.
 
 #include <cuda_runtime_api.h>
 
@@ -20,13 +24,27 @@
 namespace flce {
 namespace internal_cuda {
 
+// How an operand is stored: kK, its rows run along K (A [m, k], B [n, k]);
+// kMN, its rows run along M or N (A [k, m], B [k, n]). Row-major, the
+// row stride given in elements.
+enum class Major { kK, kMN };
+
 struct HopperGemmArgs {
-  const void* a = nullptr;  // [m, k] row-major, row stride lda elements
+  const void* a = nullptr;  // [m, k] (kK) or [k, m] (kMN), row stride lda elements
   int64_t lda = 0;
-  const void* b = nullptr;  // [n, k] row-major, row stride ldb elements
+  Major a_major = Major::kK;
+  const void* b = nullptr;  // [n, k] (kK) or [k, n] (kMN), row stride ldb elements
   int64_t ldb = 0;
+  Major b_major = Major::kK;
   void* c = nullptr;  // [m, n] row-major, row stride ldc elements
   int64_t ldc = 0;
+  // C = alpha·A·B + source: fp32 [m, n], row stride ld_source, added before
+  // C's one rounding (dW's sum over token chunks, its last chunk narrowed
+  // to the weight's dtype on the way); may be C itself when C is fp32.
+  // Null: nothing added.
+  const float* source = nullptr;
+  int64_t ld_source = 0;
+  float alpha = 1.0f;
   int64_t m = 0, n = 0, k = 0;
   DType in_type = DType::kBFloat16;   // A's and B's: bf16 or fp16
   DType out_type = DType::kBFloat16;  // C's: in_type or fp32
@@ -38,10 +56,13 @@ struct HopperGemmArgs {
 };
 
 // Whether `device` runs the kernel (compute capability 9.0) and the
-// arguments fit it: bf16 or fp16 operands, C in their dtype or fp32,
-// lda and ldb multiples of 8 elements (16-byte rows, the TMA's rule) with
-// 16-byte aligned A and B, k a positive multiple of 8, ldc ≥ n, m, n and k
-// below 2³¹ (the TMA's coordinates), cluster 1 or 2.
+// arguments fit it: one of the three forms above (a_major kMN only with
+// b_major kMN), bf16 or fp16 operands, C in their dtype or fp32, lda and
+// ldb multiples of 8 elements (16-byte rows, the TMA's rule) and at least
+// the row's extent (k for kK, m or n for kMN), 16-byte aligned A and B,
+// k positive and for a K-major operand a multiple of 8, ldc ≥ n,
+// ld_source ≥ n with a source, m, n and k below 2³¹ (the TMA's
+// coordinates), cluster 1 or 2.
 bool HopperGemmSupported(const HopperGemmArgs& args, int device);
 
 // C = A·Bᵀ on `stream` with at most `sms` resident blocks (the device's

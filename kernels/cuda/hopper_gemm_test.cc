@@ -1,4 +1,5 @@
-// The Hopper GEMM against an fp64 reference on random data of odd sizes.
+// The Hopper GEMM against an fp64 reference on random data of odd sizes,
+// in each of its three forms, with and without an added source.
 // Tagged `gpu`: skips without a device (fails without one when
 // REQUIRE_GPU=1) and on a device that is not compute capability 9.0.
 
@@ -41,39 +42,55 @@ class HopperGemmTest : public ::testing::Test {
   cudaStream_t stream_ = nullptr;
 };
 
-// Device memory that frees itself.
+// The three forms (hopper_gemm.h): which operands are MN-major.
+enum class Form { kLogits, kDx, kDw };
+
+const char* FormName(Form f) {
+  return f == Form::kLogits ? "A·Bᵀ (K, K)" : f == Form::kDx ? "A·B (K, MN)" : "Aᵀ·B (MN, MN)";
+}
+
 struct Case {
   int64_t m, n, k;
   DType in, out;
-  int64_t lda = 0, ldb = 0, ldc = 0;  // 0: dense
+  int64_t lda = 0, ldb = 0, ldc = 0;  // 0: dense (A's and B's rows padded to 16 bytes)
+  Form form = Form::kLogits;
+  bool source = false;  // C = alpha·A·B + an fp32 source
+  float alpha = 1.0f;
 };
 
-// `rows` rows of `cols` random values in [-1, 1) rounded to `dtype`, row
-// stride `ld` (the padding NaN), as the dtype's bits and as doubles.
-void RandomMatrix(int64_t rows, int64_t cols, int64_t ld, DType dtype, uint32_t seed,
-                  std::vector<uint16_t>& bits, std::vector<double>& values) {
+// An operand of `extent` rows along M or N and k along K, stored K-major
+// ([extent, k], row stride ld) or MN-major ([k, extent]); the padding NaN.
+// Random values in [-1, 1) rounded to `dtype`, as the stored bits and as
+// doubles indexed [row][p] (row < extent, p < k).
+void RandomOperand(int64_t extent, int64_t k, Major major, int64_t ld, DType dtype, uint32_t seed,
+                   std::vector<uint16_t>& bits, std::vector<double>& values) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  bits.assign(rows * ld, 0x7fff);
-  values.assign(rows * cols, 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
+  const int64_t stored_rows = major == Major::kK ? extent : k;
+  bits.assign(stored_rows * ld, 0x7fff);
+  values.assign(extent * k, 0.0);
+  for (int64_t r = 0; r < extent; ++r) {
+    for (int64_t p = 0; p < k; ++p) {
       const float x = u(rng);
       const uint16_t b = dtype == DType::kBFloat16 ? FloatToBFloat16(x) : FloatToHalf(x);
-      bits[r * ld + c] = b;
-      values[r * cols + c] = dtype == DType::kBFloat16 ? BFloat16ToFloat(b) : HalfToFloat(b);
+      bits[major == Major::kK ? r * ld + p : p * ld + r] = b;
+      values[r * k + p] = dtype == DType::kBFloat16 ? BFloat16ToFloat(b) : HalfToFloat(b);
     }
   }
 }
 
 TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
   std::vector<Case> cases;
-  for (DType in : {DType::kBFloat16, DType::kFloat16}) {
-    for (DType out : {in, DType::kFloat32}) {
-      cases.push_back({1, 1, 8, in, out});
-      cases.push_back({3, 7, 8, in, out});
-      cases.push_back({17, 1000, 72, in, out});
-      cases.push_back({733, 257, 264, in, out});
+  for (Form form : {Form::kLogits, Form::kDx, Form::kDw}) {
+    for (DType in : {DType::kBFloat16, DType::kFloat16}) {
+      for (DType out : {in, DType::kFloat32}) {
+        // With both operands MN-major, K need not be a multiple of 8.
+        const bool any_k = form == Form::kDw;
+        cases.push_back({1, 1, 8, in, out, 0, 0, 0, form});
+        cases.push_back({3, 7, any_k ? 5 : 8, in, out, 0, 0, 0, form});
+        cases.push_back({17, 1000, any_k ? 73 : 72, in, out, 0, 0, 0, form});
+        cases.push_back({733, 257, any_k ? 263 : 264, in, out, 0, 0, 0, form});
+      }
     }
   }
   // Many tiles per block (persistence, bands), an odd count of row tiles
@@ -87,32 +104,81 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
   cases.push_back({130, 260, 40, DType::kFloat16, DType::kFloat32, 48, 40, 263});
   cases.push_back({70, 300, 64, DType::kBFloat16, DType::kBFloat16, 0, 0, 304});
   cases.push_back({65, 258, 32, DType::kFloat16, DType::kFloat32, 0, 0, 260});
+  // The gradient GEMMs' shapes in small: dX [count, H] over a long K (V),
+  // dW [V, H] over the chunk's tokens; padded MN-major rows; a source
+  // added (dW's sum over chunks, fp32 in place or narrowed on the way) with
+  // a scale; C's pieces whole and not.
+  cases.push_back({300, 520, 5000, DType::kBFloat16, DType::kFloat32, 0, 0, 0, Form::kDx});
+  cases.push_back({1030, 264, 333, DType::kBFloat16, DType::kFloat32, 0, 0, 0, Form::kDw});
+  cases.push_back({2000, 136, 700, DType::kBFloat16, DType::kBFloat16, 2008, 144, 0, Form::kDw});
+  // fp32 C its own source: added by the TMA (16-byte rows), or by the
+  // epilogue's own loads (rows that are not).
+  cases.push_back({515, 264, 130, DType::kBFloat16, DType::kFloat32, 0, 0, 0, Form::kDw, true});
+  cases.push_back({1000, 1000, 200, DType::kBFloat16, DType::kFloat32, 0, 0, 0, Form::kDw, true,
+                   0.5f});
+  cases.push_back({515, 263, 130, DType::kFloat16, DType::kFloat32, 0, 0, 0, Form::kDw, true});
+  cases.push_back({515, 264, 130, DType::kBFloat16, DType::kBFloat16, 0, 0, 0, Form::kDw, true,
+                   0.25f});
+  cases.push_back({77, 300, 40, DType::kFloat16, DType::kFloat16, 80, 304, 301, Form::kDw, true});
+  cases.push_back({129, 257, 1000, DType::kBFloat16, DType::kFloat32, 0, 264, 259, Form::kDx, true,
+                   -2.0f});
+  cases.push_back({200, 1000, 128, DType::kBFloat16, DType::kBFloat16, 0, 0, 0, Form::kLogits, true,
+                   0.5f});
 
   uint32_t seed = 1;
   for (const Case& c : cases) {
     for (const int cluster : {1, 2}) {
-      const int64_t lda = c.lda ? c.lda : c.k, ldb = c.ldb ? c.ldb : c.k, ldc = c.ldc ? c.ldc : c.n;
+      const Major a_major = c.form == Form::kDw ? Major::kMN : Major::kK;
+      const Major b_major = c.form == Form::kLogits ? Major::kK : Major::kMN;
+      // Dense rows, rounded up to the TMA's 16 bytes.
+      const auto dense = [](int64_t elements) { return (elements + 7) / 8 * 8; };
+      const int64_t lda = c.lda ? c.lda : dense(a_major == Major::kK ? c.k : c.m);
+      const int64_t ldb = c.ldb ? c.ldb : dense(b_major == Major::kK ? c.k : c.n);
+      const int64_t ldc = c.ldc ? c.ldc : c.n;
       SCOPED_TRACE(::testing::Message()
-                   << "m=" << c.m << " n=" << c.n << " k=" << c.k << " in=" << DTypeName(c.in)
-                   << " out=" << DTypeName(c.out) << " lda=" << lda << " ldb=" << ldb
-                   << " ldc=" << ldc << " cluster=" << cluster);
+                   << FormName(c.form) << " m=" << c.m << " n=" << c.n << " k=" << c.k
+                   << " in=" << DTypeName(c.in) << " out=" << DTypeName(c.out) << " lda=" << lda
+                   << " ldb=" << ldb << " ldc=" << ldc << " source=" << c.source
+                   << " alpha=" << c.alpha << " cluster=" << cluster);
       std::vector<uint16_t> a_bits, b_bits;
       std::vector<double> a, b;
-      RandomMatrix(c.m, c.k, lda, c.in, seed++, a_bits, a);
-      RandomMatrix(c.n, c.k, ldb, c.in, seed++, b_bits, b);
+      RandomOperand(c.m, c.k, a_major, lda, c.in, seed++, a_bits, a);
+      RandomOperand(c.n, c.k, b_major, ldb, c.in, seed++, b_bits, b);
       const size_t out_size = DTypeSize(c.out);
       cuda_test::DeviceBytes da(a_bits.size() * 2), db(b_bits.size() * 2), dc(c.m * ldc * out_size);
       ASSERT_EQ(cudaMemcpy(da.data, a_bits.data(), da.size, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(db.data, b_bits.data(), db.size, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemset(dc.data, 0xff, dc.size), cudaSuccess);  // NaN: unwritten shows
+      // The source: random fp32 [m, n] with row stride ldc + 3 (its own
+      // memory), or C's own fp32 values when C is fp32 (added in place).
+      const bool in_place = c.source && c.out == DType::kFloat32 && c.form == Form::kDw;
+      const int64_t ld_source = in_place ? ldc : ldc + 3;
+      std::vector<float> source;
+      cuda_test::DeviceBytes dsource(c.source && !in_place ? c.m * ld_source * 4 : 0);
+      if (c.source) {
+        std::mt19937 rng(seed++);
+        std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+        source.resize(c.m * ld_source);
+        for (float& x : source) x = u(rng);
+        void* to = in_place ? dc.data : dsource.data;
+        ASSERT_EQ(cudaMemcpy(to, source.data(), source.size() * 4, cudaMemcpyHostToDevice),
+                  cudaSuccess);
+      }
 
       HopperGemmArgs args;
       args.a = da.data;
       args.lda = lda;
+      args.a_major = a_major;
       args.b = db.data;
       args.ldb = ldb;
+      args.b_major = b_major;
       args.c = dc.data;
       args.ldc = ldc;
+      if (c.source) {
+        args.source = static_cast<const float*>(in_place ? dc.data : dsource.data);
+        args.ld_source = ld_source;
+      }
+      args.alpha = c.alpha;
       args.m = c.m;
       args.n = c.n;
       args.k = c.k;
@@ -136,13 +202,21 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
         for (int64_t j = 0; j < ldc; ++j) {
           const float x = got[i * ldc + j];
           if (j >= c.n) {
-            if (!std::isnan(x)) ++untouched;  // past n: still the poison
+            // Past n: still the poison (or, added in place, the source).
+            if (in_place ? x != source[i * ld_source + j] : !std::isnan(x)) ++untouched;
             continue;
           }
           double exact = 0, magnitude = 0;
           for (int64_t p = 0; p < c.k; ++p) {
             exact += a[i * c.k + p] * b[j * c.k + p];
             magnitude += std::fabs(a[i * c.k + p] * b[j * c.k + p]);
+          }
+          exact *= c.alpha;
+          magnitude *= std::fabs(c.alpha);
+          if (c.source) {
+            const double added = source[i * ld_source + j];
+            exact += added;
+            magnitude += std::fabs(added);
           }
           const double bar = 1e-5 * magnitude + round * std::fabs(exact) + 1e-30;
           if (!(std::fabs(x - exact) <= bar) && bad++ < 5) {
@@ -182,6 +256,26 @@ TEST_F(HopperGemmTest, RefusesWhatItDoesNotTake) {
   HopperGemmArgs cluster = args;
   cluster.cluster = 3;
   EXPECT_FALSE(HopperGemmSupported(cluster, 0));
+
+  // An MN-major A only with an MN-major B (the forms hopper_gemm.h names).
+  HopperGemmArgs mn_k = args;
+  mn_k.a_major = Major::kMN;
+  EXPECT_FALSE(HopperGemmSupported(mn_k, 0));
+  EXPECT_EQ(LaunchHopperGemm(mn_k, sms_, stream_), cudaErrorInvalidValue);
+  mn_k.b_major = Major::kMN;
+  EXPECT_TRUE(HopperGemmSupported(mn_k, 0));
+
+  // An MN-major operand's rows run along M or N: its stride must hold them.
+  HopperGemmArgs short_rows = args;
+  short_rows.b_major = Major::kMN;
+  short_rows.n = 24;
+  EXPECT_FALSE(HopperGemmSupported(short_rows, 0));
+
+  // A source's rows hold n values.
+  HopperGemmArgs source = args;
+  source.source = static_cast<const float*>(c.data);
+  source.ld_source = 8;
+  EXPECT_FALSE(HopperGemmSupported(source, 0));
 
   HopperGemmArgs empty = args;
   empty.m = 0;
