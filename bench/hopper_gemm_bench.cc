@@ -4,6 +4,9 @@
 //   logits [N, V] (bf16) = X [N, H] · W [V, H]ᵀ
 //   dx     [N, H] (fp32) = G [N, V] · W [V, H]
 //   dw     [V, H] (fp32) += G [N, V]ᵀ · X [N, H]   (a later chunk's sum)
+//   dx_fused [N, H] (fp32) = G · W with G formed from the logits Z [N, V]
+//          as they are read (LogitGradient): flce's one GEMM against the
+//          engine's gradient rows (Z read, G written) and cuBLAS's dx
 //   dw_last [V, H] (bf16) = dw (fp32) + G [N, V]ᵀ · X [N, H]   (the last
 //          chunk's: cuBLAS adds into the fp32 sum and the engine's narrowing
 //          kernel rounds it; flce rounds its sum once on the way out)
@@ -37,13 +40,14 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/hopper_gemm.h"
+#include "kernels/cuda/row_kernels.h"
 #include "kernels/dtype.h"
 #include "kernels/status_macros.h"
 
 ABSL_FLAG(std::string, shapes, "4096x4096x128256,8192x4096x128256,8192x2304x256000,4096x4096x32000",
           "comma-separated NxHxV (bf16)");
 ABSL_FLAG(std::string, gemms, "logits",
-          "comma-separated: logits, dx, dw, dw_last (see the file's comment)");
+          "comma-separated: logits, dx, dx_fused, dw, dw_last (see the file's comment)");
 ABSL_FLAG(int, rounds, 3, "alternating rounds of cuBLAS and flce's GEMM");
 ABSL_FLAG(int, iters, 10, "timed runs per round (median)");
 ABSL_FLAG(int, warmup, 5, "untimed runs before each round");
@@ -131,7 +135,7 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
     args.m = n;
     args.n = v;
     args.k = h;
-  } else if (gemm == "dx") {
+  } else if (gemm == "dx" || gemm == "dx_fused") {
     // dXᵀ (H×N, ld H) = W (H×V, ld H) · G (V×N, ld V), as ChunkDxGemm.
     c = {{CUBLAS_OP_N, CUBLAS_OP_N, h, n, v, dtype, h, dtype, v, DType::kFloat32, h}, w.data(),
          g.data(), 0, {}, n * h, DType::kFloat32};
@@ -182,7 +186,49 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
   untuned.enabled = false;
   FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms,
                         GemmRunner::Create(untuned, BenchHealth()));
+  // dx_fused: the logits' statistics once (untimed), then per run the
+  // gradient rows into G for cuBLAS, the per-row factors for flce.
+  const bool fused = gemm == "dx_fused";
+  DeviceBuffer z, target, row_scale, lse, loss, z_loss, correct, coef, column, target_value;
+  internal_cuda::RowParams rows;
+  if (fused) {
+    FLCE_ASSIGN_OR_RETURN(z, DeviceBuffer::Allocate(n * v * 2, s, BenchHealth()));
+    FLCE_RETURN_IF_ERROR(FillPattern(z, dtype, s));
+    std::vector<int64_t> targets(n);
+    std::vector<float> scales(n, 1.0f / static_cast<float>(n));
+    for (int64_t r = 0; r < n; ++r) targets[r] = (r * 7919) % v;
+    for (DeviceBuffer* b : {&row_scale, &lse, &loss, &z_loss, &coef, &column, &target_value}) {
+      FLCE_ASSIGN_OR_RETURN(*b, DeviceBuffer::Allocate(n * 4, s, BenchHealth()));
+    }
+    FLCE_ASSIGN_OR_RETURN(correct, DeviceBuffer::Allocate(n * 4, s, BenchHealth()));
+    FLCE_ASSIGN_OR_RETURN(target, DeviceBuffer::Allocate(n * 8, s, BenchHealth()));
+    FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(target.data(), targets.data(), n * 8,
+                                                    cudaMemcpyHostToDevice, s),
+                                    "upload"));
+    FLCE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(row_scale.data(), scales.data(), n * 4,
+                                                    cudaMemcpyHostToDevice, s),
+                                    "upload"));
+    rows.rows = n;
+    rows.vocab = rows.cols = rows.full_vocab = v;
+    rows.target = target.as<int64_t>();
+    FLCE_RETURN_IF_ERROR(CudaStatus(
+        internal_cuda::LaunchForwardRows(
+            rows, z.data(), dtype, /*write_grad=*/false, row_scale.as<float>(),
+            {lse.as<float>(), loss.as<float>(), z_loss.as<float>(), correct.as<int32_t>()}, s),
+        "statistics"));
+    FLCE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(s), "statistics"));
+    args.a = z.data();
+    args.gradient = {lse.as<float>(), coef.as<float>(), column.as<int32_t>(),
+                     target_value.as<float>()};
+  }
   auto cublas = [&]() -> absl::Status {
+    if (fused) {
+      FLCE_RETURN_IF_ERROR(CudaStatus(
+          internal_cuda::LaunchGradientRowsFrom(rows, z.data(), v, g.data(), dtype,
+                                                lse.as<float>(), row_scale.as<float>(), s),
+          "gradient rows"));
+      return gemms->Run(blas.get(), s, c.shape, c.a, c.b, c.beta, out_cublas.data());
+    }
     if (!narrow) return gemms->Run(blas.get(), s, c.shape, c.a, c.b, c.beta, out_cublas.data());
     FLCE_RETURN_IF_ERROR(gemms->Run(blas.get(), s, c.shape, c.a, c.b, c.beta, sum_cublas.data()));
     return CudaStatus(internal_cuda::LaunchConvert(sum_cublas.data(), DType::kFloat32,
@@ -190,9 +236,16 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
                       "narrowing");
   };
   auto hopper = [&](int cluster) {
-    return [&args, cluster, sms, s]() -> absl::Status {
+    return [&, cluster]() -> absl::Status {
       HopperGemmArgs a = args;
       a.cluster = cluster;
+      if (fused) {
+        FLCE_RETURN_IF_ERROR(CudaStatus(
+            internal_cuda::LaunchGradientFactors(rows, z.data(), dtype, lse.as<float>(),
+                                                 row_scale.as<float>(), coef.as<float>(),
+                                                 column.as<int32_t>(), target_value.as<float>(), s),
+            "gradient factors"));
+      }
       return CudaStatus(internal_cuda::LaunchHopperGemm(a, sms, s), "hopper gemm");
     };
   };

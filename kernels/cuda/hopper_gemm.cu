@@ -125,6 +125,46 @@ struct Epilogue {
   bool whole_pieces;  // C (and the source) take 16-byte pieces of rows
 };
 
+// wgmma m64n256k16 as FLCE_WGMMA_M64N256K16 with A from registers: a[0..3],
+// this thread's 8 elements of the warp's 16×16 slice of A (the layout
+// ldmatrix.x4 gives), B from shared memory by descriptor.
+#define FLCE_WGMMA_RA_M64N256K16(TYPE, TRANS_B, d, a0, a1, a2, a3, desc_b, scale_d)     \
+  asm volatile(                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                  \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"               \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "  \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "  \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "  \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"  \
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, " TRANS_B ";\n}\n"                 \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),  \
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),  \
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),  \
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),  \
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),  \
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),  \
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),  \
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),  \
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),  \
+        "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),  \
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),  \
+        "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),  \
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),  \
+        "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),  \
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),  \
+        "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),  \
+        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),  \
+        "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),  \
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),  \
+        "+f"(d[126]), "+f"(d[127])  \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d))
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 constexpr int kBandM = 16;  // row tiles per band (in clusters of kCluster)
@@ -358,6 +398,99 @@ __device__ __forceinline__ void TileAt(int tile, int tiles_m, int tiles_n, uint3
   tn = local / rows;
 }
 
+template <typename T, bool kMnB>
+__device__ __forceinline__ void WgmmaRegA(float (&d)[128], const uint32_t (&a)[16], int kk,
+                                          uint64_t desc_b, int scale_d) {
+  constexpr bool kMnA = false;  // for FLCE_WGMMA_FORMS' checks
+  static_assert(kMnB, "the fused gradient only in the dX form");
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    FLCE_WGMMA_RA_M64N256K16("bf16", "1", d, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2],
+                             a[4 * kk + 3], desc_b, scale_d);
+  } else {
+    FLCE_WGMMA_RA_M64N256K16("f16", "1", d, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2],
+                             a[4 * kk + 3], desc_b, scale_d);
+  }
+  (void)kMnA;
+}
+
+// Keeps the compiler from reusing A's registers while a wgmma may still
+// read them: their live range then reaches the wait that saw it done (else
+// ptxas orders every later write of those registers after the wgmma).
+__device__ __forceinline__ void FenceOperands(uint32_t (&a)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// Four 8×8 matrices of 16-bit elements from shared memory (ldmatrix.x4):
+// lane l gives the address of row l % 8 of matrix l / 8; r[i] gets this
+// lane's two elements of matrix i (row lane / 4, columns 2·(lane % 4) + 0, 1).
+__device__ __forceinline__ void LoadMatrices(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// Two 16-bit values as floats, and back (rounded to nearest).
+template <typename T>
+__device__ __forceinline__ float2 Unpack(uint32_t v);
+template <>
+__device__ __forceinline__ float2 Unpack<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+template <>
+__device__ __forceinline__ float2 Unpack<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+template <typename T>
+__device__ __forceinline__ uint32_t Pack(float x, float y);
+template <>
+__device__ __forceinline__ uint32_t Pack<__nv_bfloat16>(float x, float y) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t Pack<__half>(float x, float y) {
+  const __half2 v = __floats2half2_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// A thread's two rows of the fused gradient (LogitGradient): rows
+// lane/4 and lane/4 + 8 of its warp's 16.
+struct GradientRows {
+  float lse[2], coef[2], target[2];
+  int column[2];
+
+  __device__ __forceinline__ void Load(const LogitGradient& g, int64_t first_row, int m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = first_row + 8 * h;
+      column[h] = row < m ? g.column[row] : LogitGradient::kIgnoredRow;
+      lse[h] = row < m ? g.lse[row] : 0.0f;
+      coef[h] = row < m ? g.coef[row] : 0.0f;
+      target[h] = row < m ? g.target[row] : 0.0f;
+    }
+  }
+  // The gradient at logit z of row half h off its target column, as
+  // LaunchGradientRows writes it before its rounding (zero in an ignored
+  // row). The target's column and columns past k are set apart (Fix).
+  __device__ __forceinline__ float OffTarget(float z, int h) const {
+    const float g = coef[h] * FastExp(z - lse[h]);
+    return column[h] == LogitGradient::kIgnoredRow ? 0.0f : g;
+  }
+  // Rewrites the pair of row half h at columns j, j + 1 (packed in `a`)
+  // where one of them is the target's or past k.
+  template <typename T>
+  __device__ __forceinline__ void Fix(uint32_t& a, int h, int j, int k) const {
+    if (j + 1 < k && (column[h] < j || column[h] > j + 1)) return;
+    float2 g = Unpack<T>(a);
+    if (j == column[h]) g.x = target[h];
+    if (j + 1 == column[h]) g.y = target[h];
+    if (j >= k) g.x = 0.0f;
+    if (j + 1 >= k) g.y = 0.0f;
+    a = Pack<T>(g.x, g.y);
+  }
+};
+
 // k-blocks before a tile's end at which the producer prefetches the
 // tile's source: about 8 stages' time ahead of the epilogue (the producer
 // runs up to kStages ahead of the consumers).
@@ -381,13 +514,14 @@ __device__ __forceinline__ void PrefetchSource(const Epilogue& e, int m, int n, 
 // (warpgroup 1 the first 64, warpgroup 2 the next), from the stages the
 // producer fills, written to C as kMode says (EpilogueMode). `staging`:
 // the block's staging region (shared address and pointer).
-template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode>
-__device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int tiles_m,
+template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode, bool kGradA>
+__device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int k, int tiles_m,
                                         int tiles_n, int tiles, int k_blocks, int first_tile,
                                         int tile_step, uint32_t rank, uint32_t stage_a,
                                         uint32_t stage_b, uint32_t full, uint32_t empty,
                                         uint32_t staging_address, uint8_t* staging_region,
-                                        const CUtensorMap* map_c, const Epilogue& epilogue) {
+                                        const CUtensorMap* map_c, const Epilogue& epilogue,
+                                        const LogitGradient& gradient) {
   constexpr bool kAccumulate = kMode == kAddSource;
   const int consumer = threadIdx.x / 128 - 1;
   const int lane = threadIdx.x % 32;
@@ -418,7 +552,81 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
     int tm, tn;
     TileAt<kCluster>(tile, tiles_m, tiles_n, rank, tm, tn);
     int previous = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
+    if constexpr (kGradA) {
+      // A: this warpgroup's 64 logit rows of each stage through ldmatrix
+      // (row r's 16-byte piece q at q ^ (r % 8), the TMA's swizzle), turned
+      // into the gradient in registers, in two register sets in turn: the
+      // wgmma of the k-block before may still read the other set.
+      GradientRows rows;
+      rows.Load(gradient, static_cast<int64_t>(tm) * kBlockM + consumer * 64 + warp * 16 + lane / 4,
+                m);
+      uint32_t a_even[16], a_odd[16];
+      // `a` this k-block's, `other` the one before's.
+      auto step = [&](uint32_t (&a)[16], uint32_t (&other)[16], int kb) {
+        BarrierWait(full + 8 * stage, phase);
+        const uint32_t a_tile = stage_a + stage * kBlockM * kBlockK * 2 + a_offset;
+        const uint64_t desc_b = Descriptor<kMnB>(stage_b + stage * kBlockN * kBlockK * 2);
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+          const int piece = 2 * kk + lane / 16;
+          uint32_t raw[4];
+          LoadMatrices(raw, a_tile + r * 128 + ((piece ^ (r % 8)) << 4));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            // raw[i]: row half i % 2, columns 8·(i / 2) + 2·(lane % 4) + 0, 1.
+            const float2 z = Unpack<T>(raw[i]);
+            a[4 * kk + i] = Pack<T>(rows.OffTarget(z.x, i % 2), rows.OffTarget(z.y, i % 2));
+          }
+        }
+        // The target's column, in one k-block of each row, and the columns
+        // past k, in the last: set apart from the exponentials above.
+        const int first = kb * kBlockK;
+        const bool tail = first + kBlockK > k;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (tail || (rows.column[h] >= first && rows.column[h] < first + kBlockK)) {
+#pragma unroll
+            for (int kk = 0; kk < kBlockK / 16; ++kk) {
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                rows.Fix<T>(a[4 * kk + 2 * half + h], h,
+                            first + 16 * kk + 8 * half + 2 * (lane % 4), k);
+              }
+            }
+          }
+        }
+        WgmmaFence();
+        FenceAccumulators(d);
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          WgmmaRegA<T, kMnB>(d, a, kk, desc_b + kk * kDescriptorStepK<kMnB>,
+                             (kb > 0 || kk > 0) ? 1 : 0);
+        }
+        WgmmaCommit();
+        FenceAccumulators(d);
+        FenceOperands(a);
+        WgmmaWait<1>();
+        FenceOperands(other);  // the k-block before's wgmma is done with them
+        if (previous >= 0) release(previous);
+        previous = stage;
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      };
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        if (kb % 2 == 0) {
+          step(a_even, a_odd, kb);
+        } else {
+          step(a_odd, a_even, kb);
+        }
+      }
+      WgmmaWait<0>();
+      FenceOperands(a_even);
+      FenceOperands(a_odd);
+    }
+    for (int kb = 0; kb < (kGradA ? 0 : k_blocks); ++kb) {
       BarrierWait(full + 8 * stage, phase);
       const uint64_t desc_a =
           Descriptor<kMnA>(stage_a + stage * kBlockM * kBlockK * 2 + a_offset);
@@ -568,12 +776,12 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode>
+template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode, bool kGradA>
 __global__ void __launch_bounds__(kThreads, 1)
     HopperGemmKernel(const __grid_constant__ CUtensorMap map_a,
                      const __grid_constant__ CUtensorMap map_b,
                      const __grid_constant__ CUtensorMap map_c, OutT* c, int64_t ldc, int m,
-                     int n, int k, const Epilogue epilogue) {
+                     int n, int k, const Epilogue epilogue, const LogitGradient gradient) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t shared_raw[];
   const uint32_t raw = SharedAddress(shared_raw);
@@ -678,10 +886,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    Consume<T, OutT, kCluster, kMnA, kMnB, kMode>(c, ldc, m, n, tiles_m, tiles_n, tiles, k_blocks,
-                                                   first_tile, tile_step, rank, stage_a, stage_b,
-                                                   full, empty, staging,
-                                                   shared_raw + (staging - raw), &map_c, epilogue);
+    Consume<T, OutT, kCluster, kMnA, kMnB, kMode, kGradA>(
+        c, ldc, m, n, k, tiles_m, tiles_n, tiles, k_blocks, first_tile, tile_step, rank, stage_a,
+        stage_b, full, empty, staging, shared_raw + (staging - raw), &map_c, epilogue, gradient);
   }
   // No block leaves while a peer may still arrive on its barriers.
   if constexpr (kCluster > 1) ClusterSync();
@@ -743,10 +950,10 @@ cudaError_t OperandMap(CUtensorMap* map, const void* data, CUtensorMapDataType t
   return MakeMap(map, data, type, extent, k, ld, k_major_rows, kBlockK);
 }
 
-template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode>
+template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode, bool kGradA>
 cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b,
                    const CUtensorMap& map_c, int sms, cudaStream_t stream) {
-  auto kernel = HopperGemmKernel<T, OutT, kCluster, kMnA, kMnB, kMode>;
+  auto kernel = HopperGemmKernel<T, OutT, kCluster, kMnA, kMnB, kMode, kGradA>;
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   if (error != cudaSuccess) return error;
@@ -787,7 +994,7 @@ cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const C
   }
   error = cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, static_cast<OutT*>(args.c),
                              args.ldc, static_cast<int>(args.m), static_cast<int>(args.n),
-                             static_cast<int>(args.k), epilogue);
+                             static_cast<int>(args.k), epilogue, args.gradient);
   if (error != cudaSuccess) return error;
   return cudaGetLastError();
 }
@@ -810,10 +1017,19 @@ cudaError_t LaunchForm(const HopperGemmArgs& args, CUtensorMapDataType type, int
                     args.ldc * 2, 64, kReduceCols);  // (MakeMap's ld counts 2-byte elements)
     if (error != cudaSuccess) return error;
   }
-  if (args.cluster == 2) {
-    return Launch<T, OutT, 2, kMnA, kMnB, kMode>(args, map_a, map_b, map_c, sms, stream);
+  // The fused gradient only in the dX form (HopperGemmSupported).
+  if constexpr (!kMnA && kMnB) {
+    if (args.gradient.present()) {
+      if (args.cluster == 2) {
+        return Launch<T, OutT, 2, kMnA, kMnB, kMode, true>(args, map_a, map_b, map_c, sms, stream);
+      }
+      return Launch<T, OutT, 1, kMnA, kMnB, kMode, true>(args, map_a, map_b, map_c, sms, stream);
+    }
   }
-  return Launch<T, OutT, 1, kMnA, kMnB, kMode>(args, map_a, map_b, map_c, sms, stream);
+  if (args.cluster == 2) {
+    return Launch<T, OutT, 2, kMnA, kMnB, kMode, false>(args, map_a, map_b, map_c, sms, stream);
+  }
+  return Launch<T, OutT, 1, kMnA, kMnB, kMode, false>(args, map_a, map_b, map_c, sms, stream);
 }
 
 template <typename T, typename OutT, int kMode>
@@ -859,13 +1075,17 @@ bool HopperGemmSupported(const HopperGemmArgs& args, int device) {
   const bool half = args.in_type == DType::kBFloat16 || args.in_type == DType::kFloat16;
   const bool out = args.out_type == args.in_type || args.out_type == DType::kFloat32;
   const bool form = args.a_major == Major::kK || args.b_major == Major::kMN;
+  const LogitGradient& g = args.gradient;
+  const bool gradient = !g.present() || (args.a_major == Major::kK &&
+                                         args.b_major == Major::kMN && g.coef != nullptr &&
+                                         g.column != nullptr && g.target != nullptr);
   // A row of an operand: K long (K-major) or M / N long (MN-major).
   const auto rows_fit = [&](Major major, int64_t ld, int64_t extent) {
     return ld % 8 == 0 && ld >= (major == Major::kK ? args.k : extent) &&
            (major == Major::kMN || args.k % 8 == 0);
   };
   constexpr int64_t kMax = int64_t{1} << 31;
-  return half && out && form && args.k > 0 && rows_fit(args.a_major, args.lda, args.m) &&
+  return half && out && form && gradient && args.k > 0 && rows_fit(args.a_major, args.lda, args.m) &&
          rows_fit(args.b_major, args.ldb, args.n) && args.ldc >= args.n &&
          (args.source == nullptr || args.ld_source >= args.n) &&
          (args.cluster == 1 || args.cluster == 2) && args.m >= 0 && args.n >= 0 &&

@@ -6,7 +6,8 @@
 //   logits = X·Wᵀ   C[m×n] = A[m×k] · B[n×k]ᵀ   both operands K-major;
 //   dX = dZ·W       C[m×n] = A[m×k] · B[k×n]    B MN-major;
 //   dW = dZᵀ·X      C[m×n] = A[k×m]ᵀ · B[k×n]   both MN-major;
-// each as C = alpha·A·B (+ an fp32 source, rounded once into C's dtype).
+// each as C = alpha·A·B (+ an fp32 source, rounded once into C's dtype);
+//   fused dX = G·W, G formed from the logits as they are read (LogitGradient).
 // Warp-specialised and persistent: one warpgroup feeds shared memory
 // through the tensor memory accelerator (TMA, 128-byte swizzle), two
 // warpgroups multiply with wgmma from shared memory (the MN-major operands
@@ -19,6 +20,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/logit_gradient.h"
 #include "kernels/dtype.h"
 
 namespace flce {
@@ -45,6 +47,9 @@ struct HopperGemmArgs {
   const float* source = nullptr;
   int64_t ld_source = 0;
   float alpha = 1.0f;
+  // With lse set: A is the logits and the GEMM multiplies their gradient
+  // (LogitGradient), in the dX form only.
+  LogitGradient gradient;
   int64_t m = 0, n = 0, k = 0;
   DType in_type = DType::kBFloat16;   // A's and B's: bf16 or fp16
   DType out_type = DType::kBFloat16;  // C's: in_type or fp32
@@ -62,7 +67,8 @@ struct HopperGemmArgs {
 // the row's extent (k for kK, m or n for kMN), 16-byte aligned A and B,
 // k positive and for a K-major operand a multiple of 8, ldc ≥ n,
 // ld_source ≥ n with a source, m, n and k below 2³¹ (the TMA's
-// coordinates), cluster 1 or 2.
+// coordinates), cluster 1 or 2; a gradient (all four arrays set) only in
+// the dX form.
 bool HopperGemmSupported(const HopperGemmArgs& args, int device);
 
 // C = A·Bᵀ on `stream` with at most `sms` resident blocks (the device's

@@ -230,6 +230,142 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
   }
 }
 
+// The fused dX: A is the logits, the GEMM multiplies their gradient
+// (LogitGradient) formed in registers. Against the gradient rounded to the
+// input dtype on the host and an fp64 sum: rows with the target among the
+// columns, without it (-1) and ignored; m, n and k off the tiles; both
+// cluster sizes; fp32 C overwritten and added to in place.
+TEST_F(HopperGemmTest, FusedGradientMatchesItsReference) {
+  struct Fused {
+    int64_t m, n, k;
+    DType in;
+    bool add;
+  };
+  const std::vector<Fused> cases = {
+      {3, 7, 40, DType::kBFloat16, false},      {200, 300, 1000, DType::kBFloat16, false},
+      {129, 257, 4104, DType::kBFloat16, false}, {150, 264, 520, DType::kBFloat16, true},
+      {70, 100, 336, DType::kFloat16, false},
+  };
+  uint32_t seed = 100;
+  for (const Fused& c : cases) {
+    for (const int cluster : {1, 2}) {
+      SCOPED_TRACE(::testing::Message() << "m=" << c.m << " n=" << c.n << " k=" << c.k
+                                        << " in=" << DTypeName(c.in) << " add=" << c.add
+                                        << " cluster=" << cluster);
+      std::mt19937 rng(seed++);
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      // The logits z [m, k] in [-4, 4), W [k, n] (MN-major B).
+      const auto round = [&](float x) {
+        return c.in == DType::kBFloat16 ? FloatToBFloat16(x) : FloatToHalf(x);
+      };
+      const auto value = [&](uint16_t b) {
+        return c.in == DType::kBFloat16 ? BFloat16ToFloat(b) : HalfToFloat(b);
+      };
+      const int64_t ldb = (c.n + 7) / 8 * 8;
+      std::vector<uint16_t> z_bits(c.m * c.k), w_bits(c.k * ldb, 0x7fff);
+      for (auto& b : z_bits) b = round(4.0f * u(rng));
+      for (int64_t j = 0; j < c.k; ++j) {
+        for (int64_t i = 0; i < c.n; ++i) w_bits[j * ldb + i] = round(u(rng));
+      }
+      // Per row: lse of the row, a coefficient, the target's column (every
+      // fifth row none, every seventh ignored) and its value.
+      std::vector<float> lse(c.m), coef(c.m), target(c.m);
+      std::vector<int32_t> column(c.m);
+      for (int64_t r = 0; r < c.m; ++r) {
+        double sum = 0;
+        for (int64_t j = 0; j < c.k; ++j) sum += std::exp(double{value(z_bits[r * c.k + j])});
+        lse[r] = static_cast<float>(std::log(sum));
+        coef[r] = 0.5f + std::fabs(u(rng));
+        column[r] = r % 7 == 3   ? LogitGradient::kIgnoredRow
+                    : r % 5 == 1 ? -1
+                                 : static_cast<int32_t>((r * 7919) % c.k);
+        target[r] = -1.0f - std::fabs(u(rng));
+      }
+      // G rounded as the kernel rounds it.
+      std::vector<double> g(c.m * c.k);
+      for (int64_t r = 0; r < c.m; ++r) {
+        for (int64_t j = 0; j < c.k; ++j) {
+          double x = 0;
+          if (column[r] == LogitGradient::kIgnoredRow) {
+            x = 0;
+          } else if (j == column[r]) {
+            x = target[r];
+          } else {
+            x = coef[r] * std::exp(double{value(z_bits[r * c.k + j])} - lse[r]);
+          }
+          g[r * c.k + j] = value(round(static_cast<float>(x)));
+        }
+      }
+      std::vector<float> source(c.m * c.n);
+      for (float& x : source) x = 2.0f * u(rng);
+
+      cuda_test::DeviceBytes dz(z_bits.size() * 2), dw(w_bits.size() * 2), dc(c.m * c.n * 4),
+          dlse(c.m * 4), dcoef(c.m * 4), dtarget(c.m * 4), dcolumn(c.m * 4);
+      ASSERT_EQ(cudaMemcpy(dz.data, z_bits.data(), dz.size, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dw.data, w_bits.data(), dw.size, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dlse.data, lse.data(), dlse.size, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dcoef.data, coef.data(), dcoef.size, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dtarget.data, target.data(), dtarget.size, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dcolumn.data, column.data(), dcolumn.size, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      if (c.add) {
+        ASSERT_EQ(cudaMemcpy(dc.data, source.data(), dc.size, cudaMemcpyHostToDevice),
+                  cudaSuccess);
+      } else {
+        ASSERT_EQ(cudaMemset(dc.data, 0xff, dc.size), cudaSuccess);  // NaN: unwritten shows
+      }
+      HopperGemmArgs args;
+      args.a = dz.data;
+      args.lda = c.k;
+      args.b = dw.data;
+      args.ldb = ldb;
+      args.b_major = Major::kMN;
+      args.c = dc.data;
+      args.ldc = c.n;
+      if (c.add) {
+        args.source = static_cast<const float*>(dc.data);
+        args.ld_source = c.n;
+      }
+      args.m = c.m;
+      args.n = c.n;
+      args.k = c.k;
+      args.in_type = c.in;
+      args.out_type = DType::kFloat32;
+      args.cluster = cluster;
+      args.gradient.lse = static_cast<const float*>(dlse.data);
+      args.gradient.coef = static_cast<const float*>(dcoef.data);
+      args.gradient.column = static_cast<const int32_t*>(dcolumn.data);
+      args.gradient.target = static_cast<const float*>(dtarget.data);
+      ASSERT_TRUE(HopperGemmSupported(args, 0));
+      ASSERT_EQ(LaunchHopperGemm(args, sms_, stream_), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+      std::vector<float> got(c.m * c.n);
+      ASSERT_EQ(cudaMemcpy(got.data(), dc.data, dc.size, cudaMemcpyDeviceToHost), cudaSuccess);
+      int64_t bad = 0;
+      for (int64_t r = 0; r < c.m; ++r) {
+        for (int64_t i = 0; i < c.n; ++i) {
+          double exact = c.add ? source[r * c.n + i] : 0.0, magnitude = std::fabs(exact);
+          for (int64_t j = 0; j < c.k; ++j) {
+            const double term = g[r * c.k + j] * value(w_bits[j * ldb + i]);
+            exact += term;
+            magnitude += std::fabs(term);
+          }
+          // The device's exponential (ex2.approx) may round an element of
+          // G to the neighbouring value now and then: 2⁻⁹ of the terms.
+          const double bar = std::ldexp(1.0, -9) * magnitude + 1e-30;
+          const float x = got[r * c.n + i];
+          if (!(std::fabs(x - exact) <= bar) && bad++ < 5) {
+            ADD_FAILURE() << "C[" << r << "][" << i << "] = " << x << ", expected " << exact;
+          }
+        }
+      }
+      EXPECT_EQ(bad, 0);
+    }
+  }
+}
+
 TEST_F(HopperGemmTest, RefusesWhatItDoesNotTake) {
   cuda_test::DeviceBytes a(1 << 16), b(1 << 16), c(1 << 16);
   HopperGemmArgs args;
@@ -270,6 +406,17 @@ TEST_F(HopperGemmTest, RefusesWhatItDoesNotTake) {
   short_rows.b_major = Major::kMN;
   short_rows.n = 24;
   EXPECT_FALSE(HopperGemmSupported(short_rows, 0));
+
+  // The fused gradient only in the dX form (A K-major, B MN-major).
+  HopperGemmArgs fused = args;
+  fused.gradient.lse = fused.gradient.coef = static_cast<const float*>(c.data);
+  fused.gradient.target = static_cast<const float*>(c.data);
+  fused.gradient.column = static_cast<const int32_t*>(c.data);
+  EXPECT_FALSE(HopperGemmSupported(fused, 0));
+  fused.b_major = Major::kMN;
+  EXPECT_TRUE(HopperGemmSupported(fused, 0));
+  fused.gradient.column = nullptr;
+  EXPECT_FALSE(HopperGemmSupported(fused, 0));
 
   // A source's rows hold n values.
   HopperGemmArgs source = args;

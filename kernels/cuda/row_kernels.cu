@@ -2,6 +2,7 @@
 // computes.
 
 #include "kernels/cuda/device_primitives.cuh"
+#include "kernels/cuda/logit_gradient.h"
 #include "kernels/cuda/row_kernels.h"
 
 namespace flce {
@@ -437,7 +438,59 @@ cudaError_t OnePassRowsFor(const RowParams& p, void* logits, const float* row_sc
                     redo);
 }
 
+// One thread per row: LaunchGradientFactors.
+template <typename T>
+__global__ void GradientFactorsKernel(RowParams p, const T* logits, const float* lse,
+                                      const float* row_scale, float* coef, int32_t* column,
+                                      float* target) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= p.rows) return;
+  const int64_t row = p.row0 + r;
+  const int64_t t = p.target[row];
+  if (t == p.ignore_index) {
+    coef[r] = 0.0f;
+    column[r] = LogitGradient::kIgnoredRow;
+    target[r] = 0.0f;
+    return;
+  }
+  // As WriteGradientRow's plain rows: c = scale·(w_t + 2·s·lse) off the
+  // target, scale·(w_t·(p_t − 1) + 2·s·lse·p_t) on it.
+  const float wt = p.class_weight != nullptr ? p.class_weight[t] : 1.0f;
+  const float zc = 2.0f * p.z_loss_scale * lse[row];
+  const float scale = row_scale[row];
+  coef[r] = scale * (wt + zc);
+  const int64_t local_t = LocalColumn(p, t);
+  column[r] = static_cast<int32_t>(local_t);
+  float value = 0.0f;
+  if (local_t >= 0) {
+    const float prob = FastExp(ToFloatDev(logits[r * p.cols + local_t]) - lse[row]);
+    value = scale * (wt * (prob - 1.0f) + zc * prob);
+  }
+  target[r] = value;
+}
+
 }  // namespace
+
+bool FusedGradientSupported(const RowParams& p) {
+  return p.bias == nullptr && p.softcap <= 0.0f && p.label_smoothing == 0.0f;
+}
+
+cudaError_t LaunchGradientFactors(const RowParams& p, const void* logits, DType dtype,
+                                  const float* lse, const float* row_scale, float* coef,
+                                  int32_t* column, float* target, cudaStream_t stream) {
+  if (!FusedGradientSupported(p) || p.col0 < 0 || p.cols < 0 || p.col0 + p.cols > p.vocab ||
+      p.cols >= (int64_t{1} << 31)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.rows == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const unsigned blocks = static_cast<unsigned>((p.rows + kThreads - 1) / kThreads);
+  return FLCE_DISPATCH_FLOAT_DTYPE(dtype, T, [&] {
+    GradientFactorsKernel<T><<<blocks, kThreads, 0, stream>>>(
+        p, static_cast<const T*>(logits), lse, row_scale, coef, column, target);
+    return cudaGetLastError();
+  });
+}
 
 cudaError_t LaunchForwardRows(const RowParams& p, void* logits, DType dtype, bool write_grad,
                               const float* row_scale, const RowOutputs& out, cudaStream_t stream) {

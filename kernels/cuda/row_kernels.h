@@ -75,6 +75,26 @@ cudaError_t LaunchGradientRowsFrom(const RowParams& p, const void* src, int64_t 
                                    void* logits, DType dtype, const float* lse,
                                    const float* row_scale, cudaStream_t stream);
 
+// Whether LaunchGradientFactors takes these rows: no label smoothing,
+// softcap or bias (class weights and z-loss allowed).
+bool FusedGradientSupported(const RowParams& p);
+
+// The per-row factors of the gradient that the fused dX GEMM forms from
+// the logits as it reads them (hopper_gemm.h's LogitGradient), for a chunk
+// of logits [rows, cols] (whole rows or a slice of columns, as
+// LaunchGradientRows takes them; row r of the chunk is global row row0 +
+// r; LogitGradient, logit_gradient.h): coef[r] = scale·(w_t + 2·s·lse), column[r] the target's column among
+// the given ones (−1 when it is not one of them, LogitGradient::kIgnoredRow
+// for an ignored row) and target[r] = scale·(w_t·(p_t − 1) + 2·s·lse·p_t), p_t
+// from the target's logit; indexed by the chunk's row, lse and row_scale
+// by global row. Without class weights, the G the fused GEMM forms is what
+// LaunchGradientRows writes, bit for bit; with them, the same formula
+// rounded in the other kernels' order. REQUIRES FusedGradientSupported(p),
+// else cudaErrorInvalidValue.
+cudaError_t LaunchGradientFactors(const RowParams& p, const void* logits, DType dtype,
+                                  const float* lse, const float* row_scale, float* coef,
+                                  int32_t* column, float* target, cudaStream_t stream);
+
 // A vocabulary shard's per-row statistics (loss_engine.h's ShardStats),
 // indexed by global row.
 struct ShardRowOutputs {
