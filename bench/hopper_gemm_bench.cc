@@ -123,47 +123,38 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
   }
   GemmCase c;
   HopperGemmArgs& args = c.args;
+  using internal_cuda::Major;
+  // flce's operands for C [m, n] (row stride ldc) over k.
+  auto operands = [&args](const void* a, int64_t lda, Major a_major, const void* b, int64_t ldb,
+                          Major b_major, int64_t m, int64_t n, int64_t k, int64_t ldc) {
+    args.a = a;
+    args.lda = lda;
+    args.a_major = a_major;
+    args.b = b;
+    args.ldb = ldb;
+    args.b_major = b_major;
+    args.m = m;
+    args.n = n;
+    args.k = k;
+    args.ldc = ldc;
+  };
   if (gemm == "logits") {
     // logitsᵀ (V×N, ld V) = op(W) op(X): W column-major H×V op T, X H×N op N.
     c = {{CUBLAS_OP_T, CUBLAS_OP_N, v, n, h, dtype, h, dtype, h, dtype, v}, w.data(), x.data(), 0,
          {}, n * v, dtype};
-    args.a = x.data();
-    args.lda = h;
-    args.b = w.data();
-    args.ldb = h;
-    args.ldc = v;
-    args.m = n;
-    args.n = v;
-    args.k = h;
+    operands(x.data(), h, Major::kK, w.data(), h, Major::kK, n, v, h, v);
   } else if (gemm == "dx" || gemm == "dx_fused") {
     // dXᵀ (H×N, ld H) = W (H×V, ld H) · G (V×N, ld V), as ChunkDxGemm.
     c = {{CUBLAS_OP_N, CUBLAS_OP_N, h, n, v, dtype, h, dtype, v, DType::kFloat32, h}, w.data(),
          g.data(), 0, {}, n * h, DType::kFloat32};
-    args.a = g.data();
-    args.lda = v;
-    args.b = w.data();
-    args.ldb = h;
-    args.b_major = internal_cuda::Major::kMN;
-    args.ldc = h;
-    args.m = n;
-    args.n = h;
-    args.k = v;
+    operands(g.data(), v, Major::kK, w.data(), h, Major::kMN, n, h, v, h);
   } else if (gemm == "dw" || gemm == "dw_last") {
     // dWᵀ (H×V, ld H) += X (H×N, ld H) · Gᵀ (G: V×N, ld V, op T), as
     // ChunkDwGemm on a later chunk.
     c = {{CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, dtype, h, dtype, v, DType::kFloat32, h}, x.data(),
          g.data(), 1, {}, v * h, gemm == "dw" ? DType::kFloat32 : dtype};
-    args.a = g.data();
-    args.lda = v;
-    args.a_major = internal_cuda::Major::kMN;
-    args.b = x.data();
-    args.ldb = h;
-    args.b_major = internal_cuda::Major::kMN;
-    args.ldc = h;
+    operands(g.data(), v, Major::kMN, x.data(), h, Major::kMN, v, h, n, h);
     args.ld_source = h;
-    args.m = v;
-    args.n = h;
-    args.k = n;
   } else {
     return absl::InvalidArgumentError("--gemms: unknown GEMM " + gemm);
   }
