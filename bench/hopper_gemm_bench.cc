@@ -232,7 +232,7 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
       a.cluster = cluster;
       if (fused) {
         FLCE_RETURN_IF_ERROR(CudaStatus(
-            internal_cuda::LaunchGradientFactors(rows, z.data(), dtype, lse.as<float>(),
+            internal_cuda::LaunchGradientFactors(rows, z.data(), v, dtype, lse.as<float>(),
                                                  row_scale.as<float>(), coef.as<float>(),
                                                  column.as<int32_t>(), target_value.as<float>(), s),
             "gradient factors"));

@@ -17,6 +17,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_test_support.h"
+#include "kernels/cuda/row_kernels.h"
 #include "kernels/dtype.h"
 
 namespace flce {
@@ -363,6 +364,101 @@ TEST_F(HopperGemmTest, FusedGradientMatchesItsReference) {
       }
       EXPECT_EQ(bad, 0);
     }
+  }
+}
+
+// The fused dX against the engine's own two steps on the same logits: the
+// gradient rows (LaunchGradientRowsFrom, which LaunchGradientFactors's
+// factors mirror) into G, then the plain dX form on G. Bit for bit, as
+// logit_gradient.h promises for rows without class weights: plain rows,
+// z-loss, ignored rows, and a slice of the columns with targets outside it.
+TEST_F(HopperGemmTest, FusedGradientIsTheGradientRowsBitForBit) {
+  struct Slice {
+    int64_t rows, v, h, col0, cols;
+    float z_loss;
+  };
+  const std::vector<Slice> cases = {
+      {300, 1000, 264, 0, 1000, 0.0f},
+      {129, 2056, 136, 0, 2056, 1e-3f},
+      {200, 3000, 256, 1024, 1000, 0.0f},  // targets outside the slice too
+  };
+  uint32_t seed = 500;
+  for (const Slice& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "rows=" << c.rows << " v=" << c.v << " h=" << c.h
+                                      << " columns " << c.col0 << "+" << c.cols
+                                      << " z_loss=" << c.z_loss);
+    std::mt19937 rng(seed++);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<uint16_t> z(c.rows * c.v), w(c.v * c.h);
+    for (auto& b : z) b = FloatToBFloat16(6.0f * u(rng));
+    for (auto& b : w) b = FloatToBFloat16(u(rng));
+    std::vector<int64_t> targets(c.rows);
+    for (int64_t r = 0; r < c.rows; ++r) targets[r] = r % 9 == 4 ? -100 : (r * 7919) % c.v;
+    std::vector<float> scale(c.rows, 1.0f / static_cast<float>(c.rows));
+
+    cuda_test::DeviceBytes dz(z.size() * 2), dw(w.size() * 2), dtarget(c.rows * 8),
+        dscale(c.rows * 4), lse(c.rows * 4), loss(c.rows * 4), zl(c.rows * 4),
+        correct(c.rows * 4), g(c.rows * c.cols * 2), coef(c.rows * 4), column(c.rows * 4),
+        tvalue(c.rows * 4), out_rows(c.rows * c.h * 4), out_fused(c.rows * c.h * 4);
+    ASSERT_EQ(cudaMemcpy(dz.data, z.data(), dz.size, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dw.data, w.data(), dw.size, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dtarget.data, targets.data(), dtarget.size, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dscale.data, scale.data(), dscale.size, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    RowParams p;
+    p.rows = c.rows;
+    p.vocab = p.cols = p.full_vocab = c.v;
+    p.target = static_cast<const int64_t*>(dtarget.data);
+    p.z_loss_scale = c.z_loss;
+    const auto* row_scale = static_cast<const float*>(dscale.data);
+    // The whole rows' lse, then the slice's gradient and factors.
+    ASSERT_EQ(LaunchForwardRows(p, dz.data, DType::kBFloat16, /*write_grad=*/false, row_scale,
+                                {static_cast<float*>(lse.data), static_cast<float*>(loss.data),
+                                 static_cast<float*>(zl.data), static_cast<int32_t*>(correct.data)},
+                                stream_),
+              cudaSuccess);
+    p.col0 = c.col0;
+    p.cols = c.cols;
+    const auto* slice = static_cast<const uint16_t*>(dz.data) + c.col0;
+    ASSERT_EQ(LaunchGradientRowsFrom(p, slice, c.v, g.data, DType::kBFloat16,
+                                     static_cast<const float*>(lse.data), row_scale, stream_),
+              cudaSuccess);
+    ASSERT_EQ(LaunchGradientFactors(p, slice, c.v, DType::kBFloat16,
+                                    static_cast<const float*>(lse.data), row_scale,
+                                    static_cast<float*>(coef.data),
+                                    static_cast<int32_t*>(column.data),
+                                    static_cast<float*>(tvalue.data), stream_),
+              cudaSuccess);
+    HopperGemmArgs args;
+    args.b = static_cast<const uint16_t*>(dw.data) + c.col0 * c.h;
+    args.ldb = c.h;
+    args.b_major = Major::kMN;
+    args.ldc = c.h;
+    args.m = c.rows;
+    args.n = c.h;
+    args.k = c.cols;
+    args.out_type = DType::kFloat32;
+    HopperGemmArgs rows = args;
+    rows.a = g.data;
+    rows.lda = c.cols;
+    rows.c = out_rows.data;
+    HopperGemmArgs fused = args;
+    fused.a = slice;
+    fused.lda = c.v;
+    fused.c = out_fused.data;
+    fused.gradient = {static_cast<const float*>(lse.data), static_cast<const float*>(coef.data),
+                      static_cast<const int32_t*>(column.data),
+                      static_cast<const float*>(tvalue.data)};
+    ASSERT_TRUE(HopperGemmSupported(rows, 0));
+    ASSERT_TRUE(HopperGemmSupported(fused, 0));
+    ASSERT_EQ(LaunchHopperGemm(rows, sms_, stream_), cudaSuccess);
+    ASSERT_EQ(LaunchHopperGemm(fused, sms_, stream_), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    const std::string a = out_rows.Read(), b = out_fused.Read();
+    int64_t differ = 0;
+    for (size_t i = 0; i < a.size(); i += 4) differ += std::memcmp(&a[i], &b[i], 4) != 0;
+    EXPECT_EQ(differ, 0) << "of " << a.size() / 4 << " dX values";
   }
 }
 

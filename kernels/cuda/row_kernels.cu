@@ -440,9 +440,9 @@ cudaError_t OnePassRowsFor(const RowParams& p, void* logits, const float* row_sc
 
 // One thread per row: LaunchGradientFactors.
 template <typename T>
-__global__ void GradientFactorsKernel(RowParams p, const T* logits, const float* lse,
-                                      const float* row_scale, float* coef, int32_t* column,
-                                      float* target) {
+__global__ void GradientFactorsKernel(RowParams p, const T* logits, int64_t src_stride,
+                                      const float* lse, const float* row_scale, float* coef,
+                                      int32_t* column, float* target) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= p.rows) return;
   const int64_t row = p.row0 + r;
@@ -463,7 +463,7 @@ __global__ void GradientFactorsKernel(RowParams p, const T* logits, const float*
   column[r] = static_cast<int32_t>(local_t);
   float value = 0.0f;
   if (local_t >= 0) {
-    const float prob = FastExp(ToFloatDev(logits[r * p.cols + local_t]) - lse[row]);
+    const float prob = FastExp(ToFloatDev(logits[r * src_stride + local_t]) - lse[row]);
     value = scale * (wt * (prob - 1.0f) + zc * prob);
   }
   target[r] = value;
@@ -475,11 +475,12 @@ bool FusedGradientSupported(const RowParams& p) {
   return p.bias == nullptr && p.softcap <= 0.0f && p.label_smoothing == 0.0f;
 }
 
-cudaError_t LaunchGradientFactors(const RowParams& p, const void* logits, DType dtype,
-                                  const float* lse, const float* row_scale, float* coef,
-                                  int32_t* column, float* target, cudaStream_t stream) {
+cudaError_t LaunchGradientFactors(const RowParams& p, const void* logits, int64_t src_stride,
+                                  DType dtype, const float* lse, const float* row_scale,
+                                  float* coef, int32_t* column, float* target,
+                                  cudaStream_t stream) {
   if (!FusedGradientSupported(p) || p.col0 < 0 || p.cols < 0 || p.col0 + p.cols > p.vocab ||
-      p.cols >= (int64_t{1} << 31)) {
+      p.cols >= (int64_t{1} << 31) || src_stride < p.cols) {
     return cudaErrorInvalidValue;
   }
   if (p.rows == 0) return cudaSuccess;
@@ -487,7 +488,7 @@ cudaError_t LaunchGradientFactors(const RowParams& p, const void* logits, DType 
   const unsigned blocks = static_cast<unsigned>((p.rows + kThreads - 1) / kThreads);
   return FLCE_DISPATCH_FLOAT_DTYPE(dtype, T, [&] {
     GradientFactorsKernel<T><<<blocks, kThreads, 0, stream>>>(
-        p, static_cast<const T*>(logits), lse, row_scale, coef, column, target);
+        p, static_cast<const T*>(logits), src_stride, lse, row_scale, coef, column, target);
     return cudaGetLastError();
   });
 }

@@ -81,9 +81,9 @@ bool FusedGradientSupported(const RowParams& p);
 
 // The per-row factors of the gradient that the fused dX GEMM forms from
 // the logits as it reads them (hopper_gemm.h's LogitGradient), for a chunk
-// of logits [rows, cols] (whole rows or a slice of columns, as
-// LaunchGradientRows takes them; row r of the chunk is global row row0 +
-// r; LogitGradient, logit_gradient.h): coef[r] = scale·(w_t + 2·s·lse), column[r] the target's column among
+// of logits (rows of the given columns at logits + r·src_stride elements,
+// src_stride ≥ cols, as LaunchGradientRowsFrom reads them; row r of the
+// chunk is global row row0 + r; LogitGradient, logit_gradient.h): coef[r] = scale·(w_t + 2·s·lse), column[r] the target's column among
 // the given ones (−1 when it is not one of them, LogitGradient::kIgnoredRow
 // for an ignored row) and target[r] = scale·(w_t·(p_t − 1) + 2·s·lse·p_t), p_t
 // from the target's logit; indexed by the chunk's row, lse and row_scale
@@ -91,9 +91,10 @@ bool FusedGradientSupported(const RowParams& p);
 // LaunchGradientRows writes, bit for bit; with them, the same formula
 // rounded in the other kernels' order. REQUIRES FusedGradientSupported(p),
 // else cudaErrorInvalidValue.
-cudaError_t LaunchGradientFactors(const RowParams& p, const void* logits, DType dtype,
-                                  const float* lse, const float* row_scale, float* coef,
-                                  int32_t* column, float* target, cudaStream_t stream);
+cudaError_t LaunchGradientFactors(const RowParams& p, const void* logits, int64_t src_stride,
+                                  DType dtype, const float* lse, const float* row_scale,
+                                  float* coef, int32_t* column, float* target,
+                                  cudaStream_t stream);
 
 // A vocabulary shard's per-row statistics (loss_engine.h's ShardStats),
 // indexed by global row.
