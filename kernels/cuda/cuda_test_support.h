@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
@@ -109,6 +110,13 @@ inline CudaEngine* Engine(std::string* why, Layout layout = Layout::kTokenChunks
 struct DeviceBytes {
   explicit DeviceBytes(size_t n) : size(n) { EXPECT_EQ(cudaMalloc(&data, n), cudaSuccess); }
   ~DeviceBytes() { cudaFree(data); }
+  // Copies `host` in (its bytes, at most size of them).
+  template <typename T>
+  void Write(const std::vector<T>& host) {
+    ASSERT_LE(host.size() * sizeof(T), size);
+    EXPECT_EQ(cudaMemcpy(data, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
   std::string Read() const {
     std::string out(size, '\0');
     EXPECT_EQ(cudaMemcpy(out.data(), data, size, cudaMemcpyDeviceToHost), cudaSuccess);

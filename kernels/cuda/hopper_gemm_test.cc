@@ -147,8 +147,8 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
       RandomOperand(c.n, c.k, b_major, ldb, c.in, seed++, b_bits, b);
       const size_t out_size = DTypeSize(c.out);
       cuda_test::DeviceBytes da(a_bits.size() * 2), db(b_bits.size() * 2), dc(c.m * ldc * out_size);
-      ASSERT_EQ(cudaMemcpy(da.data, a_bits.data(), da.size, cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(db.data, b_bits.data(), db.size, cudaMemcpyHostToDevice), cudaSuccess);
+      da.Write(a_bits);
+      db.Write(b_bits);
       ASSERT_EQ(cudaMemset(dc.data, 0xff, dc.size), cudaSuccess);  // NaN: unwritten shows
       // The source: random fp32 [m, n] with row stride ldc + 3 (its own
       // memory), or C's own fp32 values when C is fp32 (added in place).
@@ -302,18 +302,14 @@ TEST_F(HopperGemmTest, FusedGradientMatchesItsReference) {
 
       cuda_test::DeviceBytes dz(z_bits.size() * 2), dw(w_bits.size() * 2), dc(c.m * c.n * 4),
           dlse(c.m * 4), dcoef(c.m * 4), dtarget(c.m * 4), dcolumn(c.m * 4);
-      ASSERT_EQ(cudaMemcpy(dz.data, z_bits.data(), dz.size, cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(dw.data, w_bits.data(), dw.size, cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(dlse.data, lse.data(), dlse.size, cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(dcoef.data, coef.data(), dcoef.size, cudaMemcpyHostToDevice),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(dtarget.data, target.data(), dtarget.size, cudaMemcpyHostToDevice),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(dcolumn.data, column.data(), dcolumn.size, cudaMemcpyHostToDevice),
-                cudaSuccess);
+      dz.Write(z_bits);
+      dw.Write(w_bits);
+      dlse.Write(lse);
+      dcoef.Write(coef);
+      dtarget.Write(target);
+      dcolumn.Write(column);
       if (c.add) {
-        ASSERT_EQ(cudaMemcpy(dc.data, source.data(), dc.size, cudaMemcpyHostToDevice),
-                  cudaSuccess);
+        dc.Write(source);
       } else {
         ASSERT_EQ(cudaMemset(dc.data, 0xff, dc.size), cudaSuccess);  // NaN: unwritten shows
       }
@@ -400,12 +396,10 @@ TEST_F(HopperGemmTest, FusedGradientIsTheGradientRowsBitForBit) {
         dscale(c.rows * 4), lse(c.rows * 4), loss(c.rows * 4), zl(c.rows * 4),
         correct(c.rows * 4), g(c.rows * c.cols * 2), coef(c.rows * 4), column(c.rows * 4),
         tvalue(c.rows * 4), out_rows(c.rows * c.h * 4), out_fused(c.rows * c.h * 4);
-    ASSERT_EQ(cudaMemcpy(dz.data, z.data(), dz.size, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(dw.data, w.data(), dw.size, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(dtarget.data, targets.data(), dtarget.size, cudaMemcpyHostToDevice),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(dscale.data, scale.data(), dscale.size, cudaMemcpyHostToDevice),
-              cudaSuccess);
+    dz.Write(z);
+    dw.Write(w);
+    dtarget.Write(targets);
+    dscale.Write(scale);
     RowParams p;
     p.rows = c.rows;
     p.vocab = p.cols = p.full_vocab = c.v;
