@@ -71,7 +71,8 @@ struct HopperGemmArgs {
 // the dX form.
 bool HopperGemmSupported(const HopperGemmArgs& args, int device);
 
-// C = A·Bᵀ on `stream` with at most `sms` resident blocks (the device's
+// C = alpha·A·B (+ source), in the args' form, on `stream` with at most
+// `sms` resident blocks (the device's
 // multiprocessor count: one block each, persistent). REQUIRES:
 // HopperGemmSupported(args, the stream's device); otherwise
 // cudaErrorInvalidValue (cudaErrorNotSupported on another architecture).
