@@ -72,11 +72,10 @@ struct HopperGemmArgs {
 bool HopperGemmSupported(const HopperGemmArgs& args, int device);
 
 // C = alpha·A·B (+ source), in the args' form, on `stream` with at most
-// `sms` resident blocks (the device's
-// multiprocessor count: one block each, persistent). REQUIRES:
-// HopperGemmSupported(args, the stream's device); otherwise
-// cudaErrorInvalidValue (cudaErrorNotSupported on another architecture).
-// m == 0 or n == 0 is a no-op.
+// `sms` resident blocks (the device's multiprocessor count: one block
+// each, persistent). REQUIRES: HopperGemmSupported(args, the stream's
+// device); otherwise cudaErrorInvalidValue (cudaErrorNotSupported on
+// another architecture). m == 0 or n == 0 is a no-op.
 cudaError_t LaunchHopperGemm(const HopperGemmArgs& args, int sms, cudaStream_t stream);
 
 }  // namespace internal_cuda
