@@ -626,15 +626,10 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
     FenceAccumulators(d);
     if (previous >= 0) release(previous);
 
-    // The epilogue, 128 bytes of staged columns at a time: the warp's
-    // fragment (d[4j + q] is row lane/4 + 8·(q/2), column 8j + 2·(lane%4) +
-    // q%2 of its 16 rows) into its staging, times alpha, then whole 16-byte
-    // pieces of rows to C, so that each store writes whole lines; streaming
-    // (evict-first), as nothing reads C again here. With a source, the
-    // staging holds fp32 and each piece of C is its four values plus the
-    // source's, rounded once.
     if constexpr (kMode == kReduceInPlace) {
-      // 32 columns at a time: alpha times the fragment into a buffer (row
+      // The epilogue of an fp32 C added to in place, 32 columns at a time:
+      // alpha times the fragment (d[4j + q] is row lane/4 + 8·(q/2), column
+      // 8j + 2·(lane%4) + q%2 of the warp's 16 rows) into a buffer (row
       // r's 16-byte piece q at piece q ^ (r % 8), the TMA's 128-byte
       // swizzle), then the TMA adds the 64×32 box into C. Before a buffer
       // is written again, the add two boxes back has read it.
@@ -669,6 +664,13 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
       }
       continue;
     }
+    // The epilogue, 128 bytes of staged columns at a time: the warp's
+    // fragment (d[4j + q] is row lane/4 + 8·(q/2), column 8j + 2·(lane%4) +
+    // q%2 of its 16 rows) into its staging, times alpha, then whole 16-byte
+    // pieces of rows to C, so that each store writes whole lines; streaming
+    // (evict-first), as nothing reads C again here. With a source, the
+    // staging holds fp32 and each piece of C is its four values plus the
+    // source's, rounded once.
     using StageT = std::conditional_t<kAccumulate, float, OutT>;
     constexpr int kChunkCols = 128 / sizeof(StageT);
     constexpr int kPitch = 128 + 8 * sizeof(StageT);
