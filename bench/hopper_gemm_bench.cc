@@ -12,10 +12,10 @@
 //          kernel rounds it; flce rounds its sum once on the way out)
 // and on the 8192³ product (the card's ceiling), in alternating rounds in
 // one process (median of each round's runs; the median round of each, the
-// median of the rounds' ratios, and the ratio of every round). flce's GEMM runs with clusters of 1
-// and of 2 blocks (HopperGemmArgs::cluster). Also the relative L2
-// difference of cuBLAS's output and flce's (cluster 2, one run each from
-// the same start) over a sample.
+// median of the rounds' ratios, and the ratio of every round). flce's GEMM
+// runs with clusters of 1 and of 2 blocks (HopperGemmArgs::cluster). Also
+// the relative L2 difference of cuBLAS's output and flce's (cluster 2, one
+// run each from the same start) over a sample.
 //
 //   hopper_gemm_bench --shapes=4096x4096x128256,8192x4096x128256 --gemms=logits,dx,dw --rounds=3
 
@@ -256,7 +256,7 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
   internal_cuda::EventTimer timer(BenchHealth());
   // cuBLAS and flce's GEMM with clusters of 1 and of 2, in turn, each
   // round starting with the next of them (the first runs of a process on
-  // a cool GPU ran up to 15 % faster than later ones).
+  // a cool GPU ran up to 15–25 % faster than later ones).
   const std::function<absl::Status()> candidates[3] = {cublas, hopper(1), hopper(2)};
   std::vector<double> ms[3];
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
