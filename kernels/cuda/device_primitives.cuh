@@ -321,6 +321,29 @@ __device__ __forceinline__ float FastExpFrom(float x, float offset_log2) {
   return FastExp2(fmaf(x, kLog2e, -offset_log2));
 }
 
+// The gradient of a plain row's loss (no label smoothing, softcap or bias;
+// row scale `scale`, target weight w_t, z-loss scale s): Coef()·p off the
+// target (p = exp(z − lse), PlainOffTarget), AtTarget(p_t) on it, with
+// p_t − 1 formed first in fp32. The row kernels and the fused dX GEMM's
+// factors both form it here: they must agree bit for bit.
+struct PlainGradient {
+  float scale, wt, zc;  // zc = 2·s·lse
+
+  __device__ __forceinline__ PlainGradient(float scale, float wt, float z_loss_scale, float lse)
+      : scale(scale), wt(wt), zc(2.0f * z_loss_scale * lse) {}
+  // scale·(w_t + 2·s·lse).
+  __device__ __forceinline__ float Coef() const { return scale * (wt + zc); }
+  // scale·(w_t·(p_t − 1) + 2·s·lse·p_t).
+  __device__ __forceinline__ float AtTarget(float prob) const {
+    return scale * (wt * (prob - 1.0f) + zc * prob);
+  }
+};
+
+// A plain row's gradient off its target: coef·exp(z − lse).
+__device__ __forceinline__ float PlainOffTarget(float coef, float z, float lse) {
+  return coef * FastExp(z - lse);
+}
+
 }  // namespace internal_cuda
 }  // namespace flce
 

@@ -17,6 +17,11 @@ bool IsPlain(const RowParams& p) {
          p.label_smoothing == 0.0f;
 }
 
+// The class weight of vocabulary id t (1 without class weights).
+__device__ __forceinline__ float ClassWeight(const RowParams& p, int64_t t) {
+  return p.class_weight != nullptr ? p.class_weight[t] : 1.0f;
+}
+
 // z' = softcap(z + b).
 template <bool kPlain>
 __device__ __forceinline__ float Transform(const RowParams& p, float z, int64_t j) {
@@ -112,17 +117,16 @@ __device__ void WriteGradientRow(const RowParams& p, const T* src, T* z, int64_t
     // Gradient() without the options: (w_t + 2·s·lse)·p off the target;
     // the target element, (w_t·(p_t − 1) + 2·s·lse·p_t) with p_t − 1 first
     // as there, is written by thread 0 once the block is done.
-    const float zc = 2.0f * p.z_loss_scale * lse;
-    const float c = scale * (wt + zc);
+    const PlainGradient g(scale, wt, p.z_loss_scale, lse);
+    const float c = g.Coef();
     Packs::template Update<true>(src, z, p.cols, [&](int64_t, float(&x)[Packs::P]) {
 #pragma unroll
-      for (int k = 0; k < Packs::P; ++k) x[k] = c * FastExp(x[k] - lse);
+      for (int k = 0; k < Packs::P; ++k) x[k] = PlainOffTarget(c, x[k], lse);
     });
     __syncthreads();
     const int64_t local_t = LocalColumn(p, t);
     if (threadIdx.x == 0 && local_t >= 0) {
-      const float prob = FastExp(zt - lse);
-      z[local_t] = FromFloatDev<T>(scale * (wt * (prob - 1.0f) + zc * prob));
+      z[local_t] = FromFloatDev<T>(g.AtTarget(FastExp(zt - lse)));
     }
   } else {
     Packs::template Update<true>(src, z, p.cols, [&](int64_t j0, float(&x)[Packs::P]) {
@@ -164,7 +168,7 @@ __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
   if (p.label_smoothing > 0.0f) weighted_z = BlockSum(weighted_z, shared_sum);
   nan = BlockAny(nan);
   const float lse = nan ? CUDART_NAN_F : s.max + logf(s.sum);
-  const float wt = valid ? (p.class_weight != nullptr ? p.class_weight[t] : 1.0f) : 0.0f;
+  const float wt = valid ? ClassWeight(p, t) : 0.0f;
 
   float zt = 0.0f;  // the target's logit, on thread 0
   if (threadIdx.x == 0) {
@@ -198,7 +202,7 @@ __global__ void __launch_bounds__(kRowThreads, kPlain ? 2 : 1)
   const int64_t row = p.row0 + r;
   const int64_t t = p.target[row];
   const bool valid = t != p.ignore_index;
-  const float wt = valid ? (p.class_weight != nullptr ? p.class_weight[t] : 1.0f) : 0.0f;
+  const float wt = valid ? ClassWeight(p, t) : 0.0f;
   T* z = logits + r * p.cols;
   const T* from = src + r * src_stride;
   float zt = 0.0f;  // the target's logit, on thread 0 (when it is a given column)
@@ -453,20 +457,14 @@ __global__ void GradientFactorsKernel(RowParams p, const T* logits, int64_t src_
     target[r] = 0.0f;
     return;
   }
-  // As WriteGradientRow's plain rows: c = scale·(w_t + 2·s·lse) off the
-  // target, scale·(w_t·(p_t − 1) + 2·s·lse·p_t) on it.
-  const float wt = p.class_weight != nullptr ? p.class_weight[t] : 1.0f;
-  const float zc = 2.0f * p.z_loss_scale * lse[row];
-  const float scale = row_scale[row];
-  coef[r] = scale * (wt + zc);
+  // As WriteGradientRow's plain rows.
+  const PlainGradient g(row_scale[row], ClassWeight(p, t), p.z_loss_scale, lse[row]);
+  coef[r] = g.Coef();
   const int64_t local_t = LocalColumn(p, t);
   column[r] = static_cast<int32_t>(local_t);
-  float value = 0.0f;
-  if (local_t >= 0) {
-    const float prob = FastExp(ToFloatDev(logits[r * src_stride + local_t]) - lse[row]);
-    value = scale * (wt * (prob - 1.0f) + zc * prob);
-  }
-  target[r] = value;
+  target[r] = local_t >= 0
+                  ? g.AtTarget(FastExp(ToFloatDev(logits[r * src_stride + local_t]) - lse[row]))
+                  : 0.0f;
 }
 
 }  // namespace

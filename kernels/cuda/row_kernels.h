@@ -80,14 +80,14 @@ cudaError_t LaunchGradientRowsFrom(const RowParams& p, const void* src, int64_t 
 bool FusedGradientSupported(const RowParams& p);
 
 // The per-row factors of the gradient that the fused dX GEMM forms from
-// the logits as it reads them (hopper_gemm.h's LogitGradient), for a chunk
-// of logits (rows of the given columns at logits + r·src_stride elements,
-// src_stride ≥ cols, as LaunchGradientRowsFrom reads them; row r of the
-// chunk is global row row0 + r; LogitGradient, logit_gradient.h): coef[r] = scale·(w_t + 2·s·lse), column[r] the target's column among
-// the given ones (−1 when it is not one of them, LogitGradient::kIgnoredRow
-// for an ignored row) and target[r] = scale·(w_t·(p_t − 1) + 2·s·lse·p_t), p_t
-// from the target's logit; indexed by the chunk's row, lse and row_scale
-// by global row. Without class weights, the G the fused GEMM forms is what
+// the logits as it reads them (LogitGradient, logit_gradient.h), for a
+// chunk of logits: rows of the given columns at logits + r·src_stride
+// elements (src_stride ≥ cols, as LaunchGradientRowsFrom reads them), row r
+// of the chunk being global row row0 + r. coef[r] = scale·(w_t + 2·s·lse),
+// column[r] the target's column among the given ones (−1 when it is not
+// one of them, LogitGradient::kIgnoredRow for an ignored row) and target[r]
+// = scale·(w_t·(p_t − 1) + 2·s·lse·p_t), p_t from the target's logit;
+// indexed by the chunk's row, lse and row_scale by global row. Without class weights, the G the fused GEMM forms is what
 // LaunchGradientRows writes, bit for bit; with them, the same formula
 // rounded in the other kernels' order. REQUIRES FusedGradientSupported(p),
 // else cudaErrorInvalidValue.
