@@ -33,6 +33,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "kernels/cuda/device_primitives.cuh"
@@ -324,85 +325,6 @@ __device__ __forceinline__ void Wgmma(float (&d)[128], uint64_t desc_a, uint64_t
 }
 #undef FLCE_WGMMA_FORMS
 
-// Two adjacent results of a row, in C's dtype, to shared memory at `p`.
-template <typename OutT>
-__device__ __forceinline__ void StagePair(uint8_t* p, float x, float y);
-template <>
-__device__ __forceinline__ void StagePair<float>(uint8_t* p, float x, float y) {
-  *reinterpret_cast<float2*>(p) = make_float2(x, y);
-}
-template <>
-__device__ __forceinline__ void StagePair<__nv_bfloat16>(uint8_t* p, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-}
-template <>
-__device__ __forceinline__ void StagePair<__half>(uint8_t* p, float x, float y) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
-}
-
-// Four adjacent results of a row, in C's dtype, to global memory at `p`
-// (aligned to their size), streaming.
-__device__ __forceinline__ void StoreFour(float* p, float4 x) {
-  __stcs(reinterpret_cast<float4*>(p), x);
-}
-__device__ __forceinline__ void StoreFour(__nv_bfloat16* p, float4 x) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
-  __stcs(reinterpret_cast<uint2*>(p), make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
-                                                 *reinterpret_cast<const uint32_t*>(&hi)));
-}
-__device__ __forceinline__ void StoreFour(__half* p, float4 x) {
-  const __half2 lo = __floats2half2_rn(x.x, x.y), hi = __floats2half2_rn(x.z, x.w);
-  __stcs(reinterpret_cast<uint2*>(p), make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
-                                                 *reinterpret_cast<const uint32_t*>(&hi)));
-}
-
-// The row and column tile of cluster block `rank` for the cluster's tile
-// `tile` of tiles_m × tiles_n (tiles_m counting kCluster row tiles each):
-// bands of kBandM row tiles, row tiles fastest within a band.
-template <int kCluster>
-__device__ __forceinline__ void TileAt(int tile, int tiles_m, int tiles_n, uint32_t rank,
-                                       int& tm, int& tn) {
-  constexpr int kBand = kBandM / kCluster;
-  const int band = tile / (kBand * tiles_n);
-  const int first = band * kBand;
-  const int rows = min(kBand, tiles_m - first);
-  const int local = tile - band * kBand * tiles_n;
-  tm = (first + local % rows) * kCluster + rank;
-  tn = local / rows;
-}
-
-template <typename T, bool kMnB>
-__device__ __forceinline__ void WgmmaRegA(float (&d)[128], const uint32_t (&a)[16], int kk,
-                                          uint64_t desc_b, int scale_d) {
-  constexpr bool kMnA = false;  // for FLCE_WGMMA_FORMS' checks
-  static_assert(kMnB, "the fused gradient only in the dX form");
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    FLCE_WGMMA_RA_M64N256K16("bf16", "1", d, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2],
-                             a[4 * kk + 3], desc_b, scale_d);
-  } else {
-    FLCE_WGMMA_RA_M64N256K16("f16", "1", d, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2],
-                             a[4 * kk + 3], desc_b, scale_d);
-  }
-  (void)kMnA;
-}
-
-// Keeps the compiler from reusing A's registers while a wgmma may still
-// read them: their live range then reaches the wait that saw it done (else
-// ptxas orders every later write of those registers after the wgmma).
-__device__ __forceinline__ void FenceOperands(uint32_t (&a)[16]) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(a[i])::"memory");
-}
-
-// Four 8×8 matrices of 16-bit elements from shared memory (ldmatrix.x4):
-// lane l gives the address of row l % 8 of matrix l / 8; r[i] gets this
-// lane's two elements of matrix i (row lane / 4, columns 2·(lane % 4) + 0, 1).
-__device__ __forceinline__ void LoadMatrices(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
 // Two 16-bit values as floats, and back (rounded to nearest).
 template <typename T>
 __device__ __forceinline__ float2 Unpack(uint32_t v);
@@ -427,6 +349,72 @@ __device__ __forceinline__ uint32_t Pack<__half>(float x, float y) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Two adjacent results of a row, in C's dtype, to shared memory at `p`.
+template <typename OutT>
+__device__ __forceinline__ void StagePair(uint8_t* p, float x, float y) {
+  if constexpr (std::is_same_v<OutT, float>) {
+    *reinterpret_cast<float2*>(p) = make_float2(x, y);
+  } else {
+    *reinterpret_cast<uint32_t*>(p) = Pack<OutT>(x, y);
+  }
+}
+
+// Four adjacent results of a row, in C's dtype, to global memory at `p`
+// (aligned to their size), streaming.
+template <typename OutT>
+__device__ __forceinline__ void StoreFour(OutT* p, float4 x) {
+  if constexpr (std::is_same_v<OutT, float>) {
+    __stcs(reinterpret_cast<float4*>(p), x);
+  } else {
+    __stcs(reinterpret_cast<uint2*>(p), make_uint2(Pack<OutT>(x.x, x.y), Pack<OutT>(x.z, x.w)));
+  }
+}
+
+// The row and column tile of cluster block `rank` for the cluster's tile
+// `tile` of tiles_m × tiles_n (tiles_m counting kCluster row tiles each):
+// bands of kBandM row tiles, row tiles fastest within a band.
+template <int kCluster>
+__device__ __forceinline__ void TileAt(int tile, int tiles_m, int tiles_n, uint32_t rank,
+                                       int& tm, int& tn) {
+  constexpr int kBand = kBandM / kCluster;
+  const int band = tile / (kBand * tiles_n);
+  const int first = band * kBand;
+  const int rows = min(kBand, tiles_m - first);
+  const int local = tile - band * kBand * tiles_n;
+  tm = (first + local % rows) * kCluster + rank;
+  tn = local / rows;
+}
+
+template <typename T, bool kMnB>
+__device__ __forceinline__ void WgmmaRegA(float (&d)[128], const uint32_t (&a)[16], int kk,
+                                          uint64_t desc_b, int scale_d) {
+  static_assert(kMnB, "the fused gradient only in the dX form");
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    FLCE_WGMMA_RA_M64N256K16("bf16", "1", d, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2],
+                             a[4 * kk + 3], desc_b, scale_d);
+  } else {
+    FLCE_WGMMA_RA_M64N256K16("f16", "1", d, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2],
+                             a[4 * kk + 3], desc_b, scale_d);
+  }
+}
+
+// Keeps the compiler from reusing A's registers while a wgmma may still
+// read them: their live range then reaches the wait that saw it done (else
+// ptxas orders every later write of those registers after the wgmma).
+__device__ __forceinline__ void FenceOperands(uint32_t (&a)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// Four 8×8 matrices of 16-bit elements from shared memory (ldmatrix.x4):
+// lane l gives the address of row l % 8 of matrix l / 8; r[i] gets this
+// lane's two elements of matrix i (row lane / 4, columns 2·(lane % 4) + 0, 1).
+__device__ __forceinline__ void LoadMatrices(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
 // A thread's two rows of the fused gradient (LogitGradient): rows
 // lane/4 and lane/4 + 8 of its warp's 16.
 struct GradientRows {
@@ -447,7 +435,7 @@ struct GradientRows {
   // LaunchGradientRows writes it before its rounding (zero in an ignored
   // row). The target's column and columns past k are set apart (Fix).
   __device__ __forceinline__ float OffTarget(float z, int h) const {
-    const float g = coef[h] * FastExp(z - lse[h]);
+    const float g = PlainOffTarget(coef[h], z, lse[h]);
     return column[h] == LogitGradient::kIgnoredRow ? 0.0f : g;
   }
   // Rewrites the pair of row half h at columns j, j + 1 (packed in `a`)
@@ -929,9 +917,6 @@ template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMo
 cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b,
                    const CUtensorMap& map_c, int sms, cudaStream_t stream) {
   auto kernel = HopperGemmKernel<T, OutT, kCluster, kMnA, kMnB, kMode, kGradA>;
-  cudaError_t error =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (error != cudaSuccess) return error;
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -943,17 +928,33 @@ cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const C
   config.stream = stream;
   config.attrs = &cluster;
   config.numAttrs = 1;
-  // Persistent: as many clusters as can be resident at once (a GPC's odd
-  // multiprocessor holds no cluster of 2), never more than there are tiles.
-  int resident = sms / kCluster;
-  if (kCluster > 1) {
-    config.gridDim = dim3(sms / kCluster * kCluster);
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0) {
-      resident = clusters;
+  // Once per device (each cost host time in every launch): the kernel's
+  // shared memory, and how many of its clusters fit at once (a GPC's odd
+  // multiprocessor holds no cluster of 2). 0: not yet; -1: not known.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> clusters_on[kMaxDevices];
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  int clusters = device < kMaxDevices ? clusters_on[device].load(std::memory_order_acquire) : 0;
+  if (clusters == 0) {
+    error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+    if (error != cudaSuccess) return error;
+    clusters = -1;
+    if (kCluster > 1) {
+      config.gridDim = dim3(sms / kCluster * kCluster);
+      int found = 0;
+      if (cudaOccupancyMaxActiveClusters(&found, kernel, &config) == cudaSuccess && found > 0) {
+        clusters = found;
+      }
+      cudaGetLastError();  // a failed query only leaves the estimate
     }
-    cudaGetLastError();  // a failed query only leaves the estimate
+    if (device < kMaxDevices) clusters_on[device].store(clusters, std::memory_order_release);
   }
+  // Persistent: as many clusters as can be resident at once, never more
+  // than there are tiles.
+  int resident = sms / kCluster;
+  if (clusters > 0 && clusters < resident) resident = clusters;
   const int64_t tiles = ((args.m + kBlockM * kCluster - 1) / (kBlockM * kCluster)) *
                         ((args.n + kBlockN - 1) / kBlockN);
   config.gridDim = dim3(static_cast<unsigned>((tiles < resident ? tiles : resident) * kCluster));
