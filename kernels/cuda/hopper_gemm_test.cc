@@ -294,7 +294,7 @@ TEST_F(HopperGemmTest, FusedGradientMatchesItsReference) {
           } else {
             x = coef[r] * std::exp(double{value(z_bits[r * c.k + j])} - lse[r]);
           }
-          g[r * c.k + j] = value(round(static_cast<float>(x)));
+          g[r * c.k + j] = RoundTo(c.in, static_cast<float>(x));
         }
       }
       std::vector<float> source(c.m * c.n);
