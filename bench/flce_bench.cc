@@ -83,6 +83,9 @@ ABSL_FLAG(bool, cuda_one_pass_rows, flce::CudaEngineOptions().one_pass_rows,
 ABSL_FLAG(bool, cuda_keep_chunk_logits, true,
           "CUDA engine: STORE_GRADS in one chunk keeps the logits, dW made in Backward in its "
           "final dtype (false: fp32 gradients in Forward)");
+ABSL_FLAG(std::vector<std::string>, cuda_hopper_gemms, {},
+          "CUDA engine: which GEMMs (logits,dx,dw) run flce's own Hopper GEMM where it gives "
+          "cuBLAS's bits (the floor stays cuBLAS)");
 ABSL_FLAG(int64_t, cpu_chunk_bytes, 0,
           "CPU engine: chunk budget in bytes (0: the engine's default)");
 ABSL_FLAG(bool, cpu_native_bf16, true,
@@ -510,6 +513,12 @@ int RunCuda() {
   options.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
   options.one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
   options.keep_chunk_logits = absl::GetFlag(FLAGS_cuda_keep_chunk_logits);
+  if (std::string unknown;
+      !SetHopperGemms(absl::GetFlag(FLAGS_cuda_hopper_gemms), &options, &unknown)) {
+    std::fprintf(stderr, "--cuda_hopper_gemms: '%s' is not one of logits, dx, dw\n",
+                 unknown.c_str());
+    return 2;
+  }
   auto engine = CudaEngine::Create(options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
@@ -522,6 +531,11 @@ int RunCuda() {
   if (!json) {
     std::printf("device: %s, chunk budget %lld MiB\n", (*engine)->devices()[0].name.c_str(),
                 static_cast<long long>(options.chunk_bytes >> 20));
+    if (options.hopper_logits || options.hopper_dx || options.hopper_dw) {
+      std::printf("flce's Hopper GEMM for:%s%s%s (the floor: cuBLAS)\n",
+                  options.hopper_logits ? " logits" : "", options.hopper_dx ? " dx" : "",
+                  options.hopper_dw ? " dw" : "");
+    }
   }
   PrintHeader(json, "extra GiB");
   int failures = 0;
@@ -609,6 +623,10 @@ int RunCuda() {
     }
     if (!absl::GetFlag(FLAGS_cuda_devices).empty()) PrintDeviceRows(options, p, mode);
   });
+  if (!json && (options.hopper_logits || options.hopper_dx || options.hopper_dw)) {
+    std::printf("GEMM shapes on flce's Hopper GEMM (bit-identical to cuBLAS's default): %d\n",
+                (*engine)->hopper_gemm_shapes());
+  }
   return failures == 0 ? 0 : 1;
 }
 #endif

@@ -122,44 +122,28 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
     FLCE_RETURN_IF_ERROR(FillPattern(g, dtype, s));
   }
   GemmCase c;
-  HopperGemmArgs& args = c.args;
-  using internal_cuda::Major;
-  // flce's operands for C [m, n] (row stride ldc) over k.
-  auto operands = [&args](const void* a, int64_t lda, Major a_major, const void* b, int64_t ldb,
-                          Major b_major, int64_t m, int64_t n, int64_t k, int64_t ldc) {
-    args.a = a;
-    args.lda = lda;
-    args.a_major = a_major;
-    args.b = b;
-    args.ldb = ldb;
-    args.b_major = b_major;
-    args.m = m;
-    args.n = n;
-    args.k = k;
-    args.ldc = ldc;
-  };
   if (gemm == "logits") {
     // logitsᵀ (V×N, ld V) = op(W) op(X): W column-major H×V op T, X H×N op N.
     c = {{CUBLAS_OP_T, CUBLAS_OP_N, v, n, h, dtype, h, dtype, h, dtype, v}, w.data(), x.data(), 0,
          {}, n * v, dtype};
-    operands(x.data(), h, Major::kK, w.data(), h, Major::kK, n, v, h, v);
   } else if (gemm == "dx" || gemm == "dx_fused") {
     // dXᵀ (H×N, ld H) = W (H×V, ld H) · G (V×N, ld V), as ChunkDxGemm.
     c = {{CUBLAS_OP_N, CUBLAS_OP_N, h, n, v, dtype, h, dtype, v, DType::kFloat32, h}, w.data(),
          g.data(), 0, {}, n * h, DType::kFloat32};
-    operands(g.data(), v, Major::kK, w.data(), h, Major::kMN, n, h, v, h);
   } else if (gemm == "dw" || gemm == "dw_last") {
     // dWᵀ (H×V, ld H) += X (H×N, ld H) · Gᵀ (G: V×N, ld V, op T), as
     // ChunkDwGemm on a later chunk.
     c = {{CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, dtype, h, dtype, v, DType::kFloat32, h}, x.data(),
          g.data(), 1, {}, v * h, gemm == "dw" ? DType::kFloat32 : dtype};
-    operands(g.data(), v, Major::kMN, x.data(), h, Major::kMN, v, h, n, h);
-    args.ld_source = h;
   } else {
     return absl::InvalidArgumentError("--gemms: unknown GEMM " + gemm);
   }
-  args.in_type = dtype;
+  // flce's operands for the same product, as the engine maps them (C, and
+  // for dw the source, set below).
+  c.args = *internal_cuda::HopperArgsFor(c.shape, c.a, c.b, 0.0f, nullptr, 1.0f);
+  HopperGemmArgs& args = c.args;
   args.out_type = c.out_type;
+  if (gemm == "dw" || gemm == "dw_last") args.ld_source = h;
   const int64_t out_bytes = c.outputs * DTypeSize(c.out_type);
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer out_cublas, DeviceBuffer::Allocate(out_bytes, s, BenchHealth()));
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer out_flce, DeviceBuffer::Allocate(out_bytes, s, BenchHealth()));

@@ -131,6 +131,10 @@ ABSL_FLAG(bool, cuda_keep_chunk_logits, flce::CudaEngineOptions().keep_chunk_log
           "CUDA engine: STORE_GRADS of a batch whose rows fit one logits chunk keeps the "
           "logits and makes dX and dW in Backward, dW in its final dtype; false: fp32 "
           "gradients made in Forward");
+ABSL_FLAG(std::vector<std::string>, cuda_hopper_gemms, {},
+          "CUDA engine: which of the GEMMs (logits,dx,dw) run flce's own Hopper GEMM instead of "
+          "cuBLAS, where the device and shape allow and its output is cuBLAS's bits (checked "
+          "once per shape); none by default");
 ABSL_FLAG(std::string, tls_cert_file, "",
           "PEM certificate chain of the server: serve TLS (with --tls_key_file)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
@@ -284,6 +288,12 @@ int main(int argc, char** argv) {
   options.engine.cuda.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
   options.engine.cuda.one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
   options.engine.cuda.keep_chunk_logits = absl::GetFlag(FLAGS_cuda_keep_chunk_logits);
+  if (std::string unknown; !flce::SetHopperGemms(absl::GetFlag(FLAGS_cuda_hopper_gemms),
+                                                 &options.engine.cuda, &unknown)) {
+    std::fprintf(stderr, "--cuda_hopper_gemms: '%s' is not one of logits, dx, dw\n",
+                 unknown.c_str());
+    return 2;
+  }
 
   absl::StatusOr<std::unique_ptr<flce::LossServer>> server = flce::LossServer::Start(options);
   if (!server.ok()) {

@@ -75,7 +75,8 @@ class CliEndToEndTest(unittest.TestCase):
         # Every engine option (CpuEngineOptions, CudaEngineOptions) has its flag.
         engine_flags = ["--cpu_chunk_bytes", "--cpu_workspace_cache_bytes", "--cuda_device",
                         "--cuda_lanes", "--cuda_chunk_bytes", "--cuda_min_slice_columns",
-                        "--cuda_tune_gemms", "--cuda_one_pass_rows"]
+                        "--cuda_tune_gemms", "--cuda_one_pass_rows",
+                        "--cuda_keep_chunk_logits", "--cuda_hopper_gemms"]
         for binary, flags in [(SERVER, ["--listen_address", "--health_address",
                                         "--drain_timeout", "--session_memory_bytes"] +
                                engine_flags),

@@ -40,6 +40,7 @@ class EngineImpl {
                      "cudaMemPoolSetAttribute"));
     GemmTuning tuning;
     tuning.enabled = options.tune_gemms;
+    tuning.hopper = {options.hopper_logits, options.hopper_dx, options.hopper_dw};
     FLCE_ASSIGN_OR_RETURN(gemms, GemmRunner::Create(tuning, health));
     FLCE_ASSIGN_OR_RETURN(lanes, LanePool::Create(options.lanes, health));
     return absl::OkStatus();
@@ -112,6 +113,8 @@ std::vector<DeviceInfo> CudaEngine::devices() const {
 absl::Status CudaEngine::health() const { return impl_->health.status(); }
 
 int CudaEngine::tuned_gemm_shapes() const { return impl_->gemms->counts().tuned; }
+
+int CudaEngine::hopper_gemm_shapes() const { return impl_->gemms->counts().hopper; }
 
 void CudaEngine::InjectGemmFaultForTesting() { impl_->gemms->InjectFaultForTesting(); }
 

@@ -55,6 +55,8 @@ class CudaEngine : public LossEngine {
 
   // GEMM shapes whose algorithm has been tuned so far (tune_gemms).
   int tuned_gemm_shapes() const;
+  // GEMM shapes that run flce's Hopper GEMM (CudaEngineOptions::hopper_*).
+  int hopper_gemm_shapes() const;
 
   // The next GEMM any call runs meets a sticky device error (a trapping
   // kernel before it), as a fault inside cuBLAS would: for tests of the

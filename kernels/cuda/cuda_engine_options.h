@@ -6,6 +6,7 @@
 // (server/main.cc) in builds without a toolkit too.
 
 #include <cstdint>
+#include <string>
 
 namespace flce {
 
@@ -42,7 +43,37 @@ struct CudaEngineOptions {
   // (KeptLogits in device_pipeline.h). Off: fp32 gradients made in Forward,
   // as over several chunks (benchmarks compare).
   bool keep_chunk_logits = true;
+  // flce's own Hopper GEMM (kernels/cuda/hopper_gemm.h) instead of cuBLAS
+  // for the engine's logits, dX and dW GEMMs: each where the device
+  // (compute capability 9.0) and the call allow it and its output at the
+  // shape's first call is bit-identical to cuBLAS's default (checked once
+  // per shape, as tuning does), else cuBLAS. Off until measured faster
+  // inside the engine (bench/RESULTS.md, issue 22).
+  bool hopper_logits = false;
+  bool hopper_dx = false;
+  bool hopper_dw = false;
 };
+
+// Sets the hopper_* options from the names "logits", "dx", "dw" (any of
+// them, e.g. a flag's comma-separated list; "none" or no names: none).
+// False, with *unknown the name, for any other name.
+template <typename Names>
+bool SetHopperGemms(const Names& names, CudaEngineOptions* options, std::string* unknown) {
+  options->hopper_logits = options->hopper_dx = options->hopper_dw = false;
+  for (const auto& name : names) {
+    if (name == "logits") {
+      options->hopper_logits = true;
+    } else if (name == "dx") {
+      options->hopper_dx = true;
+    } else if (name == "dw") {
+      options->hopper_dw = true;
+    } else if (!(name == "none")) {
+      *unknown = std::string(name);
+      return false;
+    }
+  }
+  return true;
+}
 
 }  // namespace flce
 

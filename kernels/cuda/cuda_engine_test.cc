@@ -199,6 +199,84 @@ TEST(CudaEngineSemanticsTest, TunedGemmsChangeNoBit) {
   }
 }
 
+// flce's Hopper GEMM for the logits, dX and dW GEMMs changes no bit of any
+// result (it runs a shape only where its output is cuBLAS's default's,
+// checked at the shape's first call): against cuBLAS alone, both modes,
+// token chunks (dW summed over them, added by the TMA), one kept chunk (dW
+// in bf16 from its GEMM) and RECOMPUTE's vocabulary slices, upstream
+// gradients 1 and 0.5, two calls each (the first checks, the second runs
+// the choice). Skips off Hopper.
+TEST(CudaEngineSemanticsTest, HopperGemmsChangeNoBit) {
+  FLCE_SKIP_OFF_HOPPER();
+  RandomProblemSpec spec;
+  spec.rows = 2048;
+  spec.hidden = 1024;
+  spec.vocab = 32000;
+  spec.dtype = DType::kBFloat16;
+  spec.bias = true;
+  spec.options.z_loss_scale = 1e-4f;
+  spec.fast_fill = true;
+  const OwnedProblem p = MakeRandomProblem(spec);
+  struct Layouts {
+    const char* name;
+    int64_t chunk_bytes, min_slice_columns;
+  };
+  const Layouts layouts[] = {
+      {"token chunks", 32 << 20, int64_t{1} << 40},  // 524 rows of 32000 bf16 logits
+      {"one chunk", CudaEngineOptions().chunk_bytes, int64_t{1} << 40},
+      {"vocabulary slices", 32 << 20, 2048},
+  };
+  for (const Layouts& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    auto make = [&](bool hopper) {
+      CudaEngineOptions options;
+      options.chunk_bytes = layout.chunk_bytes;
+      options.min_slice_columns = layout.min_slice_columns;
+      options.tune_gemms = false;
+      options.hopper_logits = options.hopper_dx = options.hopper_dw = hopper;
+      return CudaEngine::Create(options);
+    };
+    auto own = make(true), plain = make(false);
+    ASSERT_TRUE(own.ok() && plain.ok());
+    for (BackwardMode mode : {BackwardMode::kStoreGrads, BackwardMode::kRecompute}) {
+      SCOPED_TRACE(BackwardModeName(mode));
+      ForwardSpec fs;
+      fs.need_backward = true;
+      fs.mode = mode;
+      auto results = [&](CudaEngine& engine) {
+        std::vector<std::string> out;
+        for (float g : {1.0f, 0.5f, 1.0f}) {
+          HostTensor g_tensor(DType::kFloat32, {});
+          g_tensor.mutable_data<float>()[0] = g;
+          BackwardSpec backward;
+          backward.grad_output = g_tensor.view();
+          auto fwd = engine.Forward(p.view(), fs, nullptr);
+          EXPECT_TRUE(fwd.ok()) << fwd.status();
+          if (!fwd.ok()) return out;
+          auto grads = engine.Backward(*fwd->saved, backward, nullptr);
+          EXPECT_TRUE(grads.ok()) << grads.status();
+          if (!grads.ok()) return out;
+          out.push_back(fwd->loss.data);
+          out.push_back(grads->grad_hidden.data);
+          out.push_back(grads->grad_weight.data);
+          out.push_back(grads->grad_bias ? grads->grad_bias->data : "");
+        }
+        return out;
+      };
+      const std::vector<std::string> want = results(**plain), got = results(**own);
+      ASSERT_EQ(want.size(), 12u);
+      ASSERT_EQ(got.size(), 12u);
+      for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(want[i] == got[i]) << "result " << i;
+    }
+    EXPECT_EQ((*plain)->hopper_gemm_shapes(), 0);
+    // Some shapes must have been the kernel's, or the test compared cuBLAS
+    // with itself.
+    EXPECT_GT((*own)->hopper_gemm_shapes(), 0);
+    std::printf("%s: %d GEMM shapes on flce's Hopper GEMM\n", layout.name,
+                (*own)->hopper_gemm_shapes());
+  }
+}
+
 // The one-pass rows (STORE_GRADS, bf16/fp32 rows without label smoothing,
 // V a multiple of the 16-byte pack) against the fp64 reference: rows of
 // several tiles, flat to peaked softmaxes, z-loss, ignored rows, both

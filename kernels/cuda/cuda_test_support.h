@@ -38,6 +38,23 @@ inline bool RequireGpu() {
     }                                                                                \
   } while (0)
 
+// Whether device 0 is a Hopper GPU (compute capability 9.0), which flce's
+// Hopper GEMM needs.
+inline bool IsHopper() {
+  int major = 0, minor = 0;
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) == cudaSuccess &&
+         major == 9 && minor == 0;
+}
+
+// Returns from the calling test (or SetUp), skipped, off a Hopper device
+// (or without a device: failed under REQUIRE_GPU=1).
+#define FLCE_SKIP_OFF_HOPPER()                                                     \
+  do {                                                                             \
+    FLCE_SKIP_WITHOUT_DEVICE();                                                    \
+    if (!::flce::cuda_test::IsHopper()) GTEST_SKIP() << "not a Hopper device (9.0)"; \
+  } while (0)
+
 // How the RECOMPUTE backward walks the logits.
 enum class Layout {
   kTokenChunks,       // token chunks, like Forward (slices of every row do not fit)

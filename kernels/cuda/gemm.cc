@@ -58,7 +58,78 @@ bool LtAligned(const void* a, const void* b, const void* c) {
          0;
 }
 
+// The hash of C's bits as they are now (waits for the stream), through the
+// 8-byte device buffer `hash`.
+absl::StatusOr<unsigned long long> HashOfC(DeviceHealth& health, cudaStream_t stream,
+                                           const GemmShape& g, const void* c,
+                                           const DeviceBuffer& hash) {
+  auto* h_device = hash.as<unsigned long long>();
+  FLCE_RETURN_IF_ERROR(health.Check(cudaMemsetAsync(h_device, 0, 8, stream), "tuning hash"));
+  FLCE_RETURN_IF_ERROR(health.Check(
+      LaunchHashMatrix(c, DTypeSize(g.c_type), g.m, g.n, g.ldc, h_device, stream), "tuning hash"));
+  unsigned long long h = 0;
+  FLCE_RETURN_IF_ERROR(health.Check(
+      cudaMemcpyAsync(&h, h_device, 8, cudaMemcpyDeviceToHost, stream), "tuning hash"));
+  FLCE_RETURN_IF_ERROR(health.Check(cudaStreamSynchronize(stream), "tuning hash"));
+  return h;
+}
+
+// The median ms of each of `count` ways to run a GEMM (run(i) runs way i on
+// `stream`), over kRounds rounds in rotated orders.
+template <typename Run>
+absl::StatusOr<std::vector<float>> MedianTimes(DeviceHealth& health, cudaStream_t stream,
+                                               size_t count, Run&& run) {
+  EventTimer timer(health);
+  std::vector<std::vector<float>> ms(count);
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t j = 0; j < count; ++j) {
+      const size_t e = (j + round) % count;
+      FLCE_ASSIGN_OR_RETURN(const float t, timer.Time(stream, [&] { return run(e); }));
+      ms[e].push_back(t);
+    }
+  }
+  std::vector<float> median(count);
+  for (size_t e = 0; e < count; ++e) {
+    std::sort(ms[e].begin(), ms[e].end());
+    median[e] = ms[e][ms[e].size() / 2];
+  }
+  return median;
+}
+
 }  // namespace
+
+std::optional<HopperGemmArgs> HopperArgsFor(const GemmShape& g, const void* a, const void* b,
+                                            float beta, void* c, float alpha) {
+  if (g.a_type != g.b_type || (beta != 0.0f && beta != 1.0f) ||
+      (beta == 1.0f && g.c_type != DType::kFloat32)) {
+    return std::nullopt;
+  }
+  HopperGemmArgs args;
+  // Row-major C [n, m] = op(B)ᵀ [n, k] · op(A)ᵀ [k, m].
+  args.m = g.n;
+  args.n = g.m;
+  args.k = g.k;
+  // op(B)ᵀ: B stored column-major k×n (op N) is row-major [n, k], K-major;
+  // stored n×k (op T) it is row-major [k, n], MN-major.
+  args.a = b;
+  args.lda = g.ldb;
+  args.a_major = g.op_b == CUBLAS_OP_N ? Major::kK : Major::kMN;
+  // op(A)ᵀ: A stored column-major m×k (op N) is row-major [k, m], MN-major;
+  // stored k×m (op T) it is row-major [m, k], K-major.
+  args.b = a;
+  args.ldb = g.lda;
+  args.b_major = g.op_a == CUBLAS_OP_N ? Major::kMN : Major::kK;
+  args.c = c;
+  args.ldc = g.ldc;
+  if (beta == 1.0f) {
+    args.source = static_cast<const float*>(c);
+    args.ld_source = g.ldc;
+  }
+  args.alpha = alpha;
+  args.in_type = g.a_type;
+  args.out_type = g.c_type;
+  return args;
+}
 
 absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(const GemmShape& g, DeviceHealth& health) {
   std::unique_ptr<LtGemm> d(new LtGemm(health));
@@ -132,13 +203,21 @@ struct GemmRunner::Choice {
 
 absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(const GemmTuning& tuning,
                                                                DeviceHealth& health) {
+  int sms = 0;
+  if (tuning.hopper.any()) {
+    int device = 0;
+    FLCE_RETURN_IF_ERROR(health.Check(cudaGetDevice(&device), "cudaGetDevice"));
+    FLCE_RETURN_IF_ERROR(health.Check(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count"));
+  }
   cublasLtHandle_t lt = nullptr;
   if (tuning.enabled) FLCE_RETURN_IF_ERROR(health.Check(cublasLtCreate(&lt), "cublasLtCreate"));
-  return std::unique_ptr<GemmRunner>(new GemmRunner(tuning, lt, health));
+  return std::unique_ptr<GemmRunner>(new GemmRunner(tuning, lt, sms, health));
 }
 
-GemmRunner::GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt, DeviceHealth& health)
-    : tuning_(tuning), lt_(lt), health_(health) {}
+GemmRunner::GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt, int sms,
+                       DeviceHealth& health)
+    : tuning_(tuning), lt_(lt), sms_(sms), health_(health) {}
 
 void GemmRunner::InjectFaultForTesting() { inject_fault_.store(true); }
 
@@ -157,6 +236,9 @@ GemmRunner::Counts GemmRunner::counts() const {
     ++counts.tuned;
     if (choice->lt != nullptr) ++counts.non_default;
   }
+  for (const auto& [shape, choice] : hopper_) {
+    if (choice.cluster != 0) ++counts.hopper;
+  }
   return counts;
 }
 
@@ -170,6 +252,10 @@ absl::Status GemmRunner::Run(cublasHandle_t blas, cudaStream_t stream, const Gem
     // results are dropped; the GEMM's status is what the engine sees.
     LaunchTrap(stream);
     cudaStreamSynchronize(stream);
+  }
+  if (tuning_.hopper.any()) {
+    std::optional<absl::Status> hopper = RunHopper(blas, stream, g, a, b, beta, c, alpha);
+    if (hopper.has_value()) return *std::move(hopper);
   }
   if (!tuning_.enabled || !tune || 2.0 * g.m * g.n * g.k < tuning_.min_flop ||
       !LtAligned(a, b, c)) {
@@ -201,18 +287,7 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
   auto choice = std::make_shared<Choice>();
   auto run_default = [&] { return RunDefault(health_, blas, g, a, b, 0.0f, c, alpha); };
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer hash_buffer, DeviceBuffer::Allocate(8, stream, health_));
-  auto* hash = hash_buffer.as<unsigned long long>();
-  // The hash of C's bits as they are now.
-  auto hash_c = [&]() -> absl::StatusOr<unsigned long long> {
-    FLCE_RETURN_IF_ERROR(health_.Check(cudaMemsetAsync(hash, 0, 8, stream), "tuning hash"));
-    FLCE_RETURN_IF_ERROR(health_.Check(
-        LaunchHashMatrix(c, DTypeSize(g.c_type), g.m, g.n, g.ldc, hash, stream), "tuning hash"));
-    unsigned long long h = 0;
-    FLCE_RETURN_IF_ERROR(
-        health_.Check(cudaMemcpyAsync(&h, hash, 8, cudaMemcpyDeviceToHost, stream), "tuning hash"));
-    FLCE_RETURN_IF_ERROR(health_.Check(cudaStreamSynchronize(stream), "tuning hash"));
-    return h;
-  };
+  auto hash_c = [&] { return HashOfC(health_, stream, g, c, hash_buffer); };
   FLCE_RETURN_IF_ERROR(run_default());
   FLCE_ASSIGN_OR_RETURN(const unsigned long long expected, hash_c());
 
@@ -241,23 +316,11 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
 
   const cublasLtMatmulAlgo_t* best = nullptr;
   if (eligible.size() > 1) {
-    EventTimer timer(health_);
-    const size_t count = eligible.size();
-    std::vector<std::vector<float>> ms(count);
-    for (int round = 0; round < kRounds; ++round) {
-      for (size_t j = 0; j < count; ++j) {
-        const size_t e = (j + round) % count;
-        FLCE_ASSIGN_OR_RETURN(const float t, timer.Time(stream, [&] { return run(eligible[e]); }));
-        ms[e].push_back(t);
-      }
-    }
-    std::vector<float> median(count);
-    for (size_t e = 0; e < count; ++e) {
-      std::sort(ms[e].begin(), ms[e].end());
-      median[e] = ms[e][ms[e].size() / 2];
-    }
+    FLCE_ASSIGN_OR_RETURN(
+        const std::vector<float> median,
+        MedianTimes(health_, stream, eligible.size(), [&](size_t e) { return run(eligible[e]); }));
     float best_ms = median[0] * (1.0f - kMinGain);
-    for (size_t e = 1; e < count; ++e) {
+    for (size_t e = 1; e < eligible.size(); ++e) {
       if (median[e] < best_ms) {
         best_ms = median[e];
         best = eligible[e];
@@ -272,6 +335,79 @@ absl::StatusOr<std::shared_ptr<const GemmRunner::Choice>> GemmRunner::Tune(
     choice->lt = *std::move(lt_gemm);
   }
   return std::shared_ptr<const Choice>(std::move(choice));
+}
+
+std::optional<absl::Status> GemmRunner::RunHopper(cublasHandle_t blas, cudaStream_t stream,
+                                                   const GemmShape& g, const void* a,
+                                                   const void* b, float beta, void* c,
+                                                   float alpha) {
+  // With beta 1 only alpha 1: the TMA adds alpha·A·B rounded to fp32 into
+  // C, where cuBLAS may round alpha·A·B + C once (the same sum for alpha 1).
+  if (beta == 1.0f && alpha != 1.0f) return std::nullopt;
+  std::optional<HopperGemmArgs> args = HopperArgsFor(g, a, b, beta, c, alpha);
+  if (!args.has_value() || !tuning_.hopper.Takes(*args)) return std::nullopt;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || !HopperGemmSupported(*args, device)) {
+    return std::nullopt;
+  }
+  std::optional<HopperChoice> choice;
+  bool full = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = hopper_.find(g);
+    if (it != hopper_.end()) choice = it->second;
+    full = static_cast<int>(hopper_.size()) >= tuning_.max_shapes;
+  }
+  if (!choice.has_value()) {
+    // Only beta 0 may overwrite C with trials.
+    if (beta != 0.0f || full) return std::nullopt;
+    absl::StatusOr<HopperChoice> made = ChooseHopper(blas, stream, g, *args, a, b, alpha);
+    if (!made.ok()) return made.status();
+    absl::MutexLock lock(&mu_);
+    hopper_.emplace(g, *made);  // a concurrent choice of g may have won: either is valid
+    return absl::OkStatus();    // ChooseHopper left the result in C
+  }
+  if (choice->cluster == 0) return std::nullopt;
+  args->cluster = choice->cluster;
+  return health_.Check(LaunchHopperGemm(*args, sms_, stream), "flce's Hopper GEMM");
+}
+
+absl::StatusOr<GemmRunner::HopperChoice> GemmRunner::ChooseHopper(
+    cublasHandle_t blas, cudaStream_t stream, const GemmShape& g, HopperGemmArgs args,
+    const void* a, const void* b, float alpha) {
+  void* c = args.c;
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer hash_buffer, DeviceBuffer::Allocate(8, stream, health_));
+  FLCE_RETURN_IF_ERROR(RunDefault(health_, blas, g, a, b, 0.0f, c, alpha));
+  FLCE_ASSIGN_OR_RETURN(const unsigned long long expected,
+                        HashOfC(health_, stream, g, c, hash_buffer));
+  auto run = [&](int cluster) {
+    args.cluster = cluster;
+    return health_.Check(LaunchHopperGemm(args, sms_, stream), "flce's Hopper GEMM");
+  };
+  // The clusters whose output has the default's bits.
+  std::vector<int> eligible;
+  for (int cluster : {1, 2}) {
+    const absl::Status launched = run(cluster);
+    if (!launched.ok()) {
+      if (!health_.healthy()) return launched;
+      continue;  // a launch the device refuses is skipped
+    }
+    FLCE_ASSIGN_OR_RETURN(const unsigned long long h, HashOfC(health_, stream, g, c, hash_buffer));
+    if (h == expected) eligible.push_back(cluster);
+  }
+  HopperChoice choice;
+  if (eligible.size() == 1) choice.cluster = eligible[0];
+  if (eligible.size() > 1) {
+    FLCE_ASSIGN_OR_RETURN(
+        const std::vector<float> median,
+        MedianTimes(health_, stream, eligible.size(), [&](size_t e) { return run(eligible[e]); }));
+    choice.cluster = median[1] < median[0] ? eligible[1] : eligible[0];
+  }
+  // The trials leave C as whichever ran last wrote it: the choice writes
+  // the result once more.
+  if (choice.cluster != 0) FLCE_RETURN_IF_ERROR(run(choice.cluster));
+  if (choice.cluster == 0) FLCE_RETURN_IF_ERROR(RunDefault(health_, blas, g, a, b, 0.0f, c, alpha));
+  return choice;
 }
 
 }  // namespace internal_cuda

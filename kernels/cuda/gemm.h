@@ -3,7 +3,8 @@
 
 // The CUDA engine's GEMMs: cublasGemmEx's default algorithm, or, once a
 // shape has been tuned, the fastest cuBLASLt algorithm whose output is
-// bit-identical to that default's.
+// bit-identical to that default's, or flce's Hopper GEMM (hopper_gemm.h)
+// where it is asked for and bit-identical to that default.
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -12,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -21,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda/device_health.h"
+#include "kernels/cuda/hopper_gemm.h"
 #include "kernels/dtype.h"
 
 namespace flce {
@@ -44,6 +47,28 @@ struct GemmShape {
   friend H AbslHashValue(H h, const GemmShape& g) {
     return H::combine(std::move(h), g.op_a, g.op_b, g.m, g.n, g.k, g.a_type, g.lda, g.b_type, g.ldb,
                       g.c_type, g.ldc);
+  }
+};
+
+// The same product in flce's Hopper GEMM's row-major terms: the
+// column-major C (m×n, ldc) is row-major C [n, m] = op(B)ᵀ · op(A)ᵀ, so
+// B's storage is the Hopper A (K-major where op_b is N) and A's the Hopper
+// B (MN-major where op_a is N); beta 1 adds an fp32 C into itself. None
+// where nothing maps: beta other than 0 or 1, beta 1 with C not fp32, A and
+// B of different dtypes. Whether the device and the pointers allow it is
+// HopperGemmSupported's to say (cluster left at its default).
+std::optional<HopperGemmArgs> HopperArgsFor(const GemmShape& g, const void* a, const void* b,
+                                            float beta, void* c, float alpha);
+
+// Which of the engine's three GEMM forms run flce's Hopper GEMM (the
+// Hopper operands' majors: logits K·K, dX K·MN, dW MN·MN).
+struct HopperForms {
+  bool logits = false, dx = false, dw = false;
+
+  bool any() const { return logits || dx || dw; }
+  bool Takes(const HopperGemmArgs& args) const {
+    if (args.a_major == Major::kMN) return dw && args.b_major == Major::kMN;
+    return args.b_major == Major::kK ? logits : dx;
   }
 };
 
@@ -82,6 +107,12 @@ struct GemmTuning {
   // A process tunes at most this many shapes (each distinct token count N
   // brings new chunk shapes); later shapes run the default.
   int max_shapes = 64;
+  // GEMMs of these forms run flce's Hopper GEMM instead, where the device
+  // (compute capability 9.0) and the call allow it and its output is
+  // bit-identical to cuBLAS's default at the shape's first call with beta 0
+  // (checked once per shape, as tuning does, also with `enabled` false:
+  // clusters of 1 and of 2 blocks, the faster kept); else as above.
+  HopperForms hopper;
 };
 
 // Runs GEMMs, choosing their algorithms. With tuning on, the first call of
@@ -96,7 +127,8 @@ struct GemmTuning {
 // without any. C holds the result when the call returns. Calls of an
 // untuned shape with beta 1, calls with an operand not 256-byte aligned
 // (cuBLASLt's heuristic assumes that alignment), and every call with
-// tuning off, run the default. Thread-safe.
+// tuning off, run the default. Shapes of a form in GemmTuning::hopper are
+// checked first the same way (at most max_shapes of them). Thread-safe.
 //
 // Trials time a GEMM alone, back to back; inside a pipeline an algorithm
 // can rank differently (the engine says which of its GEMMs may be tuned).
@@ -112,13 +144,15 @@ class GemmRunner {
   // C = alpha·op(A)·op(B) + beta·C on `stream`, which `blas` is bound to
   // (alpha scales the fp32 products before C's one rounding). m == 0 or
   // n == 0 is a no-op. tune = false: this call runs the default whatever
-  // the shape's choice.
+  // the shape's cuBLASLt choice (flce's Hopper GEMM where
+  // GemmTuning::hopper asks for its form all the same).
   absl::Status Run(cublasHandle_t blas, cudaStream_t stream, const GemmShape& g, const void* a,
                    const void* b, float beta, void* c, bool tune = true, float alpha = 1.0f);
 
   struct Counts {
     int tuned = 0;        // shapes timed
     int non_default = 0;  // of those, shapes that run a cuBLASLt algorithm
+    int hopper = 0;       // shapes that run flce's Hopper GEMM
   };
   Counts counts() const;
 
@@ -129,17 +163,34 @@ class GemmRunner {
 
  private:
   struct Choice;
-  GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt, DeviceHealth& health);
+  // A shape's Hopper GEMM: cluster 0 where it does not run (cuBLAS's
+  // default has other bits, or no launch succeeded).
+  struct HopperChoice {
+    int cluster = 0;
+  };
+  GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt, int sms, DeviceHealth& health);
   absl::StatusOr<std::shared_ptr<const Choice>> Tune(cublasHandle_t blas, cudaStream_t stream,
                                                      const GemmShape& g, const void* a,
                                                      const void* b, void* c, float alpha);
+  // The shape's Hopper choice, made at a beta-0 call that leaves its result
+  // in C.
+  absl::StatusOr<HopperChoice> ChooseHopper(cublasHandle_t blas, cudaStream_t stream,
+                                            const GemmShape& g, HopperGemmArgs args, const void* a,
+                                            const void* b, float alpha);
+  // Runs `args` on flce's Hopper GEMM when this call may (form, device,
+  // pointers) and the shape's choice says so; nullopt when cuBLAS runs it.
+  std::optional<absl::Status> RunHopper(cublasHandle_t blas, cudaStream_t stream,
+                                        const GemmShape& g, const void* a, const void* b,
+                                        float beta, void* c, float alpha);
 
   const GemmTuning tuning_;
   const cublasLtHandle_t lt_;
+  const int sms_;  // the device's multiprocessors (with hopper forms), else 0
   DeviceHealth& health_;
   std::atomic<bool> inject_fault_{false};
   mutable absl::Mutex mu_;
   absl::flat_hash_map<GemmShape, std::shared_ptr<const Choice>> choices_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<GemmShape, HopperChoice> hopper_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace internal_cuda

@@ -206,6 +206,125 @@ TEST_F(GemmRunnerTest, OperandsOffTheLtAlignmentRunTheDefault) {
   }
 }
 
+// HopperArgsFor: each of the engine's forms in cuBLAS's column-major terms
+// maps to flce's row-major operands as hopper_gemm.h spells them.
+TEST(HopperArgsForTest, MapsTheEngineFormsToRowMajorOperands) {
+  const char a = 0, b = 0;
+  char c = 0;
+  const DType bf16 = DType::kBFloat16, f32 = DType::kFloat32;
+  // logitsᵀ (V×N, ld V) = op(W) op(X): Hopper logits [N, V] = X · Wᵀ.
+  auto logits = HopperArgsFor({CUBLAS_OP_T, CUBLAS_OP_N, 32000, 4096, 1024, bf16, 1024, bf16,
+                               1024, bf16, 32000},
+                              &a, &b, 0.0f, &c, 1.0f);
+  ASSERT_TRUE(logits.has_value());
+  EXPECT_EQ(logits->a, &b);
+  EXPECT_EQ(logits->b, &a);
+  EXPECT_EQ(logits->a_major, Major::kK);
+  EXPECT_EQ(logits->b_major, Major::kK);
+  EXPECT_EQ(logits->m, 4096);
+  EXPECT_EQ(logits->n, 32000);
+  EXPECT_EQ(logits->k, 1024);
+  EXPECT_EQ(logits->ldc, 32000);
+  EXPECT_EQ(logits->source, nullptr);
+  // dXᵀ (H×N) = W (H×V) · G (V×N): Hopper dX [N, H] = G [N, V] · W [V, H].
+  auto dx = HopperArgsFor({CUBLAS_OP_N, CUBLAS_OP_N, 1024, 4096, 32000, bf16, 1024, bf16, 32000,
+                           f32, 1024},
+                          &a, &b, 0.0f, &c, 1.0f);
+  ASSERT_TRUE(dx.has_value());
+  EXPECT_EQ(dx->a, &b);
+  EXPECT_EQ(dx->lda, 32000);
+  EXPECT_EQ(dx->a_major, Major::kK);
+  EXPECT_EQ(dx->b, &a);
+  EXPECT_EQ(dx->ldb, 1024);
+  EXPECT_EQ(dx->b_major, Major::kMN);
+  EXPECT_EQ(dx->m, 4096);
+  EXPECT_EQ(dx->n, 1024);
+  EXPECT_EQ(dx->k, 32000);
+  EXPECT_EQ(dx->out_type, f32);
+  // dWᵀ (H×V) += X (H×N) · Gᵀ: Hopper dW [V, H] += Gᵀ · X, C its own source.
+  auto dw = HopperArgsFor({CUBLAS_OP_N, CUBLAS_OP_T, 1024, 32000, 4096, bf16, 1024, bf16, 32000,
+                           f32, 1024},
+                          &a, &b, 1.0f, &c, 1.0f);
+  ASSERT_TRUE(dw.has_value());
+  EXPECT_EQ(dw->a_major, Major::kMN);
+  EXPECT_EQ(dw->lda, 32000);
+  EXPECT_EQ(dw->b_major, Major::kMN);
+  EXPECT_EQ(dw->ldb, 1024);
+  EXPECT_EQ(dw->m, 32000);
+  EXPECT_EQ(dw->n, 1024);
+  EXPECT_EQ(dw->k, 4096);
+  EXPECT_EQ(static_cast<const void*>(dw->source), static_cast<void*>(&c));
+  EXPECT_EQ(dw->ld_source, 1024);
+  // Nothing maps: beta 1 into a bf16 C, another beta, mixed operand dtypes.
+  const GemmShape bf16_c{CUBLAS_OP_N, CUBLAS_OP_T, 8, 8, 8, bf16, 8, bf16, 8, bf16, 8};
+  EXPECT_FALSE(HopperArgsFor(bf16_c, &a, &b, 1.0f, &c, 1.0f).has_value());
+  EXPECT_TRUE(HopperArgsFor(bf16_c, &a, &b, 0.0f, &c, 1.0f).has_value());
+  const GemmShape f32_c{CUBLAS_OP_N, CUBLAS_OP_T, 8, 8, 8, bf16, 8, bf16, 8, f32, 8};
+  EXPECT_FALSE(HopperArgsFor(f32_c, &a, &b, 0.5f, &c, 1.0f).has_value());
+  const GemmShape mixed{CUBLAS_OP_N, CUBLAS_OP_T, 8, 8, 8, bf16, 8, f32, 8, f32, 8};
+  EXPECT_FALSE(HopperArgsFor(mixed, &a, &b, 0.0f, &c, 1.0f).has_value());
+}
+
+// With the three forms on flce's Hopper GEMM: every call gives cuBLAS's
+// default bits, beta 0 (the shape's check) and beta 1 (dW's sum, added by
+// the TMA), at the bench's 4096×4096×32000 (where all three forms were
+// measured bit-identical, bench/RESULTS.md 2026-12-04) and at shapes the
+// kernel does not take (K not a multiple of 8, fp32 operands), which run
+// cuBLAS. Skips off Hopper.
+TEST_F(GemmRunnerTest, HopperFormsGiveTheDefaultsBits) {
+  if (!cuda_test::IsHopper()) GTEST_SKIP() << "not a Hopper device (9.0)";
+  cudaStream_t s = this->s();
+  GemmTuning off, hopper;
+  off.enabled = hopper.enabled = false;
+  hopper.hopper = {true, true, true};
+  auto plain = GemmRunner::Create(off, health_);
+  auto own = GemmRunner::Create(hopper, health_);
+  ASSERT_TRUE(plain.ok() && own.ok());
+  const int64_t n = 4096, h = 4096, v = 32000;
+  const DType bf16 = DType::kBFloat16;
+  std::vector<Case> cases = {
+      {CUBLAS_OP_T, CUBLAS_OP_N, v, n, h, bf16, bf16},            // logits
+      {CUBLAS_OP_N, CUBLAS_OP_N, h, n, v, bf16, DType::kFloat32},  // dX
+      {CUBLAS_OP_N, CUBLAS_OP_T, h, v, n, bf16, DType::kFloat32},  // dW
+  };
+  for (const Case& c : Cases()) {
+    if (c.k % 8 != 0 || c.in == DType::kFloat32) cases.push_back(c);
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << "m=" << c.m << " n=" << c.n << " k=" << c.k << " in=" << DTypeName(c.in));
+    const bool ta = c.op_a != CUBLAS_OP_N, tb = c.op_b != CUBLAS_OP_N;
+    const int64_t lda = ta ? c.k : c.m, ldb = tb ? c.n : c.k;
+    DeviceBuffer a = RandomBuffer(c.m * c.k, c.in, 1, s);
+    DeviceBuffer b = RandomBuffer(c.k * c.n, c.in, 2, s);
+    DeviceBuffer c0 = RandomBuffer(c.m * c.n, c.out, 3, s);  // beta 1's addend
+    const GemmShape shape{c.op_a, c.op_b, c.m, c.n, c.k, c.in, lda, c.in, ldb, c.out, c.m};
+    auto expected = DeviceBuffer::Allocate(c0.bytes(), s, TestHealth());
+    auto got = DeviceBuffer::Allocate(c0.bytes(), s, TestHealth());
+    ASSERT_TRUE(expected.ok() && got.ok());
+    for (float beta : {0.0f, 1.0f, 1.0f}) {
+      SCOPED_TRACE(::testing::Message() << "beta " << beta);
+      if (beta == 0.0f) {
+        for (DeviceBuffer* out : {&*expected, &*got}) {
+          ASSERT_EQ(
+              cudaMemcpyAsync(out->data(), c0.data(), c0.bytes(), cudaMemcpyDeviceToDevice, s),
+              cudaSuccess);
+        }
+      }
+      // beta 0 checks the shape on this first call; beta 1 adds into the
+      // result before it, twice.
+      ASSERT_TRUE((*plain)->Run(blas(), s, shape, a.data(), b.data(), beta, expected->data()).ok());
+      ASSERT_TRUE((*own)->Run(blas(), s, shape, a.data(), b.data(), beta, got->data()).ok());
+      const std::vector<char> want = Download(*expected, s), have = Download(*got, s);
+      EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
+    }
+  }
+  // The three bench-shape forms run flce's GEMM; the others do not.
+  EXPECT_EQ((*own)->counts().hopper, 3);
+  EXPECT_EQ((*plain)->counts().hopper, 0);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+}
+
 }  // namespace
 }  // namespace internal_cuda
 }  // namespace flce

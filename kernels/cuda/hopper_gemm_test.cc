@@ -27,11 +27,7 @@ namespace {
 class HopperGemmTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    FLCE_SKIP_WITHOUT_DEVICE();
-    int major = 0, minor = 0;
-    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-    ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
-    if (major != 9 || minor != 0) GTEST_SKIP() << "not a Hopper device (9.0)";
+    FLCE_SKIP_OFF_HOPPER();
     ASSERT_EQ(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
     ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
   }
