@@ -6,7 +6,8 @@
 # Usage: tools/device_run.sh [tests] [smoke] [python] [examples] [bench] [rpc] [worker] [gemms]
 #   [latency] [bulk] [hopper]
 # bench reads BENCH_SHAPES, BENCH_DTYPES, BENCH_MODES, BENCH_WARMUP,
-# BENCH_CHUNK_BYTES and BENCH_FLAGS (more flce_bench flags); gemms reads
+# BENCH_CHUNK_BYTES, BENCH_FLAGS (more flce_bench flags), BENCH_VARIANTS and
+# BENCH_ROUNDS (below); gemms reads
 # BENCH_SHAPES, GEMM_CHUNK_ROWS, GEMM_ALGOS and GEMM_FLAGS (more gemm_algos
 # flags, e.g. --full=false); rpc reads RPC_SHAPE and RPC_FLAGS (e.g.
 # "--transfer_mib=64,1024 --connections=0,1,2,4,8"); worker
@@ -176,11 +177,22 @@ fi
 
 if [ -z "$ARGS" ] || want bench; then
   shapes="${BENCH_SHAPES:-8192x4096x128256,8192x2304x256000,4096x4096x32000,32768x4096x128256}"
-  echo "== flce_bench --backend=cuda --shapes=$shapes"
   read -r -a bench_flags <<< "${BENCH_FLAGS:-}"
-  "$bin/flce_bench" --backend=cuda --shapes="$shapes" --dtypes="${BENCH_DTYPES:-bf16}" \
-    --modes="${BENCH_MODES:-store_grads,recompute}" --warmup="${BENCH_WARMUP:-20}" --iters=10 \
-    --cuda_chunk_bytes="${BENCH_CHUNK_BYTES:-0}" ${bench_flags[@]+"${bench_flags[@]}"} 2>&1 | tee -a "$OUT/bench.txt" || status=1
+  # BENCH_VARIANTS: ';'-separated sets of more flags (an empty one: none),
+  # each a process of its own, in turn for BENCH_ROUNDS rounds (an A/B in
+  # one call, e.g. ";--cuda_hopper_gemms=dx,dw").
+  IFS=';' read -r -a variants <<< "${BENCH_VARIANTS:-}"
+  [ "${#variants[@]}" -eq 0 ] && variants=("")
+  for round in $(seq "${BENCH_ROUNDS:-1}"); do
+    for variant in "${variants[@]}"; do
+      read -r -a variant_flags <<< "$variant"
+      echo "== flce_bench --backend=cuda --shapes=$shapes ${BENCH_FLAGS:-} $variant (round $round)"
+      "$bin/flce_bench" --backend=cuda --shapes="$shapes" --dtypes="${BENCH_DTYPES:-bf16}" \
+        --modes="${BENCH_MODES:-store_grads,recompute}" --warmup="${BENCH_WARMUP:-20}" --iters=10 \
+        --cuda_chunk_bytes="${BENCH_CHUNK_BYTES:-0}" ${bench_flags[@]+"${bench_flags[@]}"} \
+        ${variant_flags[@]+"${variant_flags[@]}"} 2>&1 | tee -a "$OUT/bench.txt" || status=1
+    done
+  done
 fi
 if want gemms && [ -n "$ARGS" ]; then
   shapes="${BENCH_SHAPES:-8192x2304x256000}"
