@@ -95,4 +95,33 @@ absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DTyp
   return floor;
 }
 
+absl::StatusOr<GemmFloor> MeasureGemmCeiling(int64_t size, DType dtype, int warmup, int iters) {
+  FLCE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(BenchHealth()));
+  cudaStream_t s = stream.get();
+  FLCE_ASSIGN_OR_RETURN(CublasHandle blas, CublasHandle::Create(s, BenchHealth()));
+  const int64_t bytes = size * size * DTypeSize(dtype);
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer a, DeviceBuffer::Allocate(bytes, s, BenchHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(bytes, s, BenchHealth()));
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer c, DeviceBuffer::Allocate(bytes, s, BenchHealth()));
+  for (const DeviceBuffer* m : {&a, &b}) FLCE_RETURN_IF_ERROR(FillPattern(*m, dtype, s));
+  const GemmShape shape{CUBLAS_OP_N, CUBLAS_OP_N, size, size, size, dtype, size, dtype, size,
+                        dtype, size};
+  internal_cuda::EventTimer timer(BenchHealth());
+  double best = 0;
+  for (bool tuned : {false, true}) {
+    internal_cuda::GemmTuning tuning;
+    tuning.enabled = tuned;
+    FLCE_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemms,
+                          GemmRunner::Create(tuning, BenchHealth()));
+    FLCE_ASSIGN_OR_RETURN(const double ms, timer.MedianMs(s, warmup, iters, [&] {
+      return gemms->Run(blas.get(), s, shape, a.data(), b.data(), 0.0f, c.data());
+    }));
+    if (best == 0 || ms < best) best = ms;
+  }
+  GemmFloor ceiling;
+  ceiling.ms = best;
+  ceiling.tflops = 2.0 * size * size * size / (best * 1e9);
+  return ceiling;
+}
+
 }  // namespace flce

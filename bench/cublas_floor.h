@@ -33,6 +33,12 @@ struct GemmFloor {
 absl::StatusOr<GemmFloor> MeasureGemmFloor(int64_t n, int64_t h, int64_t v, DType dtype,
                                            int logits_gemms, bool tuned, int warmup, int iters);
 
+// The card's own GEMM rate, against which an engine's effective TFLOP/s
+// reads: C = A·B of size×size×size `dtype` operands and output in cuBLAS,
+// its default algorithm and the fastest bit-identical tuned one (the
+// faster of the two), timed as MeasureGemmFloor times.
+absl::StatusOr<GemmFloor> MeasureGemmCeiling(int64_t size, DType dtype, int warmup, int iters);
+
 }  // namespace flce
 
 #endif  // FLCE_BENCH_CUBLAS_FLOOR_H_

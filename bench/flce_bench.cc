@@ -15,7 +15,9 @@
 // RECOMPUTE dX only, their dW made in the input dtype).
 //
 // Effective rate = 6·N·H·V / time (the useful FLOP of fwd+bwd), as in
-// DESIGN.md §7. Prints a table; --json prints one JSON object per row.
+// DESIGN.md §7; on CUDA also over the ceiling, cuBLAS's rate for an
+// 8192³ GEMM in the row's dtype timed in the same process
+// (--ceiling_size). Prints a table; --json prints one JSON object per row.
 //
 // --vocab_shards=2,4 also times the served call (Forward + Backward through
 // the engine's API, wall clock; CUDA: X and W in device memory, gradients
@@ -67,6 +69,9 @@ ABSL_FLAG(std::string, check_shape, "257x128x4099",
 ABSL_FLAG(bool, json, false, "print JSON lines instead of a table");
 ABSL_FLAG(bool, floor, true,
           "time the bare GEMMs too (false: the engine alone, e.g. under a profiler)");
+ABSL_FLAG(int64_t, ceiling_size, 8192,
+          "CUDA: the size of the square GEMM whose rate (cuBLAS, the row's dtype) each row's "
+          "effective TFLOP/s is read against, timed once per dtype with the floor (0: none)");
 ABSL_FLAG(bool, bias, false, "problems with a bias");
 ABSL_FLAG(bool, class_weight, false, "problems with class weights");
 ABSL_FLAG(float, softcap, 0.0f, "logit softcap (0: none)");
@@ -372,20 +377,22 @@ void PrintHeader(bool json, const char* memory_column) {
   }
 }
 
+// ceiling_tflops: the card's square-GEMM rate in this dtype (0: none timed).
 void PrintRow(bool json, const std::string& backend, const std::string& shape_text, const Shape& s,
               DType dtype, BackwardMode mode, double ms, double floor_ms, double tuned_floor_ms,
-              double extra_gib, const std::string& accuracy, const std::string& error) {
+              double extra_gib, const std::string& accuracy, const std::string& error,
+              double ceiling_tflops = 0.0) {
   const double tflops = 6.0 * s.n * s.h * s.v / (ms * 1e9);
   const double ratio = floor_ms > 0 ? ms / floor_ms : 0.0;  // (0: no floor timed)
   if (json) {
     std::printf(
         "{\"backend\":\"%s\",\"n\":%lld,\"h\":%lld,\"v\":%lld,\"dtype\":\"%s\","
         "\"mode\":\"%s\",\"engine_ms\":%.3f,\"floor_ms\":%.3f,\"ratio\":%.3f,"
-        "\"tuned_floor_ms\":%.3f,\"effective_tflops\":%.3f,\"extra_gib\":%.3f,"
-        "\"accuracy\":\"%s\",\"error\":\"%s\"}\n",
+        "\"tuned_floor_ms\":%.3f,\"effective_tflops\":%.3f,\"ceiling_tflops\":%.3f,"
+        "\"extra_gib\":%.3f,\"accuracy\":\"%s\",\"error\":\"%s\"}\n",
         backend.c_str(), static_cast<long long>(s.n), static_cast<long long>(s.h),
         static_cast<long long>(s.v), DTypeName(dtype), BackwardModeName(mode), ms, floor_ms, ratio,
-        tuned_floor_ms, tflops, extra_gib, accuracy.c_str(), error.c_str());
+        tuned_floor_ms, tflops, ceiling_tflops, extra_gib, accuracy.c_str(), error.c_str());
   } else {
     std::printf("%-20s %-5s %-12s %10.2f %10.2f %7.3f %10.1f %10.3f  %s%s\n", shape_text.c_str(),
                 DTypeName(dtype), BackwardModeName(mode), ms, floor_ms, ratio, tflops, extra_gib,
@@ -393,6 +400,10 @@ void PrintRow(bool json, const std::string& backend, const std::string& shape_te
     if (tuned_floor_ms > 0) {
       std::printf("    floor with the GEMM algorithms tuned as the engine's: %.2f ms, ratio %.3f\n",
                   tuned_floor_ms, ms / tuned_floor_ms);
+    }
+    if (ceiling_tflops > 0) {
+      std::printf("    effective TFLOP/s over the square-GEMM ceiling (%.1f TFLOP/s): %.3f\n",
+                  ceiling_tflops, tflops / ceiling_tflops);
     }
   }
   std::fflush(stdout);
@@ -539,6 +550,7 @@ int RunCuda() {
   }
   PrintHeader(json, "extra GiB");
   int failures = 0;
+  std::map<DType, double> ceilings;  // TFLOP/s of the square GEMM, per dtype
   ForEachConfig([&](const std::string& shape_text, const Shape& s, DType dtype,
                     const OwnedProblem& p, BackwardMode mode) {
     std::string error;
@@ -587,13 +599,30 @@ int RunCuda() {
       tuned_floor = MeasureGemmFloor(s.n, s.h, s.v, dtype, logits_gemms, true, warmup, iters);
       if (!tuned_floor.ok()) error += " tuned floor: " + tuned_floor.status().ToString();
     }
+    // The card's square-GEMM rate in this dtype, once per dtype.
+    double ceiling_tflops = 0;
+    if (const int64_t size = absl::GetFlag(FLAGS_ceiling_size); size > 0) {
+      auto it = ceilings.find(dtype);
+      if (it == ceilings.end()) {
+        absl::StatusOr<GemmFloor> ceiling = MeasureGemmCeiling(size, dtype, warmup, iters);
+        if (!ceiling.ok()) error += " ceiling: " + ceiling.status().ToString();
+        it = ceilings.emplace(dtype, ceiling.ok() ? ceiling->tflops : 0.0).first;
+        if (ceiling.ok() && !json) {
+          std::printf("    the ceiling: cuBLAS's %lld³ %s GEMM, %.3f ms, %.1f TFLOP/s\n",
+                      static_cast<long long>(size), DTypeName(dtype), ceiling->ms,
+                      ceiling->tflops);
+        }
+      }
+      ceiling_tflops = it->second;
+    }
     const std::string accuracy = CheckAccuracyOf(**engine, dtype, mode);
     // (An accuracy check skipped with --check_shape=0 is no failure.)
     if (!error.empty() || (accuracy.find("ok") == std::string::npos && accuracy != "skipped")) {
       ++failures;
     }
     PrintRow(json, "cuda", shape_text, s, dtype, mode, ms, floor.ok() ? floor->ms : 0.0,
-             tuned_floor.ok() ? tuned_floor->ms : 0.0, extra_gib, accuracy, error);
+             tuned_floor.ok() ? tuned_floor->ms : 0.0, extra_gib, accuracy, error,
+             ceiling_tflops);
     if (!stages.empty() && !json) {
       std::string line = "    stages (device ms):";
       for (const auto& [stage, stage_ms] : stages) {
