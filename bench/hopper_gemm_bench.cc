@@ -13,7 +13,8 @@
 // and on the 8192³ product (the card's ceiling), in alternating rounds in
 // one process (median of each round's runs; the median round of each, the
 // median of the rounds' ratios, and the ratio of every round). flce's GEMM
-// runs with clusters of 1 and of 2 blocks (HopperGemmArgs::cluster). Also
+// runs with clusters of 1 and of 2 blocks (HopperGemmArgs::cluster), and
+// the same in ping-pong (HopperGemmArgs::ping_pong, --ping_pong). Also
 // the relative L2 difference of cuBLAS's output and flce's (cluster 2, one
 // run each from the same start) over a sample.
 //
@@ -52,6 +53,9 @@ ABSL_FLAG(int, rounds, 3, "alternating rounds of cuBLAS and flce's GEMM");
 ABSL_FLAG(int, iters, 10, "timed runs per round (median)");
 ABSL_FLAG(int, warmup, 5, "untimed runs before each round");
 ABSL_FLAG(bool, ceiling, true, "also the 8192x8192x8192 product");
+ABSL_FLAG(bool, ping_pong, true,
+          "also flce's GEMM with the ping-pong schedule (HopperGemmArgs::ping_pong), clusters of "
+          "1 and 2, in the same rounds (not for dx_fused)");
 
 namespace flce {
 namespace {
@@ -210,10 +214,11 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
                                                    out_cublas.data(), dtype, v * h, 1.0f, s),
                       "narrowing");
   };
-  auto hopper = [&](int cluster) {
-    return [&, cluster]() -> absl::Status {
+  auto hopper = [&](int cluster, bool ping_pong = false) {
+    return [&, cluster, ping_pong]() -> absl::Status {
       HopperGemmArgs a = args;
       a.cluster = cluster;
+      a.ping_pong = ping_pong;
       if (fused) {
         FLCE_RETURN_IF_ERROR(CudaStatus(
             internal_cuda::LaunchGradientFactors(rows, z.data(), v, dtype, lse.as<float>(),
@@ -238,15 +243,22 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
   FLCE_RETURN_IF_ERROR(zero());
   const double flop = 2.0 * n * h * v;
   internal_cuda::EventTimer timer(BenchHealth());
-  // cuBLAS and flce's GEMM with clusters of 1 and of 2, in turn, each
-  // round starting with the next of them (the first runs of a process on
-  // a cool GPU ran up to 15–25 % faster than later ones).
-  const std::function<absl::Status()> candidates[3] = {cublas, hopper(1), hopper(2)};
-  std::vector<double> ms[3];
+  // cuBLAS and flce's GEMM with clusters of 1 and of 2 (and the same in
+  // ping-pong), in turn, each round starting with the next of them (the
+  // first runs of a process on a cool GPU ran up to 15–25 % faster than
+  // later ones).
+  std::vector<std::function<absl::Status()>> candidates = {cublas, hopper(1), hopper(2)};
+  const bool ping_pong = absl::GetFlag(FLAGS_ping_pong) && !fused;
+  if (ping_pong) {
+    candidates.push_back(hopper(1, true));
+    candidates.push_back(hopper(2, true));
+  }
+  const int count = static_cast<int>(candidates.size());
+  std::vector<std::vector<double>> ms(count);
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
   for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
-    for (int i = 0; i < 3; ++i) {
-      const int which = (round + i) % 3;
+    for (int i = 0; i < count; ++i) {
+      const int which = (round + i) % count;
       FLCE_ASSIGN_OR_RETURN(const double t, timer.MedianMs(s, warmup, iters, candidates[which]));
       ms[which].push_back(t);
     }
@@ -264,19 +276,32 @@ absl::Status RunGemm(const std::string& gemm, int64_t n, int64_t h, int64_t v, i
     std::sort(x.begin(), x.end());
     return x.size() % 2 ? x[x.size() / 2] : (x[x.size() / 2 - 1] + x[x.size() / 2]) / 2;
   };
-  double best[3];
-  for (int i = 0; i < 3; ++i) best[i] = median(ms[i]);
+  std::vector<double> best(count);
+  for (int i = 0; i < count; ++i) best[i] = median(ms[i]);
+  // Candidate `which` over cuBLAS: the median of the rounds' ratios, and
+  // each round's.
+  auto ratios_of = [&](int which, std::string* rounds) {
+    std::vector<double> ratios;
+    for (size_t i = 0; i < ms[which].size(); ++i) {
+      ratios.push_back(ms[which][i] / ms[0][i]);
+      *rounds += (i ? " " : "") + std::to_string(ratios.back()).substr(0, 5);
+    }
+    return median(ratios);
+  };
   std::string rounds;
-  std::vector<double> ratios;
-  for (size_t i = 0; i < ms[2].size(); ++i) {
-    ratios.push_back(ms[2][i] / ms[0][i]);
-    rounds += (i ? " " : "") + std::to_string(ratios.back()).substr(0, 5);
-  }
+  const double ratio = ratios_of(2, &rounds);
   std::printf("%-6s %6lldx%-6lldx%-7lld %8.3f %6.1f %8.3f %6.1f %8.3f %6.1f %7.3f  %-20s %.1e\n",
               gemm.c_str(), static_cast<long long>(n), static_cast<long long>(h),
               static_cast<long long>(v), best[0], flop / (best[0] * 1e9), best[1],
-              flop / (best[1] * 1e9), best[2], flop / (best[2] * 1e9), median(ratios),
-              rounds.c_str(), difference);
+              flop / (best[1] * 1e9), best[2], flop / (best[2] * 1e9), ratio, rounds.c_str(),
+              difference);
+  if (ping_pong) {
+    std::string pp_rounds;
+    const double pp_ratio = ratios_of(4, &pp_rounds);
+    std::printf("  ping-pong                       %8.3f %6.1f %8.3f %6.1f %7.3f  %-20s\n",
+                best[3], flop / (best[3] * 1e9), best[4], flop / (best[4] * 1e9), pp_ratio,
+                pp_rounds.c_str());
+  }
   return absl::OkStatus();
 }
 
@@ -287,8 +312,9 @@ int Main() {
     return 1;
   }
   std::printf(
-      "ms and TFLOP/s of each one's median round; flce's with clusters of 1 and 2 blocks;\n"
-      "ratio: cluster 2 over cuBLAS, the median of the rounds'\n");
+      "ms and TFLOP/s of each one's median round; flce's with clusters of 1 and 2 blocks\n"
+      "(cooperative; under it, ping-pong); ratio: cluster 2 over cuBLAS, the median of the "
+      "rounds'\n");
   std::printf("%-6s %-22s %8s %6s %8s %6s %8s %6s %7s  %-20s %s\n", "GEMM", "N x H x V", "cuBLAS",
               "TF/s", "flce c1", "TF/s", "flce c2", "TF/s", "ratio", "ratio per round",
               "rel. diff");

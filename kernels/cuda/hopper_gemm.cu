@@ -22,6 +22,12 @@
 // kBandM row tiles, row tiles fastest, so the blocks in flight share B's
 // tile and A's band stays in L2 (its loads marked evict-last).
 //
+// Ping-pong (HopperGemmArgs::ping_pong): each stage holds one warpgroup's
+// 64 rows of A and B's 256; the producer loads a tile's stages in two runs,
+// warpgroup 1's rows then warpgroup 2's, and the warpgroups multiply in
+// turns (named barriers), so that one writes its tile while the other
+// multiplies; B is read once per 64 rows instead of 128.
+//
 // In clusters of 2, the blocks take adjacent row tiles of one column tile:
 // each loads its own A rows and half of B's, which the TMA multicasts into
 // both; a stage is free again once both blocks' consumers gave it back.
@@ -48,7 +54,14 @@ constexpr int kBlockN = 256;     // one wgmma's n
 constexpr int kBlockK = 64;      // 64 bf16 = 128 bytes: one swizzle row
 constexpr int kStages = 4;       // 48 KiB each
 constexpr int kThreads = 384;    // producer + two consumer warpgroups
-constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK * 2;
+// A stage's rows of A: the tile's 128 (both consumer warpgroups read the
+// stage), or in ping-pong (HopperGemmArgs::ping_pong) one warpgroup's 64.
+template <bool kPingPong>
+constexpr int kStageARows = kPingPong ? 64 : kBlockM;
+template <bool kPingPong>
+constexpr int kStageABytes = kStageARows<kPingPong> * kBlockK * 2;
+template <bool kPingPong>
+constexpr int kStageBytes = (kStageARows<kPingPong> + kBlockN) * kBlockK * 2;
 // An MN-major operand's TMA box: kBlockK rows of k, 64 elements (128
 // bytes) of M or N each.
 constexpr int kMnBox = 64;
@@ -71,7 +84,11 @@ static_assert(kStagingBytes >= kConsumerWarps * 16 * (128 + 32), "staging too sm
 // The stages, the staging (1024-byte aligned, as the swizzle wants), then
 // kStages "full" and kStages "empty" barriers, plus the slack that aligns
 // the stages to the swizzle's 1024 bytes.
-constexpr int kSharedBytes = kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + 1024;
+template <bool kPingPong>
+constexpr int kSharedBytes =
+    kStages * kStageBytes<kPingPong> + kStagingBytes + 2 * kStages * 8 + 1024;
+static_assert(kSharedBytes<false> <= 227 * 1024 && kSharedBytes<true> <= 227 * 1024,
+              "more shared memory than a block gets");
 
 // The 128 fp32 accumulators of a wgmma m64n256: their registers in the
 // instruction (operands %0–%127) and as the asm's in-out operands.
@@ -457,17 +474,37 @@ struct GradientRows {
 // runs up to kStages ahead of the consumers).
 constexpr int kSourcePrefetchBlocks = 4;
 
-// The tile's rows of the source (up to kBlockN values each) into L2, in
-// whole 16-byte pieces (a row's tail of fewer is left to the epilogue's
-// own load). Only where the epilogue takes whole pieces (aligned rows).
-__device__ __forceinline__ void PrefetchSource(const Epilogue& e, int m, int n, int tm, int tn) {
+// Rows [row0, row0 + rows) of the source in column tile tn (up to kBlockN
+// values each) into L2, in whole 16-byte pieces (a row's tail of fewer is
+// left to the epilogue's own load). Only where the epilogue takes whole
+// pieces (aligned rows).
+__device__ __forceinline__ void PrefetchSource(const Epilogue& e, int m, int n, int row0, int rows,
+                                               int tn) {
   if (!e.whole_pieces) return;
   const int col = tn * kBlockN;
   const uint32_t bytes = static_cast<uint32_t>(min(kBlockN, n - col)) * 4 / 16 * 16;
   if (bytes == 0) return;
-  const int last = min(m, (tm + 1) * kBlockM);
-  for (int row = tm * kBlockM; row < last; ++row) {
+  const int last = min(m, row0 + rows);
+  for (int row = row0; row < last; ++row) {
     PrefetchL2(e.source + static_cast<int64_t>(row) * e.ld_source + col, bytes);
+  }
+}
+
+// Ping-pong's turns (named barriers 3 and 4; 1 and 2 are WarpgroupSync's):
+// consumer warpgroup `consumer` waits until the other gave it the turn, or
+// gives the other its turn.
+__device__ __forceinline__ void WaitTurn(int consumer) {
+  if (consumer == 0) {
+    asm volatile("bar.sync 3, 256;" ::: "memory");
+  } else {
+    asm volatile("bar.sync 4, 256;" ::: "memory");
+  }
+}
+__device__ __forceinline__ void GiveTurn(int consumer) {
+  if (consumer == 0) {
+    asm volatile("bar.arrive 4, 256;" ::: "memory");
+  } else {
+    asm volatile("bar.arrive 3, 256;" ::: "memory");
   }
 }
 
@@ -475,7 +512,18 @@ __device__ __forceinline__ void PrefetchSource(const Epilogue& e, int m, int n, 
 // (warpgroup 1 the first 64, warpgroup 2 the next), from the stages the
 // producer fills, written to C as kMode says (EpilogueMode). `staging`:
 // the block's staging region (shared address and pointer).
-template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode, bool kGradA>
+//
+// Cooperative (kPingPong false): both warpgroups read every stage (A's 128
+// rows, each its 64) and multiply at once, then both write their rows.
+// Ping-pong: a stage holds one warpgroup's 64 rows of A; the stages come in
+// runs of k_blocks, warpgroup 1's half of a tile, then warpgroup 2's, and
+// the two multiply in turns, so that one's epilogue runs while the other
+// multiplies. The turns also keep each warpgroup at most one round of the
+// ring ahead of the stage it waits on (a parity wait cannot tell a phase
+// from the one two rounds before): a warpgroup starts its run only once
+// the other has waited on all of its own.
+template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode, bool kGradA,
+          bool kPingPong>
 __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int k, int tiles_m,
                                         int tiles_n, int tiles, int k_blocks, int first_tile,
                                         int tile_step, uint32_t rank, uint32_t stage_a,
@@ -501,17 +549,29 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
       BarrierArrive(empty + 8 * stage);
     }
   };
+  static_assert(!(kPingPong && kGradA), "the fused gradient runs cooperatively");
   // This warpgroup's 64 rows of A in a stage: the second half of a K-major
-  // tile's rows, or the second of an MN-major tile's two boxes (both 8 KiB on).
-  const uint32_t a_offset = consumer * 64 * kBlockK * 2;
+  // tile's rows, or the second of an MN-major tile's two boxes (both 8 KiB
+  // on); in ping-pong the stage's only 64.
+  const uint32_t a_offset = kPingPong ? 0 : consumer * 64 * kBlockK * 2;
   float d[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) d[i] = 0.0f;
   int stage = 0;
   uint32_t phase = 0;
-  for (int tile = first_tile; tile < tiles; tile += tile_step) {
+  // Past the other warpgroup's run of `blocks` stages (ping-pong).
+  auto skip = [&](int blocks) {
+    const int next = stage + blocks;
+    phase ^= static_cast<uint32_t>(next / kStages) & 1;
+    stage = next % kStages;
+  };
+  for (int tile = first_tile, turn = 0; tile < tiles; tile += tile_step, ++turn) {
     int tm, tn;
     TileAt<kCluster>(tile, tiles_m, tiles_n, rank, tm, tn);
+    if constexpr (kPingPong) {
+      if (consumer == 1) skip(k_blocks);
+      if (consumer == 1 || turn > 0) WaitTurn(consumer);
+    }
     int previous = -1;
     if constexpr (kGradA) {
       // A: this warpgroup's 64 logit rows of each stage through ldmatrix
@@ -525,7 +585,7 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
       // `a` this k-block's, `other` the one before's.
       auto step = [&](uint32_t (&a)[16], uint32_t (&other)[16], int kb) {
         BarrierWait(full + 8 * stage, phase);
-        const uint32_t a_tile = stage_a + stage * kBlockM * kBlockK * 2 + a_offset;
+        const uint32_t a_tile = stage_a + stage * kStageABytes<kPingPong> + a_offset;
         const uint64_t desc_b = Descriptor<kMnB>(stage_b + stage * kBlockN * kBlockK * 2);
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 16; ++kk) {
@@ -590,7 +650,7 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
     for (int kb = 0; kb < (kGradA ? 0 : k_blocks); ++kb) {
       BarrierWait(full + 8 * stage, phase);
       const uint64_t desc_a =
-          Descriptor<kMnA>(stage_a + stage * kBlockM * kBlockK * 2 + a_offset);
+          Descriptor<kMnA>(stage_a + stage * kStageABytes<kPingPong> + a_offset);
       const uint64_t desc_b = Descriptor<kMnB>(stage_b + stage * kBlockN * kBlockK * 2);
       WgmmaFence();
       FenceAccumulators(d);
@@ -609,6 +669,12 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
         stage = 0;
         phase ^= 1;
       }
+    }
+    if constexpr (kPingPong) {
+      // Every stage of this run waited on: the other's turn (none after
+      // warpgroup 2's last tile, which warpgroup 1 would never take).
+      if (consumer == 0 || tile + tile_step < tiles) GiveTurn(consumer);
+      if (consumer == 0) skip(k_blocks);
     }
     WgmmaWait<0>();
     FenceAccumulators(d);
@@ -739,7 +805,8 @@ __device__ __forceinline__ void Consume(OutT* c, int64_t ldc, int m, int n, int 
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode, bool kGradA>
+template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode, bool kGradA,
+          bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     HopperGemmKernel(const __grid_constant__ CUtensorMap map_a,
                      const __grid_constant__ CUtensorMap map_b,
@@ -749,9 +816,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t shared_raw[];
   const uint32_t raw = SharedAddress(shared_raw);
   const uint32_t base = (raw + 1023) & ~1023u;
-  const uint32_t stage_a = base;                                   // kStages × kBlockM×kBlockK
-  const uint32_t stage_b = base + kStages * kBlockM * kBlockK * 2;  // kStages × kBlockN×kBlockK
-  const uint32_t staging = base + kStages * kStageBytes;            // kStagingBytes
+  constexpr int kARows = kStageARows<kPingPong>;
+  const uint32_t stage_a = base;                                        // kStages × kARows×kBlockK
+  const uint32_t stage_b = base + kStages * kStageABytes<kPingPong>;    // kStages × kBlockN×kBlockK
+  const uint32_t staging = base + kStages * kStageBytes<kPingPong>;     // kStagingBytes
   const uint32_t full = staging + kStagingBytes;                    // kStages barriers
   const uint32_t empty = full + kStages * 8;                        // kStages barriers
   // The blocks of a cluster take kCluster row tiles of one column tile:
@@ -763,7 +831,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       BarrierInit(full + 8 * s, 1);
-      BarrierInit(empty + 8 * s, kConsumerWarps * kCluster);
+      // Every block's consumer warps that read the stage (ping-pong: one
+      // warpgroup's).
+      BarrierInit(empty + 8 * s, (kPingPong ? kConsumerWarps / 2 : kConsumerWarps) * kCluster);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -793,63 +863,68 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int tile = first_tile; tile < tiles; tile += tile_step) {
         int tm, tn;
         TileAt<kCluster>(tile, tiles_m, tiles_n, rank, tm, tn);
-        for (int kb = 0; kb < k_blocks; ++kb) {
-          // The source's part of the tile into L2 some stages before the
-          // epilogue reads it (read straight from memory, each of its
-          // chunks waited for DRAM in turn).
-          if (kMode == kAddSource && kb == max(0, k_blocks - kSourcePrefetchBlocks)) {
-            PrefetchSource(epilogue, m, n, tm, tn);
-          }
-          BarrierWait(empty + 8 * stage, phase ^ 1);
-          const uint32_t bar = full + 8 * stage;
-          BarrierExpectBytes(bar, kStageBytes);
-          // A K-major operand's box is 64 elements of K × its rows (at
-          // (k, row)); an MN-major one's 64 elements of M or N × 64 k-rows
-          // (at (column, k)), kMnBoxBytes each.
-          const uint32_t a_stage = stage_a + stage * kBlockM * kBlockK * 2;
-          if constexpr (kMnA) {
-            for (int box = 0; box < kBlockM / kMnBox; ++box) {
-              TmaLoad(a_stage + box * kMnBoxBytes, &map_a, tm * kBlockM + box * kMnBox,
-                      kb * kBlockK, bar, keep);
+        // One run of stages for the tile's rows of A, or (ping-pong) one
+        // for each warpgroup's 64.
+        for (int run = 0; run < kBlockM / kARows; ++run) {
+          const int row0 = tm * kBlockM + run * kARows;
+          for (int kb = 0; kb < k_blocks; ++kb) {
+            // The source's part of the run's rows into L2 some stages
+            // before the epilogue reads it (read straight from memory,
+            // each of its chunks waited for DRAM in turn).
+            if (kMode == kAddSource && kb == max(0, k_blocks - kSourcePrefetchBlocks)) {
+              PrefetchSource(epilogue, m, n, row0, kARows, tn);
             }
-          } else {
-            TmaLoad(a_stage, &map_a, kb * kBlockK, tm * kBlockM, bar, keep);
-          }
-          // B: this block's share of the tile's rows (all of them, or
-          // 1/kCluster multicast into every block of the cluster).
-          const uint32_t b_stage = stage_b + stage * kBlockN * kBlockK * 2;
-          if constexpr (kMnB) {
-            constexpr int kBoxes = kBlockN / kMnBox / kCluster;
-            for (int i = 0; i < kBoxes; ++i) {
-              const int box = rank * kBoxes + i;
-              const uint32_t dst = b_stage + box * kMnBoxBytes;
-              const int column = tn * kBlockN + box * kMnBox;
-              if constexpr (kCluster > 1) {
-                TmaMulticast(dst, &map_b, column, kb * kBlockK, bar, (1u << kCluster) - 1,
-                             normal);
-              } else {
-                TmaLoad(dst, &map_b, column, kb * kBlockK, bar, normal);
+            BarrierWait(empty + 8 * stage, phase ^ 1);
+            const uint32_t bar = full + 8 * stage;
+            BarrierExpectBytes(bar, kStageBytes<kPingPong>);
+            // A K-major operand's box is 64 elements of K × its rows (at
+            // (k, row)); an MN-major one's 64 elements of M or N × 64
+            // k-rows (at (column, k)), kMnBoxBytes each.
+            const uint32_t a_stage = stage_a + stage * kStageABytes<kPingPong>;
+            if constexpr (kMnA) {
+              for (int box = 0; box < kARows / kMnBox; ++box) {
+                TmaLoad(a_stage + box * kMnBoxBytes, &map_a, row0 + box * kMnBox, kb * kBlockK,
+                        bar, keep);
+              }
+            } else {
+              TmaLoad(a_stage, &map_a, kb * kBlockK, row0, bar, keep);
+            }
+            // B: this block's share of the tile's rows (all of them, or
+            // 1/kCluster multicast into every block of the cluster).
+            const uint32_t b_stage = stage_b + stage * kBlockN * kBlockK * 2;
+            if constexpr (kMnB) {
+              constexpr int kBoxes = kBlockN / kMnBox / kCluster;
+              for (int i = 0; i < kBoxes; ++i) {
+                const int box = rank * kBoxes + i;
+                const uint32_t dst = b_stage + box * kMnBoxBytes;
+                const int column = tn * kBlockN + box * kMnBox;
+                if constexpr (kCluster > 1) {
+                  TmaMulticast(dst, &map_b, column, kb * kBlockK, bar, (1u << kCluster) - 1,
+                               normal);
+                } else {
+                  TmaLoad(dst, &map_b, column, kb * kBlockK, bar, normal);
+                }
+              }
+            } else if constexpr (kCluster > 1) {
+              TmaMulticast(b_stage + rank * kSliceRows * kBlockK * 2, &map_b, kb * kBlockK,
+                           tn * kBlockN + rank * kSliceRows, bar, (1u << kCluster) - 1, normal);
+            } else {
+              for (int half = 0; half < 2; ++half) {
+                TmaLoad(b_stage + half * 128 * kBlockK * 2, &map_b, kb * kBlockK,
+                        tn * kBlockN + half * 128, bar, normal);
               }
             }
-          } else if constexpr (kCluster > 1) {
-            TmaMulticast(b_stage + rank * kSliceRows * kBlockK * 2, &map_b, kb * kBlockK,
-                         tn * kBlockN + rank * kSliceRows, bar, (1u << kCluster) - 1, normal);
-          } else {
-            for (int half = 0; half < 2; ++half) {
-              TmaLoad(b_stage + half * 128 * kBlockK * 2, &map_b, kb * kBlockK,
-                      tn * kBlockN + half * 128, bar, normal);
+            if (++stage == kStages) {
+              stage = 0;
+              phase ^= 1;
             }
-          }
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
           }
         }
       }
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    Consume<T, OutT, kCluster, kMnA, kMnB, kMode, kGradA>(
+    Consume<T, OutT, kCluster, kMnA, kMnB, kMode, kGradA, kPingPong>(
         c, ldc, m, n, k, tiles_m, tiles_n, tiles, k_blocks, first_tile, tile_step, rank, stage_a,
         stage_b, full, empty, staging, shared_raw + (staging - raw), &map_c, epilogue, gradient);
   }
@@ -913,10 +988,11 @@ cudaError_t OperandMap(CUtensorMap* map, const void* data, CUtensorMapDataType t
   return MakeMap(map, data, type, extent, k, ld, k_major_rows, kBlockK);
 }
 
-template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode, bool kGradA>
+template <typename T, typename OutT, int kCluster, bool kMnA, bool kMnB, int kMode, bool kGradA,
+          bool kPingPong>
 cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b,
                    const CUtensorMap& map_c, int sms, cudaStream_t stream) {
-  auto kernel = HopperGemmKernel<T, OutT, kCluster, kMnA, kMnB, kMode, kGradA>;
+  auto kernel = HopperGemmKernel<T, OutT, kCluster, kMnA, kMnB, kMode, kGradA, kPingPong>;
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -924,7 +1000,7 @@ cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const C
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSharedBytes;
+  config.dynamicSmemBytes = kSharedBytes<kPingPong>;
   config.stream = stream;
   config.attrs = &cluster;
   config.numAttrs = 1;
@@ -938,7 +1014,8 @@ cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const C
   if (error != cudaSuccess) return error;
   int clusters = device < kMaxDevices ? clusters_on[device].load(std::memory_order_acquire) : 0;
   if (clusters == 0) {
-    error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+    error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 kSharedBytes<kPingPong>);
     if (error != cudaSuccess) return error;
     clusters = -1;
     if (kCluster > 1) {
@@ -975,16 +1052,17 @@ cudaError_t Launch(const HopperGemmArgs& args, const CUtensorMap& map_a, const C
   return cudaGetLastError();
 }
 
-template <typename T, typename OutT, bool kMnA, bool kMnB, int kMode>
+template <typename T, typename OutT, bool kMnA, bool kMnB, int kMode, bool kPingPong>
 cudaError_t LaunchForm(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
                        cudaStream_t stream) {
-  // A's tile in one K-major box of 128 rows, B's in boxes of the 128 rows
+  // A's stage in one K-major box of its 128 rows (ping-pong: 64), B's in boxes of the 128 rows
   // that one load brings (half of its 256, or a cluster block's share);
   // MN-major operands in 8 KiB boxes; C (kReduceInPlace) in boxes of one
   // warpgroup's 64 rows × kReduceCols.
   CUtensorMap map_a, map_b, map_c = {};
   cudaError_t error =
-      OperandMap(&map_a, args.a, type, args.a_major, args.m, args.k, args.lda, kBlockM);
+      OperandMap(&map_a, args.a, type, args.a_major, args.m, args.k, args.lda,
+                 kStageARows<kPingPong>);
   if (error != cudaSuccess) return error;
   error = OperandMap(&map_b, args.b, type, args.b_major, args.n, args.k, args.ldb, kBlockN / 2);
   if (error != cudaSuccess) return error;
@@ -993,31 +1071,42 @@ cudaError_t LaunchForm(const HopperGemmArgs& args, CUtensorMapDataType type, int
                     args.ldc * 2, 64, kReduceCols);  // (MakeMap's ld counts 2-byte elements)
     if (error != cudaSuccess) return error;
   }
-  // The fused gradient only in the dX form (HopperGemmSupported).
-  if constexpr (!kMnA && kMnB) {
+  // The fused gradient only in the dX form, cooperatively (HopperGemmSupported).
+  if constexpr (!kMnA && kMnB && !kPingPong) {
     if (args.gradient.present()) {
       if (args.cluster == 2) {
-        return Launch<T, OutT, 2, kMnA, kMnB, kMode, true>(args, map_a, map_b, map_c, sms, stream);
+        return Launch<T, OutT, 2, kMnA, kMnB, kMode, true, false>(args, map_a, map_b, map_c, sms,
+                                                                 stream);
       }
-      return Launch<T, OutT, 1, kMnA, kMnB, kMode, true>(args, map_a, map_b, map_c, sms, stream);
+      return Launch<T, OutT, 1, kMnA, kMnB, kMode, true, false>(args, map_a, map_b, map_c, sms,
+                                                               stream);
     }
   }
   if (args.cluster == 2) {
-    return Launch<T, OutT, 2, kMnA, kMnB, kMode, false>(args, map_a, map_b, map_c, sms, stream);
+    return Launch<T, OutT, 2, kMnA, kMnB, kMode, false, kPingPong>(args, map_a, map_b, map_c, sms,
+                                                                  stream);
   }
-  return Launch<T, OutT, 1, kMnA, kMnB, kMode, false>(args, map_a, map_b, map_c, sms, stream);
+  return Launch<T, OutT, 1, kMnA, kMnB, kMode, false, kPingPong>(args, map_a, map_b, map_c, sms,
+                                                                stream);
+}
+
+template <typename T, typename OutT, int kMode, bool kPingPong>
+cudaError_t LaunchWithSchedule(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
+                               cudaStream_t stream) {
+  if (args.a_major == Major::kMN) {
+    return LaunchForm<T, OutT, true, true, kMode, kPingPong>(args, type, sms, stream);
+  }
+  if (args.b_major == Major::kMN) {
+    return LaunchForm<T, OutT, false, true, kMode, kPingPong>(args, type, sms, stream);
+  }
+  return LaunchForm<T, OutT, false, false, kMode, kPingPong>(args, type, sms, stream);
 }
 
 template <typename T, typename OutT, int kMode>
 cudaError_t LaunchWithEpilogue(const HopperGemmArgs& args, CUtensorMapDataType type, int sms,
                                cudaStream_t stream) {
-  if (args.a_major == Major::kMN) {
-    return LaunchForm<T, OutT, true, true, kMode>(args, type, sms, stream);
-  }
-  if (args.b_major == Major::kMN) {
-    return LaunchForm<T, OutT, false, true, kMode>(args, type, sms, stream);
-  }
-  return LaunchForm<T, OutT, false, false, kMode>(args, type, sms, stream);
+  if (args.ping_pong) return LaunchWithSchedule<T, OutT, kMode, true>(args, type, sms, stream);
+  return LaunchWithSchedule<T, OutT, kMode, false>(args, type, sms, stream);
 }
 
 template <typename T, typename OutT>
@@ -1052,7 +1141,7 @@ bool HopperGemmSupported(const HopperGemmArgs& args, int device) {
   const bool out = args.out_type == args.in_type || args.out_type == DType::kFloat32;
   const bool form = args.a_major == Major::kK || args.b_major == Major::kMN;
   const LogitGradient& g = args.gradient;
-  const bool gradient = !g.present() || (args.a_major == Major::kK &&
+  const bool gradient = !g.present() || (!args.ping_pong && args.a_major == Major::kK &&
                                          args.b_major == Major::kMN && g.coef != nullptr &&
                                          g.column != nullptr && g.target != nullptr);
   // A row of an operand: K long (K-major) or M / N long (MN-major).

@@ -58,6 +58,13 @@ struct HopperGemmArgs {
   // faster at the engine's logits shapes (V of 128256 and more); 1 at
   // 4096×4096×32000 and 8192³ (bench/RESULTS.md, "Hopper GEMM" entries).
   int cluster = 2;
+  // The consumer warpgroups' schedule. false (cooperative): both read every
+  // stage of a tile's 128 rows (64 each) and multiply at once, then both
+  // write their rows while the tensor cores idle. true (ping-pong): each
+  // stage holds one warpgroup's 64 rows, and the two multiply in turns,
+  // one's epilogue beside the other's multiplies; B's tile is read twice
+  // per 128 rows. Not with a gradient.
+  bool ping_pong = false;
 };
 
 // Whether `device` runs the kernel (compute capability 9.0) and the
@@ -68,7 +75,7 @@ struct HopperGemmArgs {
 // k positive and for a K-major operand a multiple of 8, ldc ≥ n,
 // ld_source ≥ n with a source, m, n and k below 2³¹ (the TMA's
 // coordinates), cluster 1 or 2; a gradient (all four arrays set) only in
-// the dX form.
+// the dX form and not in ping-pong.
 bool HopperGemmSupported(const HopperGemmArgs& args, int device);
 
 // C = alpha·A·B (+ source), in the args' form, on `stream` with at most

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -124,7 +125,12 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
 
   uint32_t seed = 1;
   for (const Case& c : cases) {
-    for (const int cluster : {1, 2}) {
+    // Every cluster size and schedule gives the same bits (the same sums in
+    // the same order): the first one's output, kept.
+    std::vector<char> first_bits;
+    const uint32_t case_seed = seed;
+    for (const auto& [cluster, ping_pong] :
+         {std::pair{1, false}, std::pair{2, false}, std::pair{1, true}, std::pair{2, true}}) {
       const Major a_major = c.form == Form::kDw ? Major::kMN : Major::kK;
       const Major b_major = c.form == Form::kLogits ? Major::kK : Major::kMN;
       // Dense rows, rounded up to the TMA's 16 bytes.
@@ -136,7 +142,9 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
                    << FormName(c.form) << " m=" << c.m << " n=" << c.n << " k=" << c.k
                    << " in=" << DTypeName(c.in) << " out=" << DTypeName(c.out) << " lda=" << lda
                    << " ldb=" << ldb << " ldc=" << ldc << " source=" << c.source
-                   << " alpha=" << c.alpha << " cluster=" << cluster);
+                   << " alpha=" << c.alpha << " cluster=" << cluster
+                   << " ping_pong=" << ping_pong);
+      seed = case_seed;  // the same operands for every schedule
       std::vector<uint16_t> a_bits, b_bits;
       std::vector<double> a, b;
       RandomOperand(c.m, c.k, a_major, lda, c.in, seed++, a_bits, a);
@@ -182,12 +190,19 @@ TEST_F(HopperGemmTest, MatchesTheFp64Reference) {
       args.in_type = c.in;
       args.out_type = c.out;
       args.cluster = cluster;
+      args.ping_pong = ping_pong;
       ASSERT_TRUE(HopperGemmSupported(args, 0));
       ASSERT_EQ(LaunchHopperGemm(args, sms_, stream_), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
 
       std::vector<char> raw(dc.size);
       ASSERT_EQ(cudaMemcpy(raw.data(), dc.data, dc.size, cudaMemcpyDeviceToHost), cudaSuccess);
+      if (first_bits.empty()) {
+        first_bits = raw;
+      } else {
+        EXPECT_EQ(std::memcmp(first_bits.data(), raw.data(), raw.size()), 0)
+            << "other bits than cluster 1, cooperative";
+      }
       std::vector<float> got(c.m * ldc);
       ToFloat(c.out, raw.data(), c.m * ldc, got.data());
       // fp32 accumulation over k, then C's one rounding.
@@ -501,6 +516,9 @@ TEST_F(HopperGemmTest, RefusesWhatItDoesNotTake) {
   EXPECT_FALSE(HopperGemmSupported(fused, 0));
   fused.b_major = Major::kMN;
   EXPECT_TRUE(HopperGemmSupported(fused, 0));
+  fused.ping_pong = true;  // cooperatively only
+  EXPECT_FALSE(HopperGemmSupported(fused, 0));
+  fused.ping_pong = false;
   fused.gradient.column = nullptr;
   EXPECT_FALSE(HopperGemmSupported(fused, 0));
 
