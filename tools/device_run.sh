@@ -13,7 +13,7 @@
 # "--transfer_mib=64,1024 --connections=0,1,2,4,8"); worker
 # (bench/worker_bench.py) reads WORKER_TRANSPORTS, WORKER_FLAGS and WORKER_MPS; bulk
 # (bench/bulk_bench.py) reads BULK_FLAGS; hopper (bench/hopper_gemm_bench)
-# reads HOPPER_FLAGS.
+# reads HOPPER_FLAGS and HOPPER_TIMEOUT (s, default 480).
 set -uo pipefail
 OUT="${OUT:-/tmp/flce-out}"
 mkdir -p "$OUT" /tmp/flce
@@ -45,16 +45,22 @@ ARGS="$*"
 
 if [ -z "$ARGS" ] || want tests; then
   echo "== GPU tests"
-  REQUIRE_GPU=1 "$bin/gemm_test" --gtest_output="xml:$OUT/gemm_test.xml" \
-    > "$OUT/gemm_test.log" 2>&1 || status=1
+  # The binaries that run flce's own GEMM kernels are killed after 240 s: a
+  # kernel that never finishes (a barrier waited on forever) fails its test
+  # binary (status 137 in the log) instead of the whole call.
+  REQUIRE_GPU=1 timeout --signal=KILL 240 "$bin/gemm_test" --gtest_output="xml:$OUT/gemm_test.xml" \
+    > "$OUT/gemm_test.log" 2>&1 || { echo "gemm_test: status $?" >> "$OUT/gemm_test.log"; status=1; }
   grep -E '^tuned' "$OUT/gemm_test.log"
   tail -3 "$OUT/gemm_test.log"
-  REQUIRE_GPU=1 "$bin/hopper_gemm_test" --gtest_output="xml:$OUT/hopper_gemm_test.xml" \
-    > "$OUT/hopper_gemm_test.log" 2>&1 || status=1
+  REQUIRE_GPU=1 timeout --signal=KILL 240 "$bin/hopper_gemm_test" \
+    --gtest_output="xml:$OUT/hopper_gemm_test.xml" > "$OUT/hopper_gemm_test.log" 2>&1 \
+    || { echo "hopper_gemm_test: status $?" >> "$OUT/hopper_gemm_test.log"; status=1; }
   tail -3 "$OUT/hopper_gemm_test.log"
-  REQUIRE_GPU=1 "$bin/cuda_engine_test" --gtest_output="xml:$OUT/cuda_engine_test.xml" \
-    > "$OUT/cuda_engine_test.log" 2>&1 || status=1
+  REQUIRE_GPU=1 timeout --signal=KILL 240 "$bin/cuda_engine_test" \
+    --gtest_output="xml:$OUT/cuda_engine_test.xml" > "$OUT/cuda_engine_test.log" 2>&1 \
+    || { echo "cuda_engine_test: status $?" >> "$OUT/cuda_engine_test.log"; status=1; }
   tail -5 "$OUT/cuda_engine_test.log"
+  grep -E "GEMM shapes on flce's Hopper GEMM" "$OUT/cuda_engine_test.log"
   REQUIRE_GPU=1 "$bin/cuda_shards_test" --gtest_output="xml:$OUT/cuda_shards_test.xml" \
     > "$OUT/cuda_shards_test.log" 2>&1 || status=1
   tail -3 "$OUT/cuda_shards_test.log"
@@ -204,8 +210,8 @@ fi
 if want hopper && [ -n "$ARGS" ]; then
   echo "== hopper_gemm_bench ${HOPPER_FLAGS:-}"
   read -r -a hopper_flags <<< "${HOPPER_FLAGS:-}"
-  "$bin/hopper_gemm_bench" ${hopper_flags[@]+"${hopper_flags[@]}"} 2>&1 \
-    | tee -a "$OUT/hopper_gemm_bench.txt" || status=1
+  timeout --signal=KILL "${HOPPER_TIMEOUT:-480}" "$bin/hopper_gemm_bench" \
+    ${hopper_flags[@]+"${hopper_flags[@]}"} 2>&1 | tee -a "$OUT/hopper_gemm_bench.txt" || status=1
 fi
 if want rpc && [ -n "$ARGS" ]; then
   echo "== rpc_bench --backend=cuda --shape=${RPC_SHAPE:-8192x4096x128256}"
