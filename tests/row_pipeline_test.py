@@ -34,11 +34,11 @@ class RowPipelineTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.server.kill()
 
-    def module(self, pieces=3, **options):
+    def module(self, pieces=3, min_piece_bytes=1 << 10, **options):
         client = flce.Client(self.server.address, bulk_connections=2, bulk_threshold=1 << 10)
         self.addCleanup(client.close)
         m = flce.RemoteLinearCrossEntropy(client, pipeline_pieces=pieces,
-                                          pipeline_min_piece_bytes=1 << 10, **options)
+                                          pipeline_min_piece_bytes=min_piece_bytes, **options)
         self.addCleanup(m.close)
         return m
 
@@ -98,6 +98,17 @@ class RowPipelineTest(unittest.TestCase):
                     self.assertLess(dx, tol)
                     self.assertLess(dw, tol * scale)
                     self.assertEqual(self.live_sessions(m.client), 0)
+
+    def test_a_batch_too_small_for_two_pieces_goes_in_one_over_the_bulk_port(self):
+        # X of 211×48 fp32 (40 KiB) above the client's bulk threshold (1 KiB)
+        # but under two pieces of 1 MiB: one piece through the region.
+        m = self.module(min_piece_bytes=1 << 20)
+        loss, dx, dw = self.train(m, torch.float32)
+        self.assertEqual(len(m._last.sessions), 1)
+        self.assertLess(loss, 1e-5)
+        self.assertLess(dx, 1e-5)
+        self.assertLess(dw, 1e-5)
+        self.assertEqual(self.live_sessions(m.client), 0)
 
     @unittest.skipUnless(torch.cuda.is_available(), "needs a GPU (the GPU machine runs it)")
     def test_gpu_tensors_go_through_pinned_buffers_and_equal_local_torch(self):

@@ -3,7 +3,7 @@
 Over the network a step moves X up and dX back: at a few GB/s, tens of
 milliseconds each for a large batch, as long as the engine's own work. Here
 the batch's rows go in pieces (``pieces``, each at least
-``min_piece_bytes`` of X). Each piece is written into a region of the
+``min_piece_bytes`` of X; one piece for a batch with less). Each piece is written into a region of the
 server's memory over all of the client's bulk connections (:mod:`flce.bulk`);
 its Forward starts as soon as it has arrived, while the next piece travels,
 and in the same call (its eager backward, ``GRADIENTS_HIDDEN``) writes the
@@ -126,12 +126,17 @@ class RowPipeline:
         self.last_stamps = {}
 
     def plan(self, hidden, reduction: str) -> int:
-        """How many pieces a step of ``hidden`` takes (0: not through here)."""
+        """How many pieces a step of ``hidden`` takes (0: not through here,
+        X in the messages of one call). X that the client moves over its
+        bulk connections (at least its ``bulk_threshold``) comes through
+        here: in pieces of at least ``min_piece_bytes``, or in one piece
+        when it has fewer bytes than two of them (through the bulk port
+        still: a 16 MiB X went 6× faster so than in a message, on the
+        development VM; bench/RESULTS.md)."""
         nbytes = hidden.numel() * hidden.element_size()
-        pieces = min(self.pieces, hidden.shape[0], nbytes // max(1, self.min_piece_bytes))
-        if reduction == "none" or pieces < 2:
+        if reduction == "none" or self.client.bulk(nbytes) is None:
             return 0
-        return pieces if self.client.bulk(nbytes) is not None else 0
+        return max(1, min(self.pieces, hidden.shape[0], nbytes // max(1, self.min_piece_bytes)))
 
     def forward(self, module, hidden, target, weight_name: str, weight_version: int,
                 expected: float, pieces: int) -> Optional[PipelinedStep]:

@@ -299,12 +299,14 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     ``.grad`` is filled by ``pull_weight_grads()`` — call it before gradient
     clipping or the optimizer step, or ``attach(optimizer)`` once to have it
     run before every step. ``register_weight=False`` sends W every call
-    and returns dW to autograd instead. A batch whose X is at least twice
-    ``pipeline_min_piece_bytes`` goes in up to ``pipeline_pieces`` row
-    pieces through the client's bulk connections, each piece's transfer
-    beside the server's work on the others, dX coming with the forward for
-    the upstream gradient the last backward had (see
-    :mod:`flce.row_pipeline`; ``pipeline_pieces=1``: one call).
+    and returns dW to autograd instead. A batch whose X the client moves
+    over its bulk connections (at least its ``bulk_threshold``, 8 MiB by
+    default) goes through them in up to ``pipeline_pieces`` row pieces of
+    at least ``pipeline_min_piece_bytes`` each (one piece when it has fewer
+    bytes than two), each piece's transfer beside the server's work on the
+    others, dX coming with the forward for the upstream gradient the last
+    backward had (see :mod:`flce.row_pipeline`; ``pipeline_pieces=1``: one
+    call with X and dX in its messages).
 
     Under ``torch.compile`` the module is a graph break: the model compiles
     around it, and the loss is the eager one.
