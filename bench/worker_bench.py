@@ -376,6 +376,9 @@ def main(argv):
                              "(pipeline_min_piece_bytes)")
     parser.add_argument("--bulk_connections", type=int, default=8,
                         help="the client's bulk connections (Client(bulk_connections=))")
+    parser.add_argument("--bulk_threshold_mib", type=float, default=None,
+                        help="the least a transfer over them moves, MiB "
+                             "(Client(bulk_threshold=); default: the client's)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also print where each transport's step time went")
     parser.add_argument("--phases", action="store_true",
@@ -399,10 +402,12 @@ def main(argv):
                            *args.server_flags.split())
     rows = []
     try:
-        client = flce.Client(server.address, max_message_bytes=1 << 30,
-                             bulk_connections=args.bulk_connections)
+        bulk = dict(bulk_connections=args.bulk_connections)
+        if args.bulk_threshold_mib is not None:
+            bulk["bulk_threshold"] = int(args.bulk_threshold_mib * 2 ** 20)
+        client = flce.Client(server.address, max_message_bytes=1 << 30, **bulk)
         grpc_client = flce.Client(server.address, max_message_bytes=1 << 30, call_channel=False,
-                                  bulk_connections=args.bulk_connections)
+                                  **bulk)
         info = client.info()
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         bare = []

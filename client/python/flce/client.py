@@ -387,7 +387,10 @@ class Client:
     Forward, Backward and ReleaseSession so, False none;
     ``call_channel_spin`` is how long such a call polls for its answer
     before it sleeps. Weights and their gradients of at least
-    ``bulk_threshold`` bytes travel over ``bulk_connections`` connections at
+    ``bulk_threshold`` bytes (1 MiB: from there on the bulk port beat
+    gRPC's messages at every size measured, whose fresh buffers per call
+    cost most on a VM; bench/RESULTS.md, 2026-12-04), and the drop-in's
+    X and dX that large, travel over ``bulk_connections`` connections at
     once (at most 4 for less than 64 MiB, such as a row piece's X), through
     a region of the server's memory (see :mod:`flce.bulk`;
     0 connections: over the one channel, as chunks of one stream): over the
@@ -402,7 +405,7 @@ class Client:
                  server_name: Optional[str] = None, token: Optional[str] = None,
                  cuda_ipc_keep_registrations: bool = True, call_channel="auto",
                  call_channel_spin: float = 0.25, bulk_connections: int = 8,
-                 bulk_threshold: int = 8 << 20, bulk_http: bool = True):
+                 bulk_threshold: int = 1 << 20, bulk_http: bool = True):
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         target = with_default_port(target)

@@ -300,7 +300,7 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     clipping or the optimizer step, or ``attach(optimizer)`` once to have it
     run before every step. ``register_weight=False`` sends W every call
     and returns dW to autograd instead. A batch whose X the client moves
-    over its bulk connections (at least its ``bulk_threshold``, 8 MiB by
+    over its bulk connections (at least its ``bulk_threshold``, 1 MiB by
     default) goes through them in up to ``pipeline_pieces`` row pieces of
     at least ``pipeline_min_piece_bytes`` each (one piece when it has fewer
     bytes than two), each piece's transfer beside the server's work on the
