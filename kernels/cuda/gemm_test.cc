@@ -95,6 +95,45 @@ std::vector<Case> Cases() {
   return cases;
 }
 
+// A case on the device: random operands, beta 1's addend, its shape in
+// cuBLAS's terms, and the two outputs compared.
+struct CaseData {
+  GemmShape shape;
+  DeviceBuffer a, b, c0, expected, got;
+};
+
+CaseData MakeCaseData(const Case& c, cudaStream_t s) {
+  const bool ta = c.op_a != CUBLAS_OP_N, tb = c.op_b != CUBLAS_OP_N;
+  const int64_t lda = ta ? c.k : c.m, ldb = tb ? c.n : c.k;
+  CaseData d;
+  d.shape = {c.op_a, c.op_b, c.m, c.n, c.k, c.in, lda, c.in, ldb, c.out, c.m};
+  d.a = RandomBuffer(c.m * c.k, c.in, 1, s);
+  d.b = RandomBuffer(c.k * c.n, c.in, 2, s);
+  d.c0 = RandomBuffer(c.m * c.n, c.out, 3, s);
+  auto expected = DeviceBuffer::Allocate(d.c0.bytes(), s, TestHealth());
+  auto got = DeviceBuffer::Allocate(d.c0.bytes(), s, TestHealth());
+  EXPECT_TRUE(expected.ok() && got.ok());
+  if (expected.ok()) d.expected = *std::move(expected);
+  if (got.ok()) d.got = *std::move(got);
+  return d;
+}
+
+// `reference` into d.expected and `runner` into d.got, with `beta`
+// (`fresh`: both outputs start from the addend), then their bits compared.
+void ExpectSameBits(GemmRunner& reference, GemmRunner& runner, cublasHandle_t blas,
+                    cudaStream_t s, CaseData& d, float beta, bool fresh) {
+  if (fresh) {
+    for (DeviceBuffer* out : {&d.expected, &d.got}) {
+      ASSERT_EQ(cudaMemcpyAsync(out->data(), d.c0.data(), d.c0.bytes(), cudaMemcpyDeviceToDevice, s),
+                cudaSuccess);
+    }
+  }
+  ASSERT_TRUE(reference.Run(blas, s, d.shape, d.a.data(), d.b.data(), beta, d.expected.data()).ok());
+  ASSERT_TRUE(runner.Run(blas, s, d.shape, d.a.data(), d.b.data(), beta, d.got.data()).ok());
+  const std::vector<char> want = Download(d.expected, s), have = Download(d.got, s);
+  EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
+}
+
 TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
   cudaStream_t s = this->s();
   GemmTuning off, every;
@@ -107,26 +146,11 @@ TEST_F(GemmRunnerTest, TunedAlgorithmsGiveTheDefaultsBits) {
   for (const Case& c : Cases()) {
     SCOPED_TRACE(::testing::Message()
                  << "m=" << c.m << " n=" << c.n << " k=" << c.k << " in=" << DTypeName(c.in));
-    const bool ta = c.op_a != CUBLAS_OP_N, tb = c.op_b != CUBLAS_OP_N;
-    const int64_t lda = ta ? c.k : c.m, ldb = tb ? c.n : c.k;
-    DeviceBuffer a = RandomBuffer(c.m * c.k, c.in, 1, s);
-    DeviceBuffer b = RandomBuffer(c.k * c.n, c.in, 2, s);
-    DeviceBuffer c0 = RandomBuffer(c.m * c.n, c.out, 3, s);  // beta 1's addend
-    const GemmShape shape{c.op_a, c.op_b, c.m, c.n, c.k, c.in, lda, c.in, ldb, c.out, c.m};
-    auto expected = DeviceBuffer::Allocate(c0.bytes(), s, TestHealth());
-    auto got = DeviceBuffer::Allocate(c0.bytes(), s, TestHealth());
-    ASSERT_TRUE(expected.ok() && got.ok());
+    CaseData d = MakeCaseData(c, s);
     for (float beta : {0.0f, 1.0f}) {
       SCOPED_TRACE(::testing::Message() << "beta " << beta);
-      for (DeviceBuffer* out : {&*expected, &*got}) {
-        ASSERT_EQ(cudaMemcpyAsync(out->data(), c0.data(), c0.bytes(), cudaMemcpyDeviceToDevice, s),
-                  cudaSuccess);
-      }
-      ASSERT_TRUE((*plain)->Run(blas(), s, shape, a.data(), b.data(), beta, expected->data()).ok());
       // beta 0 tunes the shape on this first call; beta 1 runs the choice.
-      ASSERT_TRUE((*tuned)->Run(blas(), s, shape, a.data(), b.data(), beta, got->data()).ok());
-      const std::vector<char> want = Download(*expected, s), have = Download(*got, s);
-      EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
+      ExpectSameBits(**plain, **tuned, blas(), s, d, beta, /*fresh=*/true);
     }
     ++shapes;
   }
@@ -293,30 +317,12 @@ TEST_F(GemmRunnerTest, HopperFormsGiveTheDefaultsBits) {
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message()
                  << "m=" << c.m << " n=" << c.n << " k=" << c.k << " in=" << DTypeName(c.in));
-    const bool ta = c.op_a != CUBLAS_OP_N, tb = c.op_b != CUBLAS_OP_N;
-    const int64_t lda = ta ? c.k : c.m, ldb = tb ? c.n : c.k;
-    DeviceBuffer a = RandomBuffer(c.m * c.k, c.in, 1, s);
-    DeviceBuffer b = RandomBuffer(c.k * c.n, c.in, 2, s);
-    DeviceBuffer c0 = RandomBuffer(c.m * c.n, c.out, 3, s);  // beta 1's addend
-    const GemmShape shape{c.op_a, c.op_b, c.m, c.n, c.k, c.in, lda, c.in, ldb, c.out, c.m};
-    auto expected = DeviceBuffer::Allocate(c0.bytes(), s, TestHealth());
-    auto got = DeviceBuffer::Allocate(c0.bytes(), s, TestHealth());
-    ASSERT_TRUE(expected.ok() && got.ok());
+    CaseData d = MakeCaseData(c, s);
     for (float beta : {0.0f, 1.0f, 1.0f}) {
       SCOPED_TRACE(::testing::Message() << "beta " << beta);
-      if (beta == 0.0f) {
-        for (DeviceBuffer* out : {&*expected, &*got}) {
-          ASSERT_EQ(
-              cudaMemcpyAsync(out->data(), c0.data(), c0.bytes(), cudaMemcpyDeviceToDevice, s),
-              cudaSuccess);
-        }
-      }
       // beta 0 checks the shape on this first call; beta 1 adds into the
       // result before it, twice.
-      ASSERT_TRUE((*plain)->Run(blas(), s, shape, a.data(), b.data(), beta, expected->data()).ok());
-      ASSERT_TRUE((*own)->Run(blas(), s, shape, a.data(), b.data(), beta, got->data()).ok());
-      const std::vector<char> want = Download(*expected, s), have = Download(*got, s);
-      EXPECT_EQ(std::memcmp(want.data(), have.data(), want.size()), 0);
+      ExpectSameBits(**plain, **own, blas(), s, d, beta, /*fresh=*/beta == 0.0f);
     }
   }
   // The three bench-shape forms run flce's GEMM; the others do not.
