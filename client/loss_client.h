@@ -47,11 +47,13 @@ struct ClientOptions {
   // A weight or its gradient of at least bulk_threshold_bytes travels over
   // this many connections of its own at once, through a region of the
   // server's memory (client/bulk_transfer.h); 0: over the one channel.
+  // 1 MiB: from there on the bulk port was faster than the one stream at
+  // every size measured (bench/RESULTS.md, 2026-12-04).
   // Over the server's bulk HTTP port where it offers one and `bulk_http`
   // (TLS like the channel, without a client certificate: the region's
   // ticket is the credential), else as gRPC streams.
   int bulk_connections = 4;
-  int64_t bulk_threshold_bytes = int64_t{8} << 20;
+  int64_t bulk_threshold_bytes = int64_t{1} << 20;
   bool bulk_http = true;
 };
 
