@@ -369,6 +369,7 @@ std::optional<absl::Status> GemmRunner::RunHopper(cublasHandle_t blas, cudaStrea
   }
   if (choice->cluster == 0) return std::nullopt;
   args->cluster = choice->cluster;
+  args->ping_pong = choice->ping_pong;
   return health_.Check(LaunchHopperGemm(*args, sms_, stream), "flce's Hopper GEMM");
 }
 
@@ -380,32 +381,34 @@ absl::StatusOr<GemmRunner::HopperChoice> GemmRunner::ChooseHopper(
   FLCE_RETURN_IF_ERROR(RunDefault(health_, blas, g, a, b, 0.0f, c, alpha));
   FLCE_ASSIGN_OR_RETURN(const unsigned long long expected,
                         HashOfC(health_, stream, g, c, hash_buffer));
-  auto run = [&](int cluster) {
-    args.cluster = cluster;
+  auto run = [&](const HopperChoice& way) {
+    args.cluster = way.cluster;
+    args.ping_pong = way.ping_pong;
     return health_.Check(LaunchHopperGemm(args, sms_, stream), "flce's Hopper GEMM");
   };
-  // The clusters whose output has the default's bits.
-  std::vector<int> eligible;
-  for (int cluster : {1, 2}) {
-    const absl::Status launched = run(cluster);
+  // The ways whose output has the default's bits.
+  std::vector<HopperChoice> eligible;
+  for (const HopperChoice& way : {HopperChoice{1, false}, HopperChoice{2, false},
+                                  HopperChoice{1, true}, HopperChoice{2, true}}) {
+    const absl::Status launched = run(way);
     if (!launched.ok()) {
       if (!health_.healthy()) return launched;
       continue;  // a launch the device refuses is skipped
     }
     FLCE_ASSIGN_OR_RETURN(const unsigned long long h, HashOfC(health_, stream, g, c, hash_buffer));
-    if (h == expected) eligible.push_back(cluster);
+    if (h == expected) eligible.push_back(way);
   }
   HopperChoice choice;
-  if (eligible.size() == 1) choice.cluster = eligible[0];
+  if (eligible.size() == 1) choice = eligible[0];
   if (eligible.size() > 1) {
     FLCE_ASSIGN_OR_RETURN(
         const std::vector<float> median,
         MedianTimes(health_, stream, eligible.size(), [&](size_t e) { return run(eligible[e]); }));
-    choice.cluster = median[1] < median[0] ? eligible[1] : eligible[0];
+    choice = eligible[std::min_element(median.begin(), median.end()) - median.begin()];
   }
   // The trials leave C as whichever ran last wrote it: the choice writes
   // the result once more.
-  if (choice.cluster != 0) FLCE_RETURN_IF_ERROR(run(choice.cluster));
+  if (choice.cluster != 0) FLCE_RETURN_IF_ERROR(run(choice));
   if (choice.cluster == 0) FLCE_RETURN_IF_ERROR(RunDefault(health_, blas, g, a, b, 0.0f, c, alpha));
   return choice;
 }

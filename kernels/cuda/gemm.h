@@ -111,7 +111,8 @@ struct GemmTuning {
   // (compute capability 9.0) and the call allow it and its output is
   // bit-identical to cuBLAS's default at the shape's first call with beta 0
   // (checked once per shape, as tuning does, also with `enabled` false:
-  // clusters of 1 and of 2 blocks, the faster kept); else as above.
+  // clusters of 1 and of 2 blocks, cooperative and ping-pong, the fastest
+  // of those with the default's bits kept); else as above.
   HopperForms hopper;
 };
 
@@ -163,10 +164,12 @@ class GemmRunner {
 
  private:
   struct Choice;
-  // A shape's Hopper GEMM: cluster 0 where it does not run (cuBLAS's
-  // default has other bits, or no launch succeeded).
+  // A shape's Hopper GEMM: its cluster size and schedule; cluster 0 where
+  // it does not run (cuBLAS's default has other bits, or no launch
+  // succeeded).
   struct HopperChoice {
     int cluster = 0;
+    bool ping_pong = false;
   };
   GemmRunner(const GemmTuning& tuning, cublasLtHandle_t lt, int sms, DeviceHealth& health);
   absl::StatusOr<std::shared_ptr<const Choice>> Tune(cublasHandle_t blas, cudaStream_t stream,
