@@ -150,6 +150,31 @@ TEST(CudaEngineSemanticsTest, StoreGradsOfOneChunkKeepsTheLogits) {
   }
 }
 
+// The bytes of every result of a Forward + Backward of `p` per upstream
+// gradient in `grad_outputs`, one call each, in turn: loss, dX, dW, db
+// ("" without a bias). Empty where a call failed (the test fails too).
+std::vector<std::string> ResultBytes(CudaEngine& engine, const OwnedProblem& p,
+                                     const ForwardSpec& fs, const std::vector<float>& grad_outputs) {
+  std::vector<std::string> out;
+  for (float g : grad_outputs) {
+    HostTensor g_tensor(DType::kFloat32, {});
+    g_tensor.mutable_data<float>()[0] = g;
+    BackwardSpec backward;
+    backward.grad_output = g_tensor.view();
+    auto fwd = engine.Forward(p.view(), fs, nullptr);
+    EXPECT_TRUE(fwd.ok()) << fwd.status();
+    if (!fwd.ok()) return {};
+    auto grads = engine.Backward(*fwd->saved, backward, nullptr);
+    EXPECT_TRUE(grads.ok()) << grads.status();
+    if (!grads.ok()) return {};
+    out.push_back(fwd->loss.data);
+    out.push_back(grads->grad_hidden.data);
+    out.push_back(grads->grad_weight.data);
+    out.push_back(grads->grad_bias ? grads->grad_bias->data : "");
+  }
+  return out;
+}
+
 // Tuning the GEMMs' algorithms changes no bit of any result: an engine
 // that tunes and one that runs cuBLAS's defaults agree exactly, both modes,
 // several token chunks (their logits GEMMs tuned at the first call).
@@ -175,26 +200,13 @@ TEST(CudaEngineSemanticsTest, TunedGemmsChangeNoBit) {
     ForwardSpec fs;
     fs.need_backward = true;
     fs.mode = mode;
-    auto results = [&](CudaEngine& engine) {
-      std::vector<std::string> out;
-      for (int call = 0; call < 2; ++call) {  // the first call tunes, the second reuses
-        auto fwd = engine.Forward(p.view(), fs, nullptr);
-        EXPECT_TRUE(fwd.ok()) << fwd.status();
-        if (!fwd.ok()) return out;
-        auto grads = engine.Backward(*fwd->saved, {}, nullptr);
-        EXPECT_TRUE(grads.ok()) << grads.status();
-        if (!grads.ok()) return out;
-        out.push_back(fwd->loss.data);
-        out.push_back(grads->grad_hidden.data);
-        out.push_back(grads->grad_weight.data);
-      }
-      return out;
-    };
-    const std::vector<std::string> want = results(**plain), got = results(**tuned);
+    // The first call tunes, the second reuses.
+    const std::vector<std::string> want = ResultBytes(**plain, p, fs, {1.0f, 1.0f}),
+                                   got = ResultBytes(**tuned, p, fs, {1.0f, 1.0f});
     EXPECT_GT((*tuned)->tuned_gemm_shapes(), 0);
     EXPECT_EQ((*plain)->tuned_gemm_shapes(), 0);
-    ASSERT_EQ(want.size(), 6u);
-    ASSERT_EQ(got.size(), 6u);
+    ASSERT_EQ(want.size(), 8u);
+    ASSERT_EQ(got.size(), 8u);
     for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(want[i] == got[i]) << "result " << i;
   }
 }
@@ -243,27 +255,8 @@ TEST(CudaEngineSemanticsTest, HopperGemmsChangeNoBit) {
       ForwardSpec fs;
       fs.need_backward = true;
       fs.mode = mode;
-      auto results = [&](CudaEngine& engine) {
-        std::vector<std::string> out;
-        for (float g : {1.0f, 0.5f, 1.0f}) {
-          HostTensor g_tensor(DType::kFloat32, {});
-          g_tensor.mutable_data<float>()[0] = g;
-          BackwardSpec backward;
-          backward.grad_output = g_tensor.view();
-          auto fwd = engine.Forward(p.view(), fs, nullptr);
-          EXPECT_TRUE(fwd.ok()) << fwd.status();
-          if (!fwd.ok()) return out;
-          auto grads = engine.Backward(*fwd->saved, backward, nullptr);
-          EXPECT_TRUE(grads.ok()) << grads.status();
-          if (!grads.ok()) return out;
-          out.push_back(fwd->loss.data);
-          out.push_back(grads->grad_hidden.data);
-          out.push_back(grads->grad_weight.data);
-          out.push_back(grads->grad_bias ? grads->grad_bias->data : "");
-        }
-        return out;
-      };
-      const std::vector<std::string> want = results(**plain), got = results(**own);
+      const std::vector<std::string> want = ResultBytes(**plain, p, fs, {1.0f, 0.5f, 1.0f}),
+                                     got = ResultBytes(**own, p, fs, {1.0f, 0.5f, 1.0f});
       ASSERT_EQ(want.size(), 12u);
       ASSERT_EQ(got.size(), 12u);
       for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(want[i] == got[i]) << "result " << i;
