@@ -110,6 +110,32 @@ class RowPipelineTest(unittest.TestCase):
         self.assertLess(dw, 1e-5)
         self.assertEqual(self.live_sessions(m.client), 0)
 
+    def test_evaluation_sends_x_over_the_bulk_port(self):
+        # No gradient: one Forward without a session, its X (above the
+        # client's 1 KiB bulk threshold) written into the region first.
+        m = self.module(label_smoothing=0.1)
+        torch.manual_seed(7)
+        w = torch.randn(997, 48) / 7
+        x = torch.randn(211, 48)
+        t = torch.randint(0, 997, (211,))
+        transfer = m.client.bulk(x.numel() * 4)
+        writes = []
+        original = transfer.write
+        transfer.write = lambda *args: (writes.append(args[2]), original(*args))[1]
+        with torch.no_grad():
+            loss = m(x, w, t)
+        ref = F.cross_entropy(F.linear(x, w), t, label_smoothing=0.1)
+        self.assertAlmostEqual(float(loss), float(ref), places=5)
+        # The weight's registration (put once), then X.
+        self.assertEqual([len(memoryview(b).cast("B")) for b in writes],
+                         [w.numel() * 4, x.numel() * 4])
+        self.assertEqual(m.client.stats().live_sessions, 0)
+        # A batch under the threshold goes in the message.
+        writes.clear()
+        with torch.no_grad():
+            m(x[:4], w, t[:4])
+        self.assertEqual(writes, [])
+
     @unittest.skipUnless(torch.cuda.is_available(), "needs a GPU (the GPU machine runs it)")
     def test_gpu_tensors_go_through_pinned_buffers_and_equal_local_torch(self):
         # The pieces staged through pinned host memory on a side stream, dX

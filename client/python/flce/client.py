@@ -497,6 +497,25 @@ class Client:
                 return None
             raise
 
+    def _bulk_write(self, tensor, out: "pb.Tensor") -> bool:
+        """Writes ``tensor``'s bytes at the start of the bulk transfer's
+        region and points ``out`` at them (True); False where they are to go
+        in the message (under the bulk threshold, or no region)."""
+        nbytes = tensor.numel() * tensor.element_size() if hasattr(tensor, "numel") else \
+            np.asarray(tensor).nbytes
+        found = self._bulk_region(nbytes) if nbytes else None
+        if found is None:
+            return False
+        transfer, region = found
+        dtype, shape, raw = _host_bytes(tensor)
+        transfer.write(region, 0, raw, self.timeout)
+        out.dtype = dtype
+        del out.shape[:]
+        out.shape.extend(shape)
+        out.shm.region_id = region
+        out.shm.offset = 0
+        return True
+
     def close(self):
         self._settle_pending()
         if self._bulk is not None:
@@ -591,9 +610,13 @@ class Client:
                 shm: Optional[SharedMemoryRegion] = None,
                 cuda_ipc: bool = False, backward_into=None,
                 backward_grad_output: Optional[float] = None, loss_out=None,
-                asynchronous: bool = False, vocab_shard: Optional[tuple] = None):
+                asynchronous: bool = False, vocab_shard: Optional[tuple] = None,
+                bulk_hidden: bool = False):
         """Forward. Pass ``weight`` (and ``bias``), or ``weight_name`` of a
-        registered weight. ``need_backward`` keeps a session for backward().
+        registered weight. ``bulk_hidden``: hidden of at least the client's
+        bulk threshold travels over the bulk connections into a region of
+        the server's memory that the call reads, instead of in its message
+        (without ``shm`` or ``cuda_ipc``). ``need_backward`` keeps a session for backward().
         With ``shm``, the tensors travel through that shared-memory region;
         with ``cuda_ipc``, hidden and weight on the GPU are read by the
         server from this process's GPU memory, in stream order after the
@@ -655,7 +678,8 @@ class Client:
             if ipc is not None and _is_cuda(hidden):
                 hidden = hidden.contiguous()
                 ipc.place(hidden, r.hidden)
-            else:
+            elif not (bulk_hidden and shm is None and ipc is None
+                      and self._bulk_write(hidden, r.hidden)):
                 put(hidden, r.hidden)
             if target_copy is None:
                 put(target, r.target)

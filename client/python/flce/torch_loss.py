@@ -137,7 +137,10 @@ class _RemoteFunction(torch.autograd.Function):
             need_backward=needs_grad, backward_mode=module.backward_mode,
             shm=module._region_for(hidden, weight, bias, target), cuda_ipc=module.cuda_ipc,
             backward_into=eager, backward_grad_output=expected if eager else None,
-            loss_out=loss, asynchronous=eager is not None)
+            loss_out=loss, asynchronous=eager is not None,
+            # Evaluation: X over the bulk connections where it is that large
+            # (ignored with shared memory or CUDA IPC).
+            bulk_hidden=not needs_grad)
         ctx.eager = (eager, expected) if eager is not None else None
         ctx.module = module
         ctx.meta = [(t.device, t.dtype, t.shape) if t is not None else None
@@ -306,7 +309,8 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     bytes than two), each piece's transfer beside the server's work on the
     others, dX coming with the forward for the upstream gradient the last
     backward had (see :mod:`flce.row_pipeline`; ``pipeline_pieces=1``: one
-    call with X and dX in its messages).
+    call with X and dX in its messages). Evaluation (no gradient) is one
+    call, its X over the bulk connections where it is that large.
 
     Under ``torch.compile`` the module is a graph break: the model compiles
     around it, and the loss is the eager one.
