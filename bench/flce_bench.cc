@@ -524,10 +524,9 @@ int RunCuda() {
   options.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
   options.one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
   options.keep_chunk_logits = absl::GetFlag(FLAGS_cuda_keep_chunk_logits);
-  if (std::string unknown;
-      !SetHopperGemms(absl::GetFlag(FLAGS_cuda_hopper_gemms), &options, &unknown)) {
-    std::fprintf(stderr, "--cuda_hopper_gemms: '%s' is not one of logits, dx, dw\n",
-                 unknown.c_str());
+  if (std::string error; !ParseHopperGemmForms(absl::GetFlag(FLAGS_cuda_hopper_gemms),
+                                                &options.hopper_gemms, &error)) {
+    std::fprintf(stderr, "--cuda_hopper_gemms: %s\n", error.c_str());
     return 2;
   }
   auto engine = CudaEngine::Create(options);
@@ -542,10 +541,10 @@ int RunCuda() {
   if (!json) {
     std::printf("device: %s, chunk budget %lld MiB\n", (*engine)->devices()[0].name.c_str(),
                 static_cast<long long>(options.chunk_bytes >> 20));
-    if (options.hopper_logits || options.hopper_dx || options.hopper_dw) {
+    const HopperGemmForms& hopper = options.hopper_gemms;
+    if (hopper.any()) {
       std::printf("flce's Hopper GEMM for:%s%s%s (the floor: cuBLAS)\n",
-                  options.hopper_logits ? " logits" : "", options.hopper_dx ? " dx" : "",
-                  options.hopper_dw ? " dw" : "");
+                  hopper.logits ? " logits" : "", hopper.dx ? " dx" : "", hopper.dw ? " dw" : "");
     }
   }
   PrintHeader(json, "extra GiB");
@@ -652,7 +651,7 @@ int RunCuda() {
     }
     if (!absl::GetFlag(FLAGS_cuda_devices).empty()) PrintDeviceRows(options, p, mode);
   });
-  if (!json && (options.hopper_logits || options.hopper_dx || options.hopper_dw)) {
+  if (!json && options.hopper_gemms.any()) {
     std::printf("GEMM shapes on flce's Hopper GEMM (bit-identical to cuBLAS's default): %d\n",
                 (*engine)->hopper_gemm_shapes());
   }

@@ -288,10 +288,9 @@ int main(int argc, char** argv) {
   options.engine.cuda.tune_gemms = absl::GetFlag(FLAGS_cuda_tune_gemms);
   options.engine.cuda.one_pass_rows = absl::GetFlag(FLAGS_cuda_one_pass_rows);
   options.engine.cuda.keep_chunk_logits = absl::GetFlag(FLAGS_cuda_keep_chunk_logits);
-  if (std::string unknown; !flce::SetHopperGemms(absl::GetFlag(FLAGS_cuda_hopper_gemms),
-                                                 &options.engine.cuda, &unknown)) {
-    std::fprintf(stderr, "--cuda_hopper_gemms: '%s' is not one of logits, dx, dw\n",
-                 unknown.c_str());
+  if (std::string error; !flce::ParseHopperGemmForms(absl::GetFlag(FLAGS_cuda_hopper_gemms),
+                                                      &options.engine.cuda.hopper_gemms, &error)) {
+    std::fprintf(stderr, "--cuda_hopper_gemms: %s\n", error.c_str());
     return 2;
   }
 

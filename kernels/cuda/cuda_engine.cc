@@ -40,7 +40,7 @@ class EngineImpl {
                      "cudaMemPoolSetAttribute"));
     GemmTuning tuning;
     tuning.enabled = options.tune_gemms;
-    tuning.hopper = {options.hopper_logits, options.hopper_dx, options.hopper_dw};
+    tuning.hopper = options.hopper_gemms;
     FLCE_ASSIGN_OR_RETURN(gemms, GemmRunner::Create(tuning, health));
     FLCE_ASSIGN_OR_RETURN(lanes, LanePool::Create(options.lanes, health));
     return absl::OkStatus();

@@ -10,6 +10,14 @@
 
 namespace flce {
 
+// Which of the engine's GEMMs run flce's own Hopper GEMM
+// (CudaEngineOptions::hopper_gemms).
+struct HopperGemmForms {
+  bool logits = false, dx = false, dw = false;
+
+  bool any() const { return logits || dx || dw; }
+};
+
 struct CudaEngineOptions {
   int device = 0;
   // Calls that run concurrently, each on its own stream and cuBLAS handle.
@@ -49,26 +57,24 @@ struct CudaEngineOptions {
   // shape's first call is bit-identical to cuBLAS's default (checked once
   // per shape, as tuning does), else cuBLAS. Off until measured faster
   // inside the engine (bench/RESULTS.md, issue 22).
-  bool hopper_logits = false;
-  bool hopper_dx = false;
-  bool hopper_dw = false;
+  HopperGemmForms hopper_gemms;
 };
 
-// Sets the hopper_* options from the names "logits", "dx", "dw" (any of
-// them, e.g. a flag's comma-separated list; "none" or no names: none).
-// False, with *unknown the name, for any other name.
+// *forms from the names "logits", "dx", "dw" (any of them, e.g. a flag's
+// comma-separated list; "none" or no names: none). False for any other
+// name, *error then saying which and what the choices are.
 template <typename Names>
-bool SetHopperGemms(const Names& names, CudaEngineOptions* options, std::string* unknown) {
-  options->hopper_logits = options->hopper_dx = options->hopper_dw = false;
+bool ParseHopperGemmForms(const Names& names, HopperGemmForms* forms, std::string* error) {
+  *forms = HopperGemmForms();
   for (const auto& name : names) {
     if (name == "logits") {
-      options->hopper_logits = true;
+      forms->logits = true;
     } else if (name == "dx") {
-      options->hopper_dx = true;
+      forms->dx = true;
     } else if (name == "dw") {
-      options->hopper_dw = true;
+      forms->dw = true;
     } else if (!(name == "none")) {
-      *unknown = std::string(name);
+      *error = "'" + std::string(name) + "' is not one of logits, dx, dw";
       return false;
     }
   }

@@ -245,7 +245,7 @@ TEST(CudaEngineSemanticsTest, HopperGemmsChangeNoBit) {
       options.chunk_bytes = layout.chunk_bytes;
       options.min_slice_columns = layout.min_slice_columns;
       options.tune_gemms = false;
-      options.hopper_logits = options.hopper_dx = options.hopper_dw = hopper;
+      options.hopper_gemms = {hopper, hopper, hopper};
       return CudaEngine::Create(options);
     };
     auto own = make(true), plain = make(false);

@@ -96,6 +96,12 @@ absl::StatusOr<std::vector<float>> MedianTimes(DeviceHealth& health, cudaStream_
   return median;
 }
 
+// Whether `forms` asks flce's Hopper GEMM for the form of `args`.
+bool Takes(const HopperGemmForms& forms, const HopperGemmArgs& args) {
+  if (args.a_major == Major::kMN) return forms.dw && args.b_major == Major::kMN;
+  return args.b_major == Major::kK ? forms.logits : forms.dx;
+}
+
 }  // namespace
 
 std::optional<HopperGemmArgs> HopperArgsFor(const GemmShape& g, const void* a, const void* b,
@@ -345,7 +351,7 @@ std::optional<absl::Status> GemmRunner::RunHopper(cublasHandle_t blas, cudaStrea
   // C, where cuBLAS may round alpha·A·B + C once (the same sum for alpha 1).
   if (beta == 1.0f && alpha != 1.0f) return std::nullopt;
   std::optional<HopperGemmArgs> args = HopperArgsFor(g, a, b, beta, c, alpha);
-  if (!args.has_value() || !tuning_.hopper.Takes(*args)) return std::nullopt;
+  if (!args.has_value() || !Takes(tuning_.hopper, *args)) return std::nullopt;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || !HopperGemmSupported(*args, device)) {
     return std::nullopt;

@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cuda/cuda_engine_options.h"
 #include "kernels/cuda/device_health.h"
 #include "kernels/cuda/hopper_gemm.h"
 #include "kernels/dtype.h"
@@ -60,18 +61,6 @@ struct GemmShape {
 std::optional<HopperGemmArgs> HopperArgsFor(const GemmShape& g, const void* a, const void* b,
                                             float beta, void* c, float alpha);
 
-// Which of the engine's three GEMM forms run flce's Hopper GEMM (the
-// Hopper operands' majors: logits K·K, dX K·MN, dW MN·MN).
-struct HopperForms {
-  bool logits = false, dx = false, dw = false;
-
-  bool any() const { return logits || dx || dw; }
-  bool Takes(const HopperGemmArgs& args) const {
-    if (args.a_major == Major::kMN) return dw && args.b_major == Major::kMN;
-    return args.b_major == Major::kK ? logits : dx;
-  }
-};
-
 // A GEMM shape's cuBLASLt descriptors (read-only once made): its heuristic
 // candidates, and runs of it with one of them.
 class LtGemm {
@@ -107,13 +96,14 @@ struct GemmTuning {
   // A process tunes at most this many shapes (each distinct token count N
   // brings new chunk shapes); later shapes run the default.
   int max_shapes = 64;
-  // GEMMs of these forms run flce's Hopper GEMM instead, where the device
+  // GEMMs of these forms (by the Hopper operands' majors: logits K·K, dX
+  // K·MN, dW MN·MN) run flce's Hopper GEMM instead, where the device
   // (compute capability 9.0) and the call allow it and its output is
   // bit-identical to cuBLAS's default at the shape's first call with beta 0
   // (checked once per shape, as tuning does, also with `enabled` false:
   // clusters of 1 and of 2 blocks, cooperative and ping-pong, the fastest
   // of those with the default's bits kept); else as above.
-  HopperForms hopper;
+  HopperGemmForms hopper;
 };
 
 // Runs GEMMs, choosing their algorithms. With tuning on, the first call of

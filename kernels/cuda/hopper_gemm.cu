@@ -52,7 +52,7 @@ namespace {
 constexpr int kBlockM = 128;     // two consumer warpgroups × 64 rows
 constexpr int kBlockN = 256;     // one wgmma's n
 constexpr int kBlockK = 64;      // 64 bf16 = 128 bytes: one swizzle row
-constexpr int kStages = 4;       // 48 KiB each
+constexpr int kStages = 4;       // 48 KiB each (40 in ping-pong)
 constexpr int kThreads = 384;    // producer + two consumer warpgroups
 // A stage's rows of A: the tile's 128 (both consumer warpgroups read the
 // stage), or in ping-pong (HopperGemmArgs::ping_pong) one warpgroup's 64.

@@ -616,7 +616,8 @@ class Client:
         registered weight. ``bulk_hidden``: hidden of at least the client's
         bulk threshold travels over the bulk connections into a region of
         the server's memory that the call reads, instead of in its message
-        (without ``shm`` or ``cuda_ipc``). ``need_backward`` keeps a session for backward().
+        (without ``shm`` or ``cuda_ipc``). ``need_backward`` keeps a session
+        for backward().
         With ``shm``, the tensors travel through that shared-memory region;
         with ``cuda_ipc``, hidden and weight on the GPU are read by the
         server from this process's GPU memory, in stream order after the

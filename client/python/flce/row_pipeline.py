@@ -3,9 +3,10 @@
 Over the network a step moves X up and dX back: at a few GB/s, tens of
 milliseconds each for a large batch, as long as the engine's own work. Here
 the batch's rows go in pieces (``pieces``, each at least
-``min_piece_bytes`` of X; one piece for a batch with less). Each piece is written into a region of the
-server's memory over all of the client's bulk connections (:mod:`flce.bulk`);
-its Forward starts as soon as it has arrived, while the next piece travels,
+``min_piece_bytes`` of X; one piece for a batch with less). Each piece is
+written into a region of the server's memory over all of the client's bulk
+connections (:mod:`flce.bulk`); its Forward starts as soon as it has
+arrived, while the next piece travels,
 and in the same call (its eager backward, ``GRADIENTS_HIDDEN``) writes the
 piece's dX into the region for the upstream gradient the last step had,
 before the server starts the next piece; the client reads it back while the
@@ -130,8 +131,8 @@ class RowPipeline:
         X in the messages of one call). X that the client moves over its
         bulk connections (at least its ``bulk_threshold``) comes through
         here: in pieces of at least ``min_piece_bytes``, or in one piece
-        when it has fewer bytes than two of them (through the bulk port
-        still: a 16 MiB X went 6× faster so than in a message, on the
+        when it has fewer bytes than two of them (still through the bulk
+        port: 3–4× faster than in a message for 8–16 MiB of X on the
         development VM; bench/RESULTS.md)."""
         nbytes = hidden.numel() * hidden.element_size()
         if reduction == "none" or self.client.bulk(nbytes) is None:
