@@ -243,6 +243,7 @@ GemmRunner::Counts GemmRunner::counts() const {
     if (choice->lt != nullptr) ++counts.non_default;
   }
   for (const auto& [shape, choice] : hopper_) {
+    ++counts.hopper_checked;
     if (choice.cluster != 0) ++counts.hopper;
   }
   return counts;

@@ -144,6 +144,7 @@ class GemmRunner {
     int tuned = 0;        // shapes timed
     int non_default = 0;  // of those, shapes that run a cuBLASLt algorithm
     int hopper = 0;       // shapes that run flce's Hopper GEMM
+    int hopper_checked = 0;  // shapes checked for it (at most max_shapes)
   };
   Counts counts() const;
 

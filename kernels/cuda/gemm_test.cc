@@ -331,6 +331,31 @@ TEST_F(GemmRunnerTest, HopperFormsGiveTheDefaultsBits) {
   EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
 }
 
+// What a client's token counts can make the runner remember is bounded:
+// beyond max_shapes shapes checked for flce's Hopper GEMM, later shapes run
+// cuBLAS unchecked (and still give its bits). Skips off Hopper.
+TEST_F(GemmRunnerTest, HopperChecksStopAtTheShapeCap) {
+  if (!cuda_test::IsHopper()) GTEST_SKIP() << "not a Hopper device (9.0)";
+  cudaStream_t s = this->s();
+  GemmTuning off, hopper;
+  off.enabled = hopper.enabled = false;
+  hopper.hopper = {true, true, true};
+  hopper.max_shapes = 2;
+  auto plain = GemmRunner::Create(off, health_);
+  auto own = GemmRunner::Create(hopper, health_);
+  ASSERT_TRUE(plain.ok() && own.ok());
+  // Logits of 256, 264, 272 and 280 rows (K 512, V 4096): each a shape the
+  // kernel takes.
+  for (int64_t rows : {256, 264, 272, 280}) {
+    SCOPED_TRACE(rows);
+    CaseData d = MakeCaseData(
+        {CUBLAS_OP_T, CUBLAS_OP_N, 4096, rows, 512, DType::kBFloat16, DType::kBFloat16}, s);
+    ExpectSameBits(**plain, **own, blas(), s, d, 0.0f, /*fresh=*/true);
+  }
+  EXPECT_EQ((*own)->counts().hopper_checked, 2);
+  EXPECT_LE((*own)->counts().hopper, 2);
+}
+
 }  // namespace
 }  // namespace internal_cuda
 }  // namespace flce
