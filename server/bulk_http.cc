@@ -1,6 +1,8 @@
 #include "server/bulk_http.h"
 
 #include <microhttpd.h>
+#include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kernels/status_macros.h"
 #include "server/http_listen.h"
 #include "server/rpc_call.h"
@@ -25,6 +28,8 @@ namespace {
 // the H200 host; 256 KiB and 4 MiB did no better on the 2-core VM.
 constexpr size_t kConnectionMemory = size_t{1} << 20;
 constexpr char kPath[] = "/v1/regions/";
+// A read's longest wait for its mark (wait_ms).
+constexpr int64_t kMaxWaitMs = 10 * 60 * 1000;
 
 // The HTTP status nearest a gRPC code.
 unsigned HttpStatus(absl::StatusCode code) {
@@ -35,6 +40,7 @@ unsigned HttpStatus(absl::StatusCode code) {
     case absl::StatusCode::kUnauthenticated: return MHD_HTTP_UNAUTHORIZED;
     case absl::StatusCode::kPermissionDenied: return MHD_HTTP_FORBIDDEN;
     case absl::StatusCode::kNotFound: return MHD_HTTP_NOT_FOUND;
+    case absl::StatusCode::kAborted: return MHD_HTTP_CONFLICT;
     case absl::StatusCode::kFailedPrecondition: return MHD_HTTP_PRECONDITION_FAILED;
     case absl::StatusCode::kResourceExhausted: return MHD_HTTP_TOO_MANY_REQUESTS;
     case absl::StatusCode::kUnimplemented: return MHD_HTTP_NOT_IMPLEMENTED;
@@ -54,6 +60,8 @@ struct Transfer {
   int64_t moved = 0;                     // of them, received or sent
   bool write = false;
   unsigned refusal_http_status = 0;  // where a refusal's is not HttpStatus(code)
+  uint64_t after_mark = 0;           // a GET's: sent once the region's mark is posted
+  absl::Duration wait;               // how long it waits for the mark at most
 };
 
 MHD_Result Answer(MHD_Connection* connection, Transfer* transfer, const absl::Status& status,
@@ -128,18 +136,59 @@ absl::Status Admit(const BulkHttpServer& server, MHD_Connection* connection, con
       return absl::InvalidArgumentError("a GET carries no body");
     }
     FLCE_ASSIGN_OR_RETURN(length, Argument(connection, "length", std::nullopt));
+    FLCE_ASSIGN_OR_RETURN(const int64_t mark, Argument(connection, "after_mark", 0));
+    FLCE_ASSIGN_OR_RETURN(const int64_t wait_ms, Argument(connection, "wait_ms", kMaxWaitMs));
+    if (wait_ms > kMaxWaitMs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("wait_ms: ", wait_ms, "; at most ", kMaxWaitMs, " (ten minutes)"));
+    }
+    transfer->after_mark = static_cast<uint64_t>(mark);
+    transfer->wait = absl::Milliseconds(wait_ms);
+    if (mark != 0) {
+      transfer->record.PrependDetail(absl::StrCat("after_mark=", mark, " "));
+    }
   }
   const int64_t bytes = found.region->bytes();
   if (offset > bytes || length > bytes - offset) {
-    return absl::InvalidArgumentError(absl::StrCat("offset: ", length, " bytes at offset ",
-                                                   offset, " do not lie inside the region's ",
-                                                   bytes, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("offset: ", length, " bytes at offset ", offset,
+                                                   " do not lie inside the region's ", bytes,
+                                                   " bytes"));
   }
   transfer->record.PrependDetail(absl::StrCat("bytes=", length, " "));
   transfer->to = found.region->base() + offset;
   transfer->length = length;
   transfer->region = std::move(found.region);
   return absl::OkStatus();
+}
+
+// Whether the client closed its end of `connection` (or it broke): a read
+// waiting for its mark ends then.
+bool ClientGone(MHD_Connection* connection) {
+  const MHD_ConnectionInfo* info =
+      MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+  if (info == nullptr) return true;
+  pollfd fd{info->connect_fd, POLLIN | POLLRDHUP, 0};
+  if (poll(&fd, 1, 0) <= 0) return false;
+  if (fd.revents & (POLLHUP | POLLERR | POLLRDHUP | POLLNVAL)) return true;
+  char byte;
+  return recv(info->connect_fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+// A read that names a mark: OK once it is posted OK; the failure posted, or
+// why the wait ended without a post (nullopt: the client left).
+std::optional<absl::Status> AwaitMark(const BulkHttpServer& server, MHD_Connection* connection,
+                                      Transfer* transfer) {
+  transfer->record.Stamp("waiting");
+  std::optional<absl::Status> posted =
+      transfer->region->marks()->Await(transfer->after_mark, absl::Now() + transfer->wait,
+                                       [&] { return server.stopping() || ClientGone(connection); });
+  transfer->record.Stamp("posted");
+  if (posted) return posted;
+  if (server.stopping()) return absl::UnavailableError("the server is stopping");
+  if (ClientGone(connection)) return std::nullopt;
+  return absl::DeadlineExceededError(absl::StrCat("after_mark: mark ", transfer->after_mark,
+                                                  " was not posted within wait_ms (",
+                                                  absl::ToInt64Milliseconds(transfer->wait), ")"));
 }
 
 void ReleaseHold(void* hold) { delete static_cast<std::shared_ptr<SharedRegion>*>(hold); }
@@ -170,6 +219,11 @@ MHD_Result Handle(void* cls, MHD_Connection* connection, const char* url, const 
     return MHD_YES;
   }
   if (!transfer->write) {
+    if (transfer->after_mark != 0) {
+      std::optional<absl::Status> posted = AwaitMark(*server, connection, transfer);
+      if (!posted) return MHD_NO;  // the client left: Completed records it
+      if (!posted->ok()) return Answer(connection, transfer, *posted, "");
+    }
     // The bytes go out straight from the region, which the response holds.
     auto* hold = new std::shared_ptr<SharedRegion>(transfer->region);
     MHD_Response* response = MHD_create_response_from_buffer_with_free_callback_cls(
@@ -208,14 +262,13 @@ void Completed(void* /*cls*/, MHD_Connection* /*connection*/, void** request,
       transfer->record.AddBytes(0, transfer->length);
     }
   } else {
-    const char* why = how == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED ? "idle past the timeout"
+    const char* why = how == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED   ? "idle past the timeout"
                       : how == MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN ? "the server stopped"
                                                                       : "the connection broke";
     transfer->record.SetAnswer(absl::CancelledError(
         transfer->write ? absl::StrCat(why, " after ", transfer->moved, " of ", transfer->length,
                                        " bytes (the range holds what arrived)")
-                        : absl::StrCat(why, " before the ", transfer->length,
-                                       " bytes were sent")));
+                        : absl::StrCat(why, " before the ", transfer->length, " bytes were sent")));
     if (transfer->write) transfer->record.AddBytes(transfer->moved, 0);
   }
   transfer->record.Over(nullptr);
@@ -232,19 +285,17 @@ void Log(void* /*cls*/, const char* format, va_list args) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<BulkHttpServer>> BulkHttpServer::Start(
-    const BulkHttpOptions& options, const SharedMemoryRegistry* regions,
-    ServiceMetrics* metrics) {
+    const BulkHttpOptions& options, const SharedMemoryRegistry* regions, ServiceMetrics* metrics) {
   FLCE_ASSIGN_OR_RETURN(const HttpListenAddress listen,
-                        ParseHttpListenAddress(options.address, "--bulk_address",
-                                               "0.0.0.0:50052"));
+                        ParseHttpListenAddress(options.address, "--bulk_address", "0.0.0.0:50052"));
   if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
     return absl::InvalidArgumentError("bulk port: a TLS certificate and key go together");
   }
   if (options.max_connections < 1 || options.max_connections_per_address < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max_bulk_connections (", options.max_connections,
-        ") and --max_bulk_connections_per_address (", options.max_connections_per_address,
-        ") must be >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_bulk_connections (", options.max_connections,
+                     ") and --max_bulk_connections_per_address (",
+                     options.max_connections_per_address, ") must be >= 1"));
   }
   std::unique_ptr<BulkHttpServer> server(new BulkHttpServer());
   server->regions_ = regions;
@@ -270,11 +321,10 @@ absl::StatusOr<std::unique_ptr<BulkHttpServer>> BulkHttpServer::Start(
       MHD_OPTION_SOCK_ADDR, listen.sockaddr_ptr(), MHD_OPTION_CONNECTION_LIMIT,
       static_cast<unsigned>(options.max_connections), MHD_OPTION_PER_IP_CONNECTION_LIMIT,
       static_cast<unsigned>(options.max_connections_per_address), MHD_OPTION_CONNECTION_TIMEOUT,
-      timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemory,
-      MHD_OPTION_NOTIFY_COMPLETED, &Completed, nullptr, MHD_OPTION_EXTERNAL_LOGGER, &Log,
-      nullptr, server->tls_ ? MHD_OPTION_HTTPS_MEM_CERT : MHD_OPTION_END,
-      server->cert_pem_.c_str(), MHD_OPTION_HTTPS_MEM_KEY, server->key_pem_.c_str(),
-      MHD_OPTION_END);
+      timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemory, MHD_OPTION_NOTIFY_COMPLETED,
+      &Completed, nullptr, MHD_OPTION_EXTERNAL_LOGGER, &Log, nullptr,
+      server->tls_ ? MHD_OPTION_HTTPS_MEM_CERT : MHD_OPTION_END, server->cert_pem_.c_str(),
+      MHD_OPTION_HTTPS_MEM_KEY, server->key_pem_.c_str(), MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     return absl::UnavailableError(absl::StrCat(
         "--bulk_address: cannot listen on ", options.address, ": ", std::strerror(errno),
@@ -287,12 +337,12 @@ absl::StatusOr<std::unique_ptr<BulkHttpServer>> BulkHttpServer::Start(
 }
 
 int BulkHttpServer::connections() const {
-  const MHD_DaemonInfo* info =
-      MHD_get_daemon_info(daemon_, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+  const MHD_DaemonInfo* info = MHD_get_daemon_info(daemon_, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
   return info != nullptr ? static_cast<int>(info->num_connections) : 0;
 }
 
 BulkHttpServer::~BulkHttpServer() {
+  stopping_.store(true, std::memory_order_relaxed);
   if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
 }
 

@@ -11,6 +11,16 @@
 //
 //   PUT /v1/regions/<region_id>?offset=<n>             the body, at byte n
 //   GET /v1/regions/<region_id>?offset=<n>&length=<m>  m bytes from byte n
+//       [&after_mark=<k>[&wait_ms=<t>]]   ... once mark k is posted
+//
+// A GET with after_mark waits until a call that writes into the region
+// posts mark k (ForwardRequest.backward.written_mark, server/region_marks.h)
+// and then answers the bytes; where the call ended without writing them it
+// answers ABORTED (409), where no post came within wait_ms (at most and by
+// default ten minutes) DEADLINE_EXCEEDED (504), and where the server stops
+// meanwhile UNAVAILABLE (503); where the client closes the connection, the
+// wait ends (checked every 50 ms). Such a GET holds its connection's thread
+// while it waits, within the connection bounds below.
 //
 // Every request carries "Authorization: Bearer <ticket>", the ticket
 // RegisterSharedMemory answered for that region beside bulk_port. A ticket
@@ -32,6 +42,7 @@
 // headers and buffers; the bytes go straight into the region, which the
 // region budget already bounds.
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -62,7 +73,8 @@ class BulkHttpServer {
   static absl::StatusOr<std::unique_ptr<BulkHttpServer>> Start(const BulkHttpOptions& options,
                                                                const SharedMemoryRegistry* regions,
                                                                ServiceMetrics* metrics);
-  // Closes every connection (transfers in flight fail) and stops.
+  // Ends the reads waiting for a mark, closes every connection (transfers
+  // in flight fail) and stops.
   ~BulkHttpServer();
   BulkHttpServer(const BulkHttpServer&) = delete;
   BulkHttpServer& operator=(const BulkHttpServer&) = delete;
@@ -75,6 +87,7 @@ class BulkHttpServer {
   // For the library's callbacks.
   const SharedMemoryRegistry* regions() const { return regions_; }
   ServiceMetrics* metrics() const { return metrics_; }
+  bool stopping() const { return stopping_.load(std::memory_order_relaxed); }
 
  private:
   BulkHttpServer() = default;
@@ -86,6 +99,7 @@ class BulkHttpServer {
   MHD_Daemon* daemon_ = nullptr;
   int port_ = 0;
   bool tls_ = false;
+  std::atomic<bool> stopping_{false};
 };
 
 }  // namespace flce

@@ -1,5 +1,6 @@
 #include "server/bulk_http.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -240,6 +241,76 @@ TEST_F(BulkHttpTest, OversizedHeadersAreRefusedAndStoppingDoesNotWaitForClients)
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   EXPECT_TRUE(ClosedByServer(fd));
   close(fd);
+}
+
+TEST_F(BulkHttpTest, AGetAfterAMarkWaitsForItsPost) {
+  MarkBoard* marks = (*regions_.FindByTicket(region_.region_id, region_.ticket)).region->marks();
+  ASSERT_NE(marks, nullptr);
+  auto marked = [&](const std::string& mark, const std::string& more) {
+    return absl::StrCat("GET /v1/regions/", region_.region_id, "?offset=8&length=5&after_mark=",
+                        mark, more, " HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ",
+                        region_.ticket, "\r\n\r\n");
+  };
+  // Posted OK after the bytes are in: the answer carries them, even after
+  // a wait longer than the idle timeout (1 s).
+  int fd = Connect(server_->port());
+  ASSERT_GE(fd, 0);
+  SendAll(fd, marked("9", ""));
+  pollfd readable{fd, POLLIN, 0};
+  EXPECT_EQ(poll(&readable, 1, 1500), 0);  // nothing before the post
+  std::memcpy(Memory() + 8, "hello", 5);
+  marks->Post(9, absl::OkStatus());
+  std::string reply = ReadResponse(fd);
+  EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 200")) << reply;
+  EXPECT_EQ(Body(reply), "hello");
+  // A mark posted already answers at once, on the same kept connection.
+  SendAll(fd, marked("9", ""));
+  EXPECT_EQ(Body(ReadResponse(fd)), "hello");
+  close(fd);
+  // The writing call failed: ABORTED, and its message.
+  fd = Connect(server_->port());
+  ASSERT_GE(fd, 0);
+  SendAll(fd, marked("10", ""));
+  marks->Post(10, absl::AbortedError("the Forward failed"));
+  reply = ReadResponse(fd);
+  close(fd);
+  EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 409")) << reply;
+  EXPECT_TRUE(absl::StrContains(reply, "Flce-Code: 10\r\n")) << reply;
+  EXPECT_TRUE(absl::StrContains(Body(reply), "the Forward failed")) << reply;
+  // No post within wait_ms; wait_ms and after_mark out of bounds.
+  struct Case {
+    std::string request, status, code, says;
+  };
+  const std::vector<Case> cases = {
+      {marked("11", "&wait_ms=30"), "504", "4", "mark 11 was not posted within wait_ms (30)"},
+      {marked("11", "&wait_ms=600001"), "400", "3", "wait_ms: 600001"},
+      {marked("-1", ""), "400", "3", "after_mark: '-1'"},
+  };
+  for (const Case& c : cases) {
+    reply = Exchange(server_->port(), c.request);
+    EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 " + c.status)) << c.request << "\n" << reply;
+    EXPECT_TRUE(absl::StrContains(reply, "Flce-Code: " + c.code + "\r\n")) << reply;
+    EXPECT_TRUE(absl::StrContains(Body(reply), c.says)) << reply;
+  }
+  // The client leaves while its read waits: CANCELLED, and the server
+  // serves on.
+  fd = Connect(server_->port());
+  ASSERT_GE(fd, 0);
+  SendAll(fd, marked("12", ""));
+  absl::SleepFor(absl::Milliseconds(100));
+  close(fd);
+  EXPECT_TRUE(WaitForCount("BulkRead", "CANCELLED", 1));
+  EXPECT_TRUE(absl::StartsWith(Exchange(server_->port(), Get(8, 5, region_.ticket)),
+                               "HTTP/1.1 200"));
+  // Stopping ends a wait: UNAVAILABLE, or the connection closed.
+  fd = Connect(server_->port());
+  ASSERT_GE(fd, 0);
+  SendAll(fd, marked("13", ""));
+  absl::SleepFor(absl::Milliseconds(100));
+  server_.reset();
+  reply = ReadResponse(fd);
+  close(fd);
+  EXPECT_TRUE(reply.empty() || absl::StartsWith(reply, "HTTP/1.1 503")) << reply;
 }
 
 TEST(BulkHttpStartTest, BadOptionsAreRefusedByName) {

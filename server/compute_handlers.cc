@@ -91,7 +91,6 @@ absl::StatusOr<BackwardCall> DecodeEagerBackward(const v1::ForwardRequest& reque
   return DecodeBackward(as_backward, forward.shm);
 }
 
-// ForwardRequest.release_sessions' bound.
 }  // namespace
 
 absl::Status LossServiceImpl::WriteLoss(const HostTensor& loss, const SliceMemory& out) {
@@ -117,6 +116,7 @@ constexpr int kMaxReleasedSessions = 64;
 absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& principal,
                                              const ForwardCall& forward, BackwardCall* eager,
                                              const v1::EagerBackward* eager_request,
+                                             MarkBoard* written_marks,
                                              v1::ForwardResponse* response, absl::Time queued) {
   const absl::Time engine_start = absl::Now();
   absl::StatusOr<ForwardOutcome> outcome =
@@ -147,6 +147,8 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
     core_->Answered(*grads);
     core_->Settle(*grads, /*delivered=*/true);
     const v1::EagerBackward& slices = *eager_request;
+    // dX is in its region: a read waiting for the mark goes now.
+    if (written_marks != nullptr) written_marks->Post(slices.written_mark(), absl::OkStatus());
     v1::BackwardResponse* back = response->mutable_backward();
     EncodeGradient(std::move(grads->grad_hidden), true, slices.grad_hidden_out(),
                    back->mutable_grad_hidden());
@@ -192,6 +194,33 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
   return absl::OkStatus();
 }
 
+absl::StatusOr<MarkBoard*> LossServiceImpl::WrittenMarks(Call* call, const std::string& principal,
+                                                         const v1::ForwardRequest& request) {
+  const uint64_t mark = request.backward().written_mark();
+  if (mark == 0) return nullptr;
+  const v1::SharedMemorySlice& slice = request.backward().grad_hidden_out();
+  absl::StatusOr<std::shared_ptr<SharedRegion>> region =
+      shared_memory_->Find(slice.region_id(), principal);
+  if (!request.backward().has_grad_hidden_out() || !region.ok() || (*region)->marks() == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "backward.written_mark: posted on grad_hidden_out's region, which must be a region of "
+        "server memory of the caller's (",
+        !request.backward().has_grad_hidden_out() ? std::string("none given")
+        : region.ok()                             ? std::string("not server memory")
+                                                  : std::string(region.status().message()),
+        ")"));
+  }
+  MarkBoard* marks = (*region)->marks();
+  // Whatever ends the call: a read still waiting learns it never comes (an
+  // OK post before this stays). The region stays until then.
+  call->WhenOver([region = *std::move(region), marks, mark](bool) {
+    marks->Post(
+        mark, absl::AbortedError(absl::StrCat("the Forward that was to write mark ", mark,
+                                              " ended without writing it (its answer says why)")));
+  });
+  return marks;
+}
+
 void LossServiceImpl::StartForward(Call* call, const std::string& principal,
                                    const v1::ForwardRequest* request,
                                    v1::ForwardResponse* response) {
@@ -199,6 +228,11 @@ void LossServiceImpl::StartForward(Call* call, const std::string& principal,
     call->Reply(absl::InvalidArgumentError(
         absl::StrCat("release_sessions: ", request->release_sessions_size(), " ids; at most ",
                      kMaxReleasedSessions, " per Forward")));
+    return;
+  }
+  absl::StatusOr<MarkBoard*> written_marks = WrittenMarks(call, principal, *request);
+  if (!written_marks.ok()) {
+    call->Reply(written_marks.status());
     return;
   }
   for (const std::string& id : request->release_sessions()) core_->Release(id, principal);
@@ -236,7 +270,8 @@ void LossServiceImpl::StartForward(Call* call, const std::string& principal,
       call,
       [=](absl::Time queued) {
         return ComputeForward(call, principal, *forward, eager.get(),
-                              eager ? &request->backward() : nullptr, response, queued);
+                              eager ? &request->backward() : nullptr, *written_marks, response,
+                              queued);
       },
       [call](const absl::Status& status) { call->Reply(status); });
 }

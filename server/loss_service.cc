@@ -242,6 +242,7 @@ LossServiceImpl::Unary* LossServiceImpl::RegisterSharedMemory(Context* context, 
     if (!region->ticket.empty() && bulk_port_ != 0) {
       call->response()->set_bulk_port(bulk_port_);
       call->response()->set_bulk_ticket(region->ticket);
+      call->response()->set_bulk_marks(true);
     }
     // A region whose id never reached its client would stay mapped for good.
     call->WhenOver([this, id = region->region_id, principal = *principal](bool delivered) {

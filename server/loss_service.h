@@ -136,11 +136,20 @@ class LossServiceImpl final : public RawLossService, public CallChannelService {
   // the call is over.
   void StartForward(Call* call, const std::string& principal, const v1::ForwardRequest* request,
                     v1::ForwardResponse* response);
+  // The board of the region into which `request`'s eager backward writes dX
+  // where it names a written_mark (null where it names none), its failure
+  // posted when `call` is over; INVALID_ARGUMENT where that region is not
+  // one of `principal`'s regions of server memory.
+  absl::StatusOr<MarkBoard*> WrittenMarks(Call* call, const std::string& principal,
+                                          const v1::ForwardRequest& request);
   // `eager`: the request's Backward part (ForwardRequest.backward, decoded
-  // by DecodeEagerBackward, and as sent), or null.
+  // by DecodeEagerBackward, and as sent), or null. `written_marks`: where
+  // eager_request->written_mark is posted once the gradients are written
+  // (WrittenMarks), or null.
   absl::Status ComputeForward(Call* call, const std::string& principal, const ForwardCall& forward,
                               BackwardCall* eager, const v1::EagerBackward* eager_request,
-                              v1::ForwardResponse* response, absl::Time queued);
+                              MarkBoard* written_marks, v1::ForwardResponse* response,
+                              absl::Time queued);
   // The same for Backward; the gradients land in *outcome, whose session
   // is settled when the call is over. `max_response_bytes` bounds the
   // inline gradients (0: none, for BackwardStream).

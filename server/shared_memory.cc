@@ -61,7 +61,8 @@ SharedRegion::SharedRegion(ServerMemory, void* base, int64_t bytes, std::functio
       release_(std::move(release)),
       fd_(-1),
       guard_slot_(-1),
-      server_memory_(true) {}
+      server_memory_(true),
+      marks_(std::make_unique<MarkBoard>()) {}
 
 SharedRegion::~SharedRegion() {
   SigbusGuard::Unguard(guard_slot_);

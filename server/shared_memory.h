@@ -30,6 +30,7 @@
 #include "kernels/device_memory.h"
 #include "kernels/loss_engine.h"
 #include "proto/codec.h"
+#include "server/region_marks.h"
 
 namespace flce {
 
@@ -84,6 +85,10 @@ class SharedRegion {
   // The server's own memory (server_memory), which WriteRegion and
   // ReadRegion reach.
   bool server_memory() const { return server_memory_; }
+  // A region of server memory's marks (server/region_marks.h): posted by
+  // the calls that write into it, awaited by the bulk port's reads. Null
+  // for other regions.
+  MarkBoard* marks() const { return marks_.get(); }
   // When a call last named it.
   void Touch() { last_used_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
   absl::Time last_used() const {
@@ -99,6 +104,7 @@ class SharedRegion {
   const int guard_slot_;
   const DeviceEvent* const event_ = nullptr;
   const bool server_memory_ = false;
+  const std::unique_ptr<MarkBoard> marks_;
   std::atomic<int64_t> last_used_ns_{absl::GetCurrentTimeNanos()};
 };
 

@@ -8,6 +8,7 @@ Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
 
 import socket
 import sys
+import threading
 import time
 import unittest
 import zlib
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 import flce
-from flce import bulk
+from flce import bulk, bulk_http
 from server_process import ServerProcess, run_tests
 
 SERVER = sys.argv[1]
@@ -130,6 +131,96 @@ class BulkTransferTest(unittest.TestCase):
                 self.assertTrue(np.array_equal(back, data))
             self.assertEqual(used, [4, 8], f"over {rpc}")
 
+    def test_a_read_after_a_mark_waits_for_the_forward_that_posts_it(self):
+        c = self.client(bulk_connections=2, bulk_threshold=1 << 10)
+        transfer = c.bulk(1 << 20)
+        region = transfer.region(1 << 20)
+        self.assertTrue(transfer.marks and transfer.over_http)
+        # A mark no call posts: the read waits until cancelled; the server
+        # serves on.
+        cancel = bulk_http.Cancel()
+        out = np.zeros(4096, dtype=np.uint8)
+        result = []
+
+        def read():
+            try:
+                transfer.read_marked(region, 0, out, transfer.next_mark(), 60.0, cancel)
+            except flce.FlceError as e:
+                result.append(e.code)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.2)
+        self.assertTrue(reader.is_alive())
+        cancel.cancel()
+        reader.join(10)
+        self.assertEqual(result, [grpc.StatusCode.CANCELLED])
+        transfer.read(region, 0, out, 10.0)
+        # A Forward that writes dX into the region posts its mark: the read
+        # sent before it gets that dX; a Forward that fails posts ABORTED.
+        torch.manual_seed(4)
+        w, x, t = torch.randn(301, 17) / 4, torch.randn(13, 17), torch.randint(0, 301, (13,))
+        c.put_weight("marked", w)
+        transfer.write(region, 0, x.numpy(), 10.0)
+        for target, code in ((t, None), (torch.full((13,), 5000), grpc.StatusCode.ABORTED)):
+            mark = transfer.next_mark()
+            r = flce.client.pb.ForwardRequest(need_backward=True)
+            r.weight_ref.name = "marked"
+            r.hidden.dtype = flce.client.pb.DTYPE_FLOAT32
+            r.hidden.shape.extend([13, 17])
+            r.hidden.shm.region_id = region
+            r.backward.gradients = flce.client.pb.GRADIENTS_HIDDEN
+            r.backward.grad_hidden_out.region_id = region
+            r.backward.grad_hidden_out.offset = 8192
+            r.backward.written_mark = mark
+            flce.to_wire(target, r.target)
+            dx = np.zeros((13, 17), dtype=np.float32)
+            got = []
+            reader = threading.Thread(target=lambda: got.append(self.marked_read(
+                transfer, region, dx, mark)))
+            reader.start()
+            time.sleep(0.1)
+            call = c._stub.Forward.future(r, timeout=30, metadata=c._metadata)
+            reader.join(30)
+            if code is None:
+                self.assertEqual(got, [None])
+                call.result()
+                xr = x.clone().requires_grad_()
+                torch.nn.functional.cross_entropy(xr @ w.T, t).backward()
+                np.testing.assert_allclose(dx, xr.grad.numpy(), rtol=1e-4, atol=1e-6)
+            else:
+                self.assertEqual(got, [code])
+                with self.assertRaises(grpc.RpcError) as e:
+                    call.result()
+                self.assertEqual(e.exception.code(), grpc.StatusCode.OUT_OF_RANGE)
+
+    @staticmethod
+    def marked_read(transfer, region, dx, mark):
+        try:
+            transfer.read_marked(region, 8192, dx, mark, 30.0, bulk_http.Cancel())
+        except flce.FlceError as e:
+            return e.code
+        return None
+
+    def test_a_written_mark_needs_dx_in_a_region_of_server_memory(self):
+        c = self.client(bulk_connections=2, bulk_threshold=1 << 10)
+        c.put_weight("wm", np.ones((5, 3), dtype=np.float32))
+        for region_id in ("no-such-region", None):
+            r = flce.client.pb.ForwardRequest(need_backward=True)
+            r.weight_ref.name = "wm"
+            flce.to_wire(np.ones((2, 3), dtype=np.float32), r.hidden)
+            flce.to_wire(np.zeros(2, dtype=np.int64), r.target)
+            r.backward.written_mark = 1
+            if region_id is not None:
+                r.backward.gradients = flce.client.pb.GRADIENTS_HIDDEN
+                r.backward.grad_hidden_out.region_id = region_id
+            with self.assertRaises(grpc.RpcError) as e:
+                c._stub.Forward(r, timeout=10, metadata=c._metadata)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("backward.written_mark", e.exception.details())
+        # The server serves on.
+        c.forward(np.ones((2, 3), dtype=np.float32), np.zeros(2, dtype=np.int64), weight_name="wm")
+
     def test_without_regions_the_one_stream_serves(self):
         server = ServerProcess(SERVER, "--backend=cpu", "--region_memory_bytes=0")
         self.addCleanup(server.kill)
@@ -167,6 +258,11 @@ class BulkTransferTest(unittest.TestCase):
         with mock.patch("socket.getaddrinfo", pods):
             c.put_weight("w", w)
             self.assertTrue(c.bulk(w.nbytes).over_http)
+        # (A request's access line is written just after its answer went out.)
+        deadline = time.monotonic() + 10
+        while ("rpc=BulkWrite via=http" not in mine.read_log()
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
         self.assertRegex(mine.read_log(), r"rpc=BulkWrite via=http .*code=OK")
         self.assertNotRegex(other.read_log(), r"rpc=Bulk\w+ via=http .*code=OK")
         self.assertRegex(other.read_log(), r"rpc=BulkRead via=http .*code=NOT_FOUND")

@@ -110,6 +110,35 @@ class RowPipelineTest(unittest.TestCase):
         self.assertLess(dw, 1e-5)
         self.assertEqual(self.live_sessions(m.client), 0)
 
+    def test_each_pieces_dx_read_goes_out_with_its_forward(self):
+        # Marks: each piece's read waits at the server for its Forward's
+        # post (after_mark on the read's access line), none after the answer
+        # (the one plain read: the pull of the weight's gradient).
+        m = self.module()
+        transfer = m.client.bulk(1 << 20)
+        transfer.region(1 << 20)
+        calls = {"marked": 0, "after": 0}
+        marked, plain = transfer.read_marked, transfer.read
+        transfer.read_marked = lambda *a: (calls.__setitem__("marked", calls["marked"] + 1),
+                                           marked(*a))[1]
+        transfer.read = lambda *a: (calls.__setitem__("after", calls["after"] + 1), plain(*a))[1]
+        before = self.server.read_log().count("after_mark=")
+        loss, dx, dw = self.train(m, torch.float32, steps=1, accumulate=1)
+        self.assertLess(max(loss, dx, dw), 1e-5)
+        self.assertEqual(calls, {"marked": 3, "after": 1})  # and the pull of dW
+        deadline = time.monotonic() + 5
+        while (self.server.read_log().count("after_mark=") - before < 3
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        self.assertGreaterEqual(self.server.read_log().count("after_mark=") - before, 3)
+        # A server without marks (older): dX read after each answer.
+        transfer.marks = False
+        calls.update(marked=0, after=0)
+        loss, dx, dw = self.train(m, torch.float32, steps=1, accumulate=1)
+        self.assertLess(max(loss, dx, dw), 1e-5)
+        self.assertEqual(calls, {"marked": 0, "after": 3 + 1})
+        self.assertEqual(self.live_sessions(m.client), 0)
+
     def test_evaluation_sends_x_over_the_bulk_port(self):
         # No gradient: one Forward without a session, its X (above the
         # client's 1 KiB bulk threshold) written into the region first.

@@ -14,6 +14,7 @@ connection, less from Python.
 """
 
 import concurrent.futures
+import itertools
 import logging
 import struct
 import threading
@@ -41,6 +42,10 @@ _READ = "/flce.v1.LossService/ReadRegion"
 # --max_streams for 8 workers.
 SMALL_TRANSFER_BYTES = 64 << 20
 SMALL_TRANSFER_RANGES = 4
+# A bulk-port range carries at least this much: a 4 MiB row piece goes in 2
+# ranges, not 4 of 1 MiB, whose requests cost more than they share out
+# (measured on the H100 host, 2026-12-05: bench/RESULTS.md).
+MIN_RANGE_BYTES = 2 << 20
 
 
 def _varint(value: int) -> bytes:
@@ -136,6 +141,9 @@ class BulkTransfer:
         self._ticket = ""
         self._pinned = None  # the region the port's address was pinned for
         self._http_off_until = 0.0  # after an unreachable port: gRPC until then
+        # Whether the server's bulk reads wait for marks (read_marked).
+        self.marks = False
+        self._marks = itertools.count(1)
 
     def region(self, nbytes: int) -> str:
         """The id of this transfer's region of server memory, at least
@@ -151,6 +159,7 @@ class BulkTransfer:
                 pb.RegisterSharedMemoryRequest(server_memory=True, bytes=size))
             self._region, self._region_bytes = response.region_id, size
             self._ticket = response.bulk_ticket
+            self.marks = response.bulk_marks
             if response.bulk_port and self._http_where is not None and (
                     self._http is None or self._http.port != response.bulk_port):
                 host, tls, server_name = self._http_where
@@ -181,17 +190,19 @@ class BulkTransfer:
 
     def _http_ranges(self, total: int) -> List[range]:
         """`total` bytes in up to one range per connection, each at least
-        1 MiB and 4 KiB-aligned; below SMALL_TRANSFER_BYTES in at most
-        SMALL_TRANSFER_RANGES."""
-        n = max(1, min(self._most_ranges(total), total >> 20))
+        MIN_RANGE_BYTES and 4 KiB-aligned; below SMALL_TRANSFER_BYTES in at
+        most SMALL_TRANSFER_RANGES."""
+        n = max(1, min(self._most_ranges(total), total // MIN_RANGE_BYTES))
         per = -(-total // n)                # ceil(total / n)
         per = -(-per // 4096) * 4096        # up to whole 4 KiB
         return [range(a, min(total, a + per)) for a in range(0, total, per)]
 
-    def _over_http(self, write: bool, region_id: str, offset: int, view: memoryview) -> bool:
-        """Writes ``view`` at ``offset`` of the region (or reads into it)
-        over the bulk port, one range per connection; False (and gRPC for a
-        minute) where the port cannot be reached."""
+    def _over_http(self, write: bool, region_id: str, offset: int, view: memoryview,
+                   **marked) -> bool:
+        """Writes ``view`` at ``offset`` of the region (or reads into it,
+        with ``marked`` BulkHttp.get's mark arguments) over the bulk port,
+        one range per connection; False (and gRPC for a minute) where the
+        port cannot be reached."""
         if region_id != self._region or not self.over_http:
             return False
         if not len(view):
@@ -206,11 +217,14 @@ class BulkTransfer:
                 self._off_http(e)
                 return False
             self._pinned = region_id
-        move = self._http.put if write else self._http.get
         spans = self._http_ranges(len(view))
 
         def one(span: range):
-            move(region_id, ticket, offset + span.start, view[span.start:span.stop])
+            part = view[span.start:span.stop]
+            if write:
+                self._http.put(region_id, ticket, offset + span.start, part)
+            else:
+                self._http.get(region_id, ticket, offset + span.start, part, **marked)
 
         futures = [self._pool.submit(one, span) for span in spans[1:]]
         error = None
@@ -229,6 +243,25 @@ class BulkTransfer:
         if error is not None:
             raise error
         return True
+
+    def next_mark(self) -> int:
+        """A mark no earlier call of this transfer used (not 0)."""
+        with self._lock:
+            return next(self._marks)
+
+    def read_marked(self, region_id: str, offset: int, out, mark: int, timeout: float,
+                    cancel: bulk_http.Cancel) -> bool:
+        """Reads like :meth:`read` once the server has posted ``mark`` on
+        the region (the call that writes the bytes names it: waiting up to
+        ``timeout``), unless ``cancel`` ends it (CANCELLED); an ABORTED
+        FlceError where that call ended without writing them. False, and
+        nothing read, where the server's reads do not wait for marks or its
+        bulk port is out of reach: the caller reads after the call's
+        answer."""
+        if not self.marks:
+            return False
+        return self._over_http(False, region_id, offset, memoryview(out).cast("B"),
+                               after_mark=mark, wait_s=timeout, cancel=cancel)
 
     def _streams(self):
         """The gRPC fallback's channels and calls, made on first use."""

@@ -14,7 +14,11 @@ Connections are kept alive and reused, at most ``max_connections`` busy at
 once (a transfer beyond that waits for one). TLS exactly when the gRPC
 channel has it, with its CAs and server name; TCP and TLS carry the
 integrity of the bytes (no checksum of our own, as for any gRPC message).
-A name that resolves to several servers (a headless Service's, one address
+A read may name a mark (``after_mark``): the server answers it once the
+call that writes the bytes has posted that mark (a row piece's Forward,
+which writes its dX: ``EagerBackward.written_mark``), so the read goes out
+with the call instead of after its answer; :class:`Cancel` ends such reads
+early. A name that resolves to several servers (a headless Service's, one address
 per pod) is pinned to the address that holds the region (:meth:`pin`): the
 gRPC channel reached one of them, and the region lives there.
 """
@@ -29,12 +33,45 @@ import grpc
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 CONNECT_TIMEOUT = 5.0
+MAX_WAIT_MS = 10 * 60 * 1000  # the server's bound on a read's wait for its mark
 
 
 class Unreachable(Exception):
     """The bulk port could not be connected to (a firewall, a port not
     forwarded, a server at its connection limit): the caller moves the
     bytes over gRPC instead."""
+
+
+class Cancel:
+    """Ends the reads given it that are still in flight (their connections
+    shut down; they raise CANCELLED): a read waiting for a mark whose call
+    failed before the server saw it. Reads given it after :meth:`cancel`
+    fail at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._conns = set()
+        self.cancelled = False
+
+    def cancel(self):
+        with self._lock:
+            self.cancelled = True
+            conns, self._conns = self._conns, set()
+        for conn in conns:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except (OSError, AttributeError):
+                pass
+
+    def _hold(self, conn) -> bool:
+        with self._lock:
+            if not self.cancelled:
+                self._conns.add(conn)
+            return not self.cancelled
+
+    def _let_go(self, conn):
+        with self._lock:
+            self._conns.discard(conn)
 
 
 class _Connection(http.client.HTTPConnection):
@@ -120,19 +157,41 @@ class BulkHttp:
         """Writes ``data`` at ``offset`` of the region."""
         self._request("PUT", f"/v1/regions/{region_id}?offset={offset}", ticket, data, None)
 
-    def get(self, region_id: str, ticket: str, offset: int, out: memoryview):
-        """Reads ``len(out)`` bytes at ``offset`` of the region into ``out``."""
-        self._request("GET", f"/v1/regions/{region_id}?offset={offset}&length={len(out)}",
-                      ticket, None, out)
+    def get(self, region_id: str, ticket: str, offset: int, out: memoryview, after_mark: int = 0,
+            wait_s: float = 0.0, cancel: Optional[Cancel] = None):
+        """Reads ``len(out)`` bytes at ``offset`` of the region into ``out``;
+        with ``after_mark``, once the server has that mark posted (waiting
+        up to ``wait_s``, at most ten minutes), unless ``cancel`` ends it."""
+        path = f"/v1/regions/{region_id}?offset={offset}&length={len(out)}"
+        if after_mark:
+            wait_ms = max(1, min(MAX_WAIT_MS, int(wait_s * 1000)))
+            path += f"&after_mark={after_mark}&wait_ms={wait_ms}"
+        self._request("GET", path, ticket, None, out, cancel)
 
-    def _request(self, method: str, path: str, ticket: str, body, out):
+    def _request(self, method: str, path: str, ticket: str, body, out,
+                 cancel: Optional[Cancel] = None):
+        try:
+            self._request_on_a_connection(method, path, ticket, body, out, cancel)
+        except Exception:
+            if cancel is not None and cancel.cancelled:
+                raise _error(grpc.StatusCode.CANCELLED, f"bulk {method}: cancelled") from None
+            raise
+
+    def _request_on_a_connection(self, method, path, ticket, body, out, cancel):
         headers = {"Authorization": f"Bearer {ticket}"}
         if body is not None:
             headers["Content-Length"] = str(len(body))
+
+        def hold(conn):  # `cancel` may shut it down from now on
+            if cancel is not None and not cancel._hold(conn):
+                conn.close()
+                raise _failure(method, "cancelled")
+
         with self._slots:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is not None:
+                hold(conn)
                 try:
                     resp = self._exchange(conn, method, path, headers, body)
                 except (http.client.RemoteDisconnected, ConnectionError):
@@ -145,6 +204,7 @@ class BulkHttp:
                     raise _failure(method, f"the connection broke: {e}") from None
             if conn is None:
                 conn = self._connect()
+                hold(conn)
                 try:
                     resp = self._exchange(conn, method, path, headers, body)
                 except http.client.RemoteDisconnected as e:
@@ -161,6 +221,9 @@ class BulkHttp:
             except BaseException:
                 conn.close()
                 raise
+            finally:
+                if cancel is not None:
+                    cancel._let_go(conn)
             if resp.will_close:
                 conn.close()
             else:

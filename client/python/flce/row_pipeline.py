@@ -37,6 +37,7 @@ import grpc
 import numpy as np
 import torch
 
+from flce import bulk_http
 from flce.client import _MODES, FlceError, future_result, set_loss_options, to_torch, to_wire
 from flce.client import wire_scalar
 from flce.wire_dtypes import TORCH_TO_WIRE
@@ -121,6 +122,8 @@ class RowPipeline:
         self.min_piece_bytes = min_piece_bytes
         self._buffers = _Buffers()
         self._stream = None  # a side stream for the pieces' host ↔ GPU copies
+        self._pool = None  # the pieces' threads, kept across steps
+        self._pool_size = 0
         # The last forward's moments (time.monotonic(), by name: "start",
         # "staged i", "written i", "answered i", "read i", "end"), for
         # benchmarks' timelines.
@@ -189,17 +192,14 @@ class RowPipeline:
             flat.record_stream(self._stream)
         else:
             x_host = flat
-        scale_wire = to_wire(np.asarray(_piece_grad(expected, denom), dtype=np.float32))
-
-        base = pb.ForwardRequest(need_backward=True, backward_mode=_MODES[module.backward_mode])
-        base.weight_ref.name = weight_name
-        base.weight_ref.version = weight_version
-        set_loss_options(base.options, ignore_index=module.ignore_index, reduction="sum",
-                         label_smoothing=module.label_smoothing,
-                         logit_softcap=module.logit_softcap, z_loss_scale=module.z_loss_scale)
-        if module.class_weight is not None:
-            to_wire(module.class_weight, base.options.class_weight)
-        base.hidden.dtype = TORCH_TO_WIRE[str(hidden.dtype)]
+        # The pieces' requests while X comes off the GPU. Where the server's
+        # bulk reads wait for marks, each piece's Forward posts one once its
+        # dX is in the region, and the read of that dX goes out before the
+        # answer (it waits at the server): one round trip less a piece.
+        marked = transfer.marks and transfer.over_http
+        requests = self._requests(module, hidden, weight_name, weight_version, targets, rows,
+                                  expected, denom, region, dx_at,
+                                  [transfer.next_mark() if marked else 0 for _ in rows])
 
         dx = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         dx_flat = dx.reshape(-1).view(torch.uint8)
@@ -209,16 +209,34 @@ class RowPipeline:
         sessions: List[str] = [""] * len(rows)
         lock = threading.Lock()
         dx_ready = []
+        written = [threading.Event() for _ in rows]
+        cancels = [bulk_http.Cancel() for _ in rows]
 
         def chain(i: int, call):
-            """Piece i after its Forward went out: its answer (its dX in
-            the region by then), dX read back and copied to dX."""
+            """Piece i after its Forward went out: dX read back (as soon as
+            the server has written it, where marked; else after the answer)
+            and copied to dX; the answer."""
             first, last = rows[i]
+            span = slice(first * h * elem, last * h * elem)
+            read = False
+            if marked:
+                # Once the next piece is up: this process's read beside its
+                # own write slows both (bench/RESULTS.md, 2026-12-05).
+                if i + 1 < len(rows):
+                    written[i + 1].wait()
+                try:
+                    read = transfer.read_marked(region, dx_at + span.start, dx_view[span],
+                                                requests[i].backward.written_mark,
+                                                client.timeout, cancels[i])
+                except FlceError:
+                    # The Forward's failure says more than the read's.
+                    sessions[i] = future_result(call, client.timeout, "Forward").session_id
+                    raise
             resp = future_result(call, client.timeout, "Forward")
             stamps[f"answered {i}"] = time.monotonic()
             sessions[i] = resp.session_id
-            span = slice(first * h * elem, last * h * elem)
-            transfer.read(region, dx_at + span.start, dx_view[span], client.timeout)
+            if not read:
+                transfer.read(region, dx_at + span.start, dx_view[span], client.timeout)
             stamps[f"read {i}"] = time.monotonic()
             if on_gpu:
                 with torch.cuda.stream(self._stream):
@@ -229,42 +247,37 @@ class RowPipeline:
                     dx_ready.append(event)
             return resp
 
+        pool = self._threads(len(rows))
         futures = []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(rows),
-                                                   thread_name_prefix="flce-rows") as pool:
-            try:
-                for i, (first, last) in enumerate(rows):
-                    if staged:
-                        staged[i].synchronize()
-                    stamps[f"staged {i}"] = time.monotonic()
-                    span = slice(first * h * elem, last * h * elem)
-                    transfer.write(region, span.start, x_view[span], client.timeout)
-                    stamps[f"written {i}"] = time.monotonic()
-                    r = pb.ForwardRequest()
-                    r.CopyFrom(base)
-                    r.hidden.shape.extend([last - first, h])
-                    r.hidden.shm.region_id = region
-                    r.hidden.shm.offset = span.start
-                    # Its dX into the region in the same call, before the
-                    # server starts the next piece; dW and db stay in the
-                    # session (finish adds them into the registered sum).
-                    r.backward.gradients = pb.GRADIENTS_HIDDEN
-                    r.backward.grad_output.CopyFrom(scale_wire)
-                    r.backward.grad_hidden_out.region_id = region
-                    r.backward.grad_hidden_out.offset = dx_at + span.start
-                    to_wire(targets[first:last], r.target)
-                    call = client._stub.Forward.future(r, timeout=client.timeout,
-                                                       metadata=client._metadata)
-                    futures.append(pool.submit(chain, i, call))
-                answers = [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                concurrent.futures.wait(futures)
-                for session_id in sessions:
-                    if session_id:
-                        client.release_session_later(session_id)
-                raise
+        try:
+            for i, (first, last) in enumerate(rows):
+                if staged:
+                    staged[i].synchronize()
+                stamps[f"staged {i}"] = time.monotonic()
+                span = slice(first * h * elem, last * h * elem)
+                transfer.write(region, span.start, x_view[span], client.timeout)
+                stamps[f"written {i}"] = time.monotonic()
+                written[i].set()
+                call = client._stub.Forward.future(requests[i], timeout=client.timeout,
+                                                   metadata=client._metadata)
+                # A Forward that fails before it reaches the server posts no
+                # mark: its read ends here.
+                call.add_done_callback(
+                    lambda c, cancel=cancels[i]: c.code() != grpc.StatusCode.OK
+                    and cancel.cancel())
+                futures.append(pool.submit(chain, i, call))
+            answers = [f.result() for f in futures]
+        except BaseException:
+            for event, cancel in zip(written, cancels):
+                event.set()
+                cancel.cancel()
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)
+            for session_id in sessions:
+                if session_id:
+                    client.release_session_later(session_id)
+            raise
         if on_gpu:
             dx.record_stream(self._stream)
         stamps["end"] = time.monotonic()
@@ -276,6 +289,50 @@ class RowPipeline:
                              engine_ms=sum(f.stats.engine_ms for f in answers))
         return PipelinedStep(self, sessions, rows, denom, expected, dx, np.float32(loss), z_loss,
                              sum(f.num_valid for f in answers), stats, dx_ready)
+
+    def _threads(self, n: int) -> concurrent.futures.ThreadPoolExecutor:
+        """A thread for each of ``n`` pieces, kept across steps."""
+        if self._pool_size < n:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n,
+                                                               thread_name_prefix="flce-rows")
+            self._pool_size = n
+        return self._pool
+
+    @staticmethod
+    def _requests(module, hidden, weight_name: str, weight_version: int, targets, rows,
+                  expected: float, denom, region: str, dx_at: int, marks) -> list:
+        """Each piece's Forward: its rows of X from the region, its dX for
+        ``expected`` written into it at ``dx_at`` onwards in the same call
+        (posting its mark of ``marks`` then, where not 0); dW and db stay in
+        the session (finish adds them into the registered sum)."""
+        h, elem = hidden.shape[1], hidden.element_size()
+        base = pb.ForwardRequest(need_backward=True, backward_mode=_MODES[module.backward_mode])
+        base.weight_ref.name = weight_name
+        base.weight_ref.version = weight_version
+        set_loss_options(base.options, ignore_index=module.ignore_index, reduction="sum",
+                         label_smoothing=module.label_smoothing,
+                         logit_softcap=module.logit_softcap, z_loss_scale=module.z_loss_scale)
+        if module.class_weight is not None:
+            to_wire(module.class_weight, base.options.class_weight)
+        base.hidden.dtype = TORCH_TO_WIRE[str(hidden.dtype)]
+        base.hidden.shm.region_id = region
+        base.backward.gradients = pb.GRADIENTS_HIDDEN
+        to_wire(np.asarray(_piece_grad(expected, denom), dtype=np.float32),
+                base.backward.grad_output)
+        base.backward.grad_hidden_out.region_id = region
+        requests = []
+        for (first, last), mark in zip(rows, marks):
+            r = pb.ForwardRequest()
+            r.CopyFrom(base)
+            r.hidden.shape.extend([last - first, h])
+            r.hidden.shm.offset = first * h * elem
+            r.backward.grad_hidden_out.offset = dx_at + first * h * elem
+            r.backward.written_mark = mark
+            to_wire(targets[first:last], r.target)
+            requests.append(r)
+        return requests
 
     def finish(self, step: PipelinedStep, grad_output: float, registration) -> torch.Tensor:
         """Backward of a step's pieces (see PipelinedStep.finish)."""
