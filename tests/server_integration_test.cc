@@ -14,12 +14,14 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -34,6 +36,7 @@
 #include "proto/crc32c.h"
 #include "server/engine_factory.h"
 #include "server/loss_server.h"
+#include "tests/loopback_socket.h"
 #include "tests/shm_object.h"
 #include "tests/status_matchers.h"
 
@@ -1331,6 +1334,10 @@ TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
   EXPECT_EQ(weight_grads.grad_weight().data(), wire_grads->grad_weight->data);
   EXPECT_EQ(weight_grads.grad_bias().data(), wire_grads->grad_bias->data);
   EXPECT_FALSE(weight_grads.has_grad_hidden());
+  v1::ForwardRequest marked = hidden_only;  // marks are for regions of server memory
+  marked.mutable_backward()->set_written_mark(7);
+  EXPECT_THAT(RawForward(marked),
+              StatusIs(Code::kInvalidArgument, HasSubstr("backward.written_mark: posted on")));
   v1::ForwardRequest hidden_and_weight = hidden_only;
   *hidden_and_weight.mutable_backward()->mutable_grad_weight_out() = back.grad_weight_out();
   EXPECT_THAT(RawForward(hidden_and_weight),
@@ -1386,6 +1393,76 @@ TEST_F(ServerTest, TensorsAndGradientsThroughSharedMemoryEqualTheWire) {
   missing.set_bytes(10);
   EXPECT_THAT(FromGrpcStatus(stub_->RegisterSharedMemory(&missing_context, missing, &region)),
               StatusIs(Code::kNotFound, HasSubstr("cannot open")));
+  ExpectStillServing();
+}
+
+// A remote worker's row piece: its Forward writes dX into a region of
+// server memory and posts its written_mark; the bulk port's read of that dX,
+// sent before the Forward, waits for the post. A Forward that fails posts
+// ABORTED; a mark on a region not of server memory is refused by name.
+TEST_F(ServerTest, AWrittenMarkLetsABulkReadWaitForTheForwardsDx) {
+  const OwnedProblem p = Problem(9, 6, 13);
+  grpc::ClientContext register_context;
+  v1::RegisterSharedMemoryRequest reg;
+  reg.set_server_memory(true);
+  reg.set_bytes(1 << 16);
+  v1::RegisterSharedMemoryResponse region;
+  ASSERT_TRUE(stub_->RegisterSharedMemory(&register_context, reg, &region).ok());
+  ASSERT_TRUE(region.bulk_marks());
+  ASSERT_NE(region.bulk_port(), 0);
+  const size_t x = p.hidden.data.size();
+  // The read of `mark`'s dX, sent at once; its answer once it comes.
+  auto read_after = [&](uint64_t mark) {
+    return std::async(std::launch::async, [&, mark] {
+      const int fd = ConnectLoopback(region.bulk_port(), 30);
+      if (fd < 0) return std::string();
+      const std::string request = absl::StrCat(
+          "GET /v1/regions/", region.region_id(), "?offset=0&length=", x, "&after_mark=", mark,
+          "&wait_ms=30000 HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer ",
+          region.bulk_ticket(), "\r\n\r\n");
+      send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+      std::string reply;
+      char buffer[4096];
+      for (ssize_t n; (n = recv(fd, buffer, sizeof(buffer), 0)) > 0;) reply.append(buffer, n);
+      close(fd);
+      return reply;
+    });
+  };
+  v1::ForwardRequest r = BuildForwardRequest(Args(p, true, BackwardMode::kStoreGrads));
+  r.mutable_backward()->set_gradients(v1::GRADIENTS_HIDDEN);
+  r.mutable_backward()->mutable_grad_hidden_out()->set_region_id(region.region_id());
+  r.mutable_backward()->set_written_mark(41);
+  auto reply = read_after(41);
+  grpc::ClientContext forward_context;
+  v1::ForwardResponse response;
+  ASSERT_TRUE(stub_->Forward(&forward_context, r, &response).ok());
+  auto wire_forward = client_->Forward(Args(p, true, BackwardMode::kStoreGrads));
+  ASSERT_TRUE(wire_forward.ok());
+  BackwardArgs wire_back;
+  wire_back.session_id = wire_forward->session_id;
+  auto wire_grads = client_->Backward(wire_back);
+  ASSERT_TRUE(wire_grads.ok());
+  std::string got = reply.get();
+  EXPECT_TRUE(absl::StartsWith(got, "HTTP/1.1 200")) << got;
+  const size_t body = got.find("\r\n\r\n");
+  ASSERT_NE(body, std::string::npos);
+  EXPECT_EQ(got.substr(body + 4), wire_grads->grad_hidden.data);
+  // A Forward refused (a target out of range): ABORTED for its read.
+  OwnedProblem bad = Problem(9, 6, 13);
+  bad.target.mutable_data<int64_t>()[4] = 13;
+  v1::ForwardRequest failing = BuildForwardRequest(Args(bad, true, BackwardMode::kStoreGrads));
+  *failing.mutable_backward() = r.backward();
+  failing.mutable_backward()->set_written_mark(42);
+  reply = read_after(42);
+  EXPECT_THAT(RawForward(failing), StatusIs(Code::kOutOfRange, HasSubstr("target[4]")));
+  got = reply.get();
+  EXPECT_TRUE(absl::StartsWith(got, "HTTP/1.1 409")) << got;
+  EXPECT_THAT(got, HasSubstr("mark 42 ended without writing it"));
+  // The mark names dX's region, which must be server memory of the caller's.
+  v1::ForwardRequest elsewhere = r;
+  elsewhere.mutable_backward()->mutable_grad_hidden_out()->set_region_id("nope");
+  EXPECT_THAT(RawForward(elsewhere),
+              StatusIs(Code::kInvalidArgument, HasSubstr("backward.written_mark")));
   ExpectStillServing();
 }
 
