@@ -396,7 +396,9 @@ class Client:
     0 connections: over the one channel, as chunks of one stream): over the
     server's bulk HTTP port where it offers one and ``bulk_http`` (TLS like
     the channel, without a client certificate: a region's ticket is its
-    credential), else as gRPC streams."""
+    credential), else as gRPC streams. That region serves one call at a
+    time: calls that move large tensors from several threads at once each
+    need a Client of their own (their bytes would overwrite each other's)."""
 
     def __init__(self, target: str, timeout: float = 300.0,
                  max_message_bytes: int = 256 << 20, stream_chunk_bytes: int = 4 << 20, *,
