@@ -150,9 +150,9 @@ absl::Status Admit(const BulkHttpServer& server, MHD_Connection* connection, con
   }
   const int64_t bytes = found.region->bytes();
   if (offset > bytes || length > bytes - offset) {
-    return absl::InvalidArgumentError(absl::StrCat("offset: ", length, " bytes at offset ", offset,
-                                                   " do not lie inside the region's ", bytes,
-                                                   " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("offset: ", length, " bytes at offset ",
+                                                   offset, " do not lie inside the region's ",
+                                                   bytes, " bytes"));
   }
   transfer->record.PrependDetail(absl::StrCat("bytes=", length, " "));
   transfer->to = found.region->base() + offset;
@@ -262,13 +262,14 @@ void Completed(void* /*cls*/, MHD_Connection* /*connection*/, void** request,
       transfer->record.AddBytes(0, transfer->length);
     }
   } else {
-    const char* why = how == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED   ? "idle past the timeout"
+    const char* why = how == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED ? "idle past the timeout"
                       : how == MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN ? "the server stopped"
                                                                       : "the connection broke";
     transfer->record.SetAnswer(absl::CancelledError(
         transfer->write ? absl::StrCat(why, " after ", transfer->moved, " of ", transfer->length,
                                        " bytes (the range holds what arrived)")
-                        : absl::StrCat(why, " before the ", transfer->length, " bytes were sent")));
+                        : absl::StrCat(why, " before the ", transfer->length,
+                                       " bytes were sent")));
     if (transfer->write) transfer->record.AddBytes(transfer->moved, 0);
   }
   transfer->record.Over(nullptr);
@@ -285,17 +286,19 @@ void Log(void* /*cls*/, const char* format, va_list args) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<BulkHttpServer>> BulkHttpServer::Start(
-    const BulkHttpOptions& options, const SharedMemoryRegistry* regions, ServiceMetrics* metrics) {
+    const BulkHttpOptions& options, const SharedMemoryRegistry* regions,
+    ServiceMetrics* metrics) {
   FLCE_ASSIGN_OR_RETURN(const HttpListenAddress listen,
-                        ParseHttpListenAddress(options.address, "--bulk_address", "0.0.0.0:50052"));
+                        ParseHttpListenAddress(options.address, "--bulk_address",
+                                               "0.0.0.0:50052"));
   if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
     return absl::InvalidArgumentError("bulk port: a TLS certificate and key go together");
   }
   if (options.max_connections < 1 || options.max_connections_per_address < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max_bulk_connections (", options.max_connections,
-                     ") and --max_bulk_connections_per_address (",
-                     options.max_connections_per_address, ") must be >= 1"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_bulk_connections (", options.max_connections,
+        ") and --max_bulk_connections_per_address (", options.max_connections_per_address,
+        ") must be >= 1"));
   }
   std::unique_ptr<BulkHttpServer> server(new BulkHttpServer());
   server->regions_ = regions;
@@ -321,10 +324,11 @@ absl::StatusOr<std::unique_ptr<BulkHttpServer>> BulkHttpServer::Start(
       MHD_OPTION_SOCK_ADDR, listen.sockaddr_ptr(), MHD_OPTION_CONNECTION_LIMIT,
       static_cast<unsigned>(options.max_connections), MHD_OPTION_PER_IP_CONNECTION_LIMIT,
       static_cast<unsigned>(options.max_connections_per_address), MHD_OPTION_CONNECTION_TIMEOUT,
-      timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemory, MHD_OPTION_NOTIFY_COMPLETED,
-      &Completed, nullptr, MHD_OPTION_EXTERNAL_LOGGER, &Log, nullptr,
-      server->tls_ ? MHD_OPTION_HTTPS_MEM_CERT : MHD_OPTION_END, server->cert_pem_.c_str(),
-      MHD_OPTION_HTTPS_MEM_KEY, server->key_pem_.c_str(), MHD_OPTION_END);
+      timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemory,
+      MHD_OPTION_NOTIFY_COMPLETED, &Completed, nullptr, MHD_OPTION_EXTERNAL_LOGGER, &Log,
+      nullptr, server->tls_ ? MHD_OPTION_HTTPS_MEM_CERT : MHD_OPTION_END,
+      server->cert_pem_.c_str(), MHD_OPTION_HTTPS_MEM_KEY, server->key_pem_.c_str(),
+      MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     return absl::UnavailableError(absl::StrCat(
         "--bulk_address: cannot listen on ", options.address, ": ", std::strerror(errno),
@@ -337,7 +341,8 @@ absl::StatusOr<std::unique_ptr<BulkHttpServer>> BulkHttpServer::Start(
 }
 
 int BulkHttpServer::connections() const {
-  const MHD_DaemonInfo* info = MHD_get_daemon_info(daemon_, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+  const MHD_DaemonInfo* info =
+      MHD_get_daemon_info(daemon_, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
   return info != nullptr ? static_cast<int>(info->num_connections) : 0;
 }
 
