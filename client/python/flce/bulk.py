@@ -43,8 +43,9 @@ _READ = "/flce.v1.LossService/ReadRegion"
 SMALL_TRANSFER_BYTES = 64 << 20
 SMALL_TRANSFER_RANGES = 4
 # A bulk-port range carries at least this much: a 4 MiB row piece goes in 2
-# ranges, not 4 of 1 MiB, whose requests cost more than they share out
-# (measured on the H100 host, 2026-12-05: bench/RESULTS.md).
+# ranges, not 4 of 1 MiB, each of which costs a request and a thread's
+# wake-up (part of the client measured faster on an H100 host on
+# 2026-12-05; bench/RESULTS.md).
 MIN_RANGE_BYTES = 2 << 20
 
 
