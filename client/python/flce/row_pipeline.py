@@ -10,7 +10,9 @@ arrived, while the next piece travels,
 and in the same call (its eager backward, ``GRADIENTS_HIDDEN``) writes the
 piece's dX into the region for the upstream gradient the last step had,
 before the server starts the next piece; the client reads it back while the
-server works on the following pieces. When autograd's backward comes with that same upstream
+server works on the following pieces (the read sent before the answer where
+the server holds it until dX is written: marks, :meth:`flce.bulk.BulkTransfer.read_marked`).
+When autograd's backward comes with that same upstream
 gradient, one small Backward per piece (``gradients="weight"``) adds dW and
 db into the registered weight's sum on the server — left in flight, waited
 for by the weight's next pull — and dX is already here: a step is the
