@@ -179,13 +179,14 @@ bool ClientGone(MHD_Connection* connection) {
 std::optional<absl::Status> AwaitMark(const BulkHttpServer& server, MHD_Connection* connection,
                                       Transfer* transfer) {
   transfer->record.Stamp("waiting");
-  std::optional<absl::Status> posted =
-      transfer->region->marks()->Await(transfer->after_mark, absl::Now() + transfer->wait,
-                                       [&] { return server.stopping() || ClientGone(connection); });
+  bool stopping = false, left = false;
+  std::optional<absl::Status> posted = transfer->region->marks()->Await(
+      transfer->after_mark, absl::Now() + transfer->wait,
+      [&] { return (stopping = server.stopping()) || (left = ClientGone(connection)); });
   transfer->record.Stamp("posted");
   if (posted) return posted;
-  if (server.stopping()) return absl::UnavailableError("the server is stopping");
-  if (ClientGone(connection)) return std::nullopt;
+  if (stopping) return absl::UnavailableError("the server is stopping");
+  if (left) return std::nullopt;
   return absl::DeadlineExceededError(absl::StrCat("after_mark: mark ", transfer->after_mark,
                                                   " was not posted within wait_ms (",
                                                   absl::ToInt64Milliseconds(transfer->wait), ")"));
