@@ -267,6 +267,39 @@ class BulkTransferTest(unittest.TestCase):
         self.assertNotRegex(other.read_log(), r"rpc=Bulk\w+ via=http .*code=OK")
         self.assertRegex(other.read_log(), r"rpc=BulkRead via=http .*code=NOT_FOUND")
 
+    def test_a_bulk_port_that_stalls_fails_the_transfer_within_its_timeout(self):
+        # The client's sockets block with the kernel's timeouts (one system
+        # call a body): a port that stops sending, or never answers, must
+        # still end the transfer, by name, after the timeout.
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(listener.close)
+        held = []
+
+        def serve():
+            for answer in (b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n"
+                           b"Flce-Code: 0\r\n\r\n" + b"x" * 1000, b""):
+                conn, _ = listener.accept()
+                held.append(conn)
+                conn.recv(65536)
+                conn.sendall(answer)
+
+        threading.Thread(target=serve, daemon=True).start()
+        port = bulk_http.BulkHttp("127.0.0.1", listener.getsockname()[1], timeout=0.5,
+                                  max_connections=1)
+        self.addCleanup(port.close)
+        out = bytearray(1 << 20)
+        for expected in ("1000 of 1048576 bytes arrived: no bytes for 0.5 s",
+                         "the connection broke: no answer for 0.5 s"):
+            start = time.monotonic()
+            with self.assertRaises(flce.FlceError) as e:
+                port.get("r", "ticket", 0, memoryview(out))
+            self.assertLess(time.monotonic() - start, 5)
+            self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
+            self.assertIn(expected, str(e.exception))
+        self.assertEqual(bytes(out[:1000]), b"x" * 1000)
+        for conn in held:
+            conn.close()
+
     def test_parts_round_trip_and_a_bad_crc_is_refused(self):
         data = bytes(range(256)) * 300
         encoded = bulk.encode_part("abc", 12345, memoryview(data))

@@ -23,9 +23,9 @@ per pod) is pinned to the address that holds the region (:meth:`pin`): the
 gRPC channel reached one of them, and the region lives there.
 """
 
-import http.client
 import socket
 import ssl
+import struct
 import threading
 from typing import Optional
 
@@ -74,26 +74,141 @@ class Cancel:
             self._conns.discard(conn)
 
 
-class _Connection(http.client.HTTPConnection):
-    """A keep-alive connection to ``address`` (``host``'s, or host itself)
-    that connects within CONNECT_TIMEOUT, then allows ``timeout`` for a
-    whole request; TLS with ``tls`` (an ssl.SSLContext), checking the
-    certificate against ``server_name``."""
+class _Closed(Exception):
+    """The server closed the connection without answering the request."""
+
+
+class _Connection:
+    """A keep-alive HTTP/1.1 connection to ``address`` (``host``'s, or host
+    itself) that connects within CONNECT_TIMEOUT, then allows ``timeout``
+    for each wait on the socket; TLS with ``tls`` (an ssl.SSLContext),
+    checking the certificate against ``server_name``.
+
+    Over plain TCP the socket blocks, its timeouts the kernel's
+    (SO_SNDTIMEO, SO_RCVTIMEO): a body goes out in one ``sendall`` and comes
+    in with one ``recv_into(MSG_WAITALL)``, one system call each with the
+    interpreter lock released throughout. A socket with Python's own
+    timeout is non-blocking underneath and takes the lock back for every
+    socket buffer's worth (64-256 KiB), so a read beside a write in another
+    thread of the same process ran at half speed (bench/RESULTS.md,
+    2026-12-03's duplex probe). The server's answers are its own
+    (server/bulk_http.cc): a status line, headers with Content-Length, a
+    body of that length."""
+
+    HEAD_BYTES = 64 << 10  # an answer's head is far shorter
 
     def __init__(self, host: str, address: str, port: int, timeout: float,
                  tls: Optional[ssl.SSLContext], server_name: str):
-        super().__init__(host, port, timeout=timeout)
-        self._address = address
-        self._tls = tls
-        self._server_name = server_name
+        self._host = f"[{host}]" if ":" in host else host
+        self._address, self.port, self.timeout = address, port, timeout
+        self._tls, self._server_name = tls, server_name
+        self.sock = None
 
     def connect(self):
         sock = socket.create_connection((self._address, self.port), CONNECT_TIMEOUT)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(self.timeout)
-        if self._tls is not None:
-            sock = self._tls.wrap_socket(sock, server_hostname=self._server_name)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock.settimeout(self.timeout)
+                sock = self._tls.wrap_socket(sock, server_hostname=self._server_name)
+            else:
+                if self.timeout is not None:
+                    seconds = int(self.timeout)
+                    limit = struct.pack("ll", seconds, int((self.timeout - seconds) * 1e6))
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+                sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
         self.sock = sock
+
+    def close(self):
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def exchange(self, method: str, path: str, headers: dict, body, out):
+        """Sends the request and reads the answer: (status, headers with
+        lower-case names, the body: into ``out`` on 200 when given, else
+        as bytes, the first 4096 of an error's), and whether the server
+        closes the connection after it. _Closed where it answered nothing."""
+        lines = [f"{method} {path} HTTP/1.1", f"Host: {self._host}:{self.port}"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        try:
+            self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            if body is not None:
+                self.sock.sendall(body)
+        except (BrokenPipeError, ConnectionResetError):
+            # The server answered before the body was all sent (a refusal)
+            # and closed: its answer says why.
+            pass
+        status, answer, rest = self._head()
+        length = int(answer.get("content-length", "0"))
+        closes = answer.get("connection", "").lower() == "close"
+        if status == 200 and out is not None:
+            if length != len(out):
+                raise _HttpError(f"{length} bytes answered for {len(out)} asked")
+            self._body(out, rest)
+            return status, answer, None, closes
+        if length > 4096:  # only an error's first words are read
+            closes = True
+        kept = bytearray(min(length, 4096))
+        self._body(memoryview(kept), rest[:len(kept)])
+        return status, answer, bytes(kept), closes
+
+    def _recv_into(self, view: memoryview) -> int:
+        try:
+            if self._tls is None:
+                return self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
+            return self.sock.recv_into(view, len(view))
+        except BlockingIOError:  # SO_RCVTIMEO passed
+            raise socket.timeout(f"no bytes for {self.timeout:g} s") from None
+
+    def _head(self):
+        buf = bytearray()
+        while True:
+            try:
+                chunk = self.sock.recv(8192)
+            except BlockingIOError:  # SO_RCVTIMEO passed
+                raise socket.timeout(f"no answer for {self.timeout:g} s") from None
+            if not chunk:
+                if not buf:
+                    raise _Closed("the server closed the connection without an answer")
+                raise _HttpError("the answer's head was cut off")
+            buf += chunk
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(buf) > self.HEAD_BYTES:
+                raise _HttpError("an answer's head over 64 KiB")
+        head = buf[:end].decode("latin-1").split("\r\n")
+        parts = head[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+            raise _HttpError(f"not an HTTP answer: {head[0][:80]!r}")
+        headers = {}
+        for line in head[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return int(parts[1]), headers, memoryview(buf)[end + 4:]
+
+    def _body(self, out: memoryview, rest: memoryview):
+        """``len(out)`` bytes of body into ``out``: those already read with
+        the head (``rest``), then the socket's."""
+        got = min(len(rest), len(out))
+        out[:got] = rest[:got]
+        while got < len(out):
+            try:
+                n = self._recv_into(out[got:])
+            except OSError as e:
+                raise _HttpError(f"{got} of {len(out)} bytes arrived: {e}") from None
+            if not n:
+                raise _HttpError(f"{got} of {len(out)} bytes arrived")
+            got += n
+
+
+class _HttpError(Exception):
+    """An answer that is not the protocol's, or a body cut short."""
 
 
 class BulkHttp:
@@ -136,13 +251,12 @@ class BulkHttp:
             except Unreachable:
                 continue
             try:
-                resp = self._exchange(conn, "GET", f"/v1/regions/{region_id}?length=0",
-                                      {"Authorization": f"Bearer {ticket}"}, None)
-                resp.read()
-                if resp.status == 200:
+                status = conn.exchange("GET", f"/v1/regions/{region_id}?length=0",
+                                       {"Authorization": f"Bearer {ticket}"}, None, None)[0]
+                if status == 200:
                     found = address
                     break
-            except (OSError, http.client.HTTPException):
+            except (OSError, _Closed, _HttpError):
                 pass
             finally:
                 conn.close()
@@ -190,77 +304,49 @@ class BulkHttp:
         with self._slots:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
-            if conn is not None:
-                hold(conn)
-                try:
-                    resp = self._exchange(conn, method, path, headers, body)
-                except (http.client.RemoteDisconnected, ConnectionError):
-                    # The server closed the kept connection while it was
-                    # idle (--stream_idle_timeout): once more on a new one.
-                    conn.close()
-                    conn = None
-                except (OSError, http.client.HTTPException) as e:
-                    conn.close()
-                    raise _failure(method, f"the connection broke: {e}") from None
-            if conn is None:
-                conn = self._connect()
-                hold(conn)
-                try:
-                    resp = self._exchange(conn, method, path, headers, body)
-                except http.client.RemoteDisconnected as e:
-                    # A new connection closed without a word: a server at
-                    # its connection limit.
-                    conn.close()
-                    raise Unreachable(f"the bulk port {self.host}:{self.port} closed a new "
-                                      f"connection: {e}") from None
-                except (OSError, http.client.HTTPException) as e:
-                    conn.close()
-                    raise _failure(method, f"the connection broke: {e}") from None
             try:
-                self._settle(method, resp, out)
-            except BaseException:
-                conn.close()
-                raise
+                if conn is not None:
+                    hold(conn)
+                    try:
+                        status, answer, message, closes = conn.exchange(method, path, headers,
+                                                                        body, out)
+                    except (_Closed, ConnectionError):
+                        # The server closed the kept connection while it was
+                        # idle (--stream_idle_timeout): once more on a new one.
+                        if cancel is not None:
+                            cancel._let_go(conn)
+                        conn.close()
+                        conn = None
+                    except (OSError, _HttpError) as e:
+                        conn.close()
+                        raise _failure(method, f"the connection broke: {e}") from None
+                if conn is None:
+                    conn = self._connect()
+                    hold(conn)
+                    try:
+                        status, answer, message, closes = conn.exchange(method, path, headers,
+                                                                        body, out)
+                    except _Closed as e:
+                        # A new connection closed without a word: a server at
+                        # its connection limit.
+                        conn.close()
+                        raise Unreachable(f"the bulk port {self.host}:{self.port} closed a new "
+                                          f"connection: {e}") from None
+                    except (OSError, _HttpError) as e:
+                        conn.close()
+                        raise _failure(method, f"the connection broke: {e}") from None
             finally:
-                if cancel is not None:
+                if cancel is not None and conn is not None:
                     cancel._let_go(conn)
-            if resp.will_close:
+            if closes or status != 200:  # after a refusal, the body may still be in flight
                 conn.close()
             else:
                 with self._lock:
                     self._idle.append(conn)
-
-    @staticmethod
-    def _exchange(conn, method, path, headers, body):
-        try:
-            conn.request(method, path, body=body, headers=headers)
-        except (BrokenPipeError, ConnectionResetError):
-            # The server answered before the body was all sent (a refusal)
-            # and closed: its answer says why.
-            return conn.getresponse()
-        return conn.getresponse()
-
-    @staticmethod
-    def _settle(method: str, resp, out):
-        if resp.status != 200:
-            message = resp.read(4096).decode("utf-8", "replace").strip()
-            code = _CODES.get(int(resp.getheader("Flce-Code", "2")), grpc.StatusCode.UNKNOWN)
-            raise _error(code, f"bulk {method}: {message} (HTTP {resp.status})")
-        if out is None:
-            resp.read()
-            return
-        got = 0
-        try:
-            while got < len(out):
-                n = resp.readinto(out[got:])
-                if not n:
-                    break
-                got += n
-        except (OSError, http.client.HTTPException) as e:
-            raise _failure(method, f"the connection broke after {got} of {len(out)} bytes: "
-                                   f"{e}") from None
-        if got != len(out):
-            raise _failure(method, f"{got} of {len(out)} bytes arrived")
+            if status != 200:
+                text = message.decode("utf-8", "replace").strip()
+                code = _CODES.get(int(answer.get("flce-code", "2")), grpc.StatusCode.UNKNOWN)
+                raise _error(code, f"bulk {method}: {text} (HTTP {status})")
 
     def close(self):
         with self._lock:
