@@ -131,6 +131,40 @@ class BulkTransferTest(unittest.TestCase):
                 self.assertTrue(np.array_equal(back, data))
             self.assertEqual(used, [4, 8], f"over {rpc}")
 
+    def test_each_range_is_handed_over_as_it_goes_and_as_it_lands(self):
+        # A row piece's copy off the GPU range by range: each range's bytes
+        # are made in `before` and must be what goes; `landed` must see its
+        # range's bytes already here. Over the bulk port (3 ranges of 2 MiB)
+        # and over gRPC (the whole at once).
+        size = 6 << 20
+        want = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+        for http in (True, False):
+            c = self.client(bulk_connections=4, bulk_threshold=1 << 20, bulk_http=http)
+            transfer = c.bulk(size)
+            region = transfer.region(size)
+            spans = transfer.spans(size)
+            self.assertEqual(len(spans), 3 if http else 1)
+            data = np.zeros_like(want)
+            made, seen = [], []
+
+            def before(span):
+                data[span.start:span.stop] = want[span.start:span.stop]
+                made.append((span.start, span.stop))
+
+            transfer.write(region, 0, data, 60.0, before)
+            back = np.zeros_like(want)
+
+            def landed(span):
+                seen.append((span.start, span.stop,
+                             np.array_equal(back[span.start:span.stop],
+                                            want[span.start:span.stop])))
+
+            transfer.read(region, 0, back, 60.0, landed)
+            self.assertTrue(np.array_equal(back, want), f"http={http}")
+            expected = [(r.start, r.stop) for r in spans]
+            self.assertEqual(sorted(made), expected)
+            self.assertEqual(sorted(seen), [(a, b, True) for a, b in expected])
+
     def test_a_read_after_a_mark_waits_for_the_forward_that_posts_it(self):
         c = self.client(bulk_connections=2, bulk_threshold=1 << 10)
         transfer = c.bulk(1 << 20)

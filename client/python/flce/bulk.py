@@ -198,12 +198,20 @@ class BulkTransfer:
         per = -(-per // 4096) * 4096        # up to whole 4 KiB
         return [range(a, min(total, a + per)) for a in range(0, total, per)]
 
+    def spans(self, total: int) -> List[range]:
+        """The ranges a transfer of ``total`` bytes goes in now (each on a
+        connection of its own; one range over gRPC): a caller that makes
+        the bytes range by range (a copy off the GPU) hands each over as
+        soon as it is made (``before`` of :meth:`write`)."""
+        return self._http_ranges(total) if self.over_http else [range(0, total)]
+
     def _over_http(self, write: bool, region_id: str, offset: int, view: memoryview,
-                   **marked) -> bool:
+                   each=None, **marked) -> bool:
         """Writes ``view`` at ``offset`` of the region (or reads into it,
         with ``marked`` BulkHttp.get's mark arguments) over the bulk port,
-        one range per connection; False (and gRPC for a minute) where the
-        port cannot be reached."""
+        one range per connection, calling ``each`` with a range of ``view``
+        before it goes (a write) or once it is here (a read); False (and
+        gRPC for a minute) where the port cannot be reached."""
         if region_id != self._region or not self.over_http:
             return False
         if not len(view):
@@ -223,9 +231,13 @@ class BulkTransfer:
         def one(span: range):
             part = view[span.start:span.stop]
             if write:
+                if each is not None:
+                    each(span)
                 self._http.put(region_id, ticket, offset + span.start, part)
             else:
                 self._http.get(region_id, ticket, offset + span.start, part, **marked)
+                if each is not None:
+                    each(span)
 
         futures = [self._pool.submit(one, span) for span in spans[1:]]
         error = None
@@ -251,7 +263,7 @@ class BulkTransfer:
             return next(self._marks)
 
     def read_marked(self, region_id: str, offset: int, out, mark: int, timeout: float,
-                    cancel: bulk_http.Cancel) -> bool:
+                    cancel: bulk_http.Cancel, landed=None) -> bool:
         """Reads like :meth:`read` once the server has posted ``mark`` on
         the region (the call that writes the bytes names it: waiting up to
         ``timeout``), unless ``cancel`` ends it (CANCELLED); an ABORTED
@@ -261,7 +273,7 @@ class BulkTransfer:
         answer."""
         if not self.marks:
             return False
-        return self._over_http(False, region_id, offset, memoryview(out).cast("B"),
+        return self._over_http(False, region_id, offset, memoryview(out).cast("B"), landed,
                                after_mark=mark, wait_s=timeout, cancel=cancel)
 
     def _streams(self):
@@ -283,11 +295,16 @@ class BulkTransfer:
         return [range(i * per * self.part_bytes, min(total, (i + 1) * per * self.part_bytes))
                 for i in range(n) if i * per * self.part_bytes < total]
 
-    def write(self, region_id: str, offset: int, data, timeout: float):
-        """Writes ``data`` (a bytes-like object) at ``offset`` of the region."""
+    def write(self, region_id: str, offset: int, data, timeout: float, before=None):
+        """Writes ``data`` (a bytes-like object) at ``offset`` of the region;
+        ``before(span)``, where given, is called with each range of ``data``
+        (``spans``) before that range goes, and returns once its bytes are
+        there to send."""
         view = memoryview(data).cast("B")
-        if self._over_http(True, region_id, offset, view):
+        if self._over_http(True, region_id, offset, view, before):
             return
+        if before is not None:
+            before(range(0, len(view)))
         _, writes, _ = self._streams()
         # Smaller parts going up: 2.4–2.9 GB/s over 4 connections with 1 MiB
         # against 1.6–2.5 with 4 MiB on the H200 host (bench/RESULTS.md); the
@@ -306,15 +323,22 @@ class BulkTransfer:
                  for i, span in enumerate(self._ranges(len(view)))]
         self._wait(calls, timeout, "WriteRegion")
 
-    def read(self, region_id: str, offset: int, out, timeout: float):
+    def read(self, region_id: str, offset: int, out, timeout: float, landed=None):
         """Reads ``len(out)`` bytes at ``offset`` of the region into ``out``
         (a writable bytes-like object); over gRPC each part's CRC-32 is
-        checked."""
+        checked. ``landed(span)``, where given, is called with each range
+        of ``out`` once its bytes are there (over gRPC: all of it, at the
+        end)."""
+        view = memoryview(out).cast("B")
+        if self._over_http(False, region_id, offset, view, landed):
+            return
+        self._read_streams(region_id, offset, view, timeout)
+        if landed is not None:
+            landed(range(0, len(view)))
+
+    def _read_streams(self, region_id: str, offset: int, view: memoryview, timeout: float):
         from flce.client import FlceError
 
-        view = memoryview(out).cast("B")
-        if self._over_http(False, region_id, offset, view):
-            return
         _, _, reads = self._streams()
         # NumPy copies without the interpreter lock: the connections' threads
         # land their parts side by side.

@@ -179,18 +179,24 @@ class RowPipeline:
         on_gpu = hidden.is_cuda
         x_host, dx_host = self._buffers.get(x_bytes, pinned=on_gpu)
         flat = hidden.detach().contiguous().reshape(-1).view(torch.uint8)
-        staged = []
+        # Each piece comes off the GPU range by range (the ranges its write
+        # goes in), each range's upload starting once its copy is done.
+        staged = []  # per piece: (its range, the copy's event)
         if on_gpu:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(hidden.device)
             self._stream.wait_stream(torch.cuda.current_stream(hidden.device))
             with torch.cuda.stream(self._stream):
                 for first, last in rows:
-                    x_host[first * h * elem:last * h * elem].copy_(
-                        flat[first * h * elem:last * h * elem], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record()
-                    staged.append(event)
+                    base = first * h * elem
+                    copies = []
+                    for span in transfer.spans((last - first) * h * elem):
+                        x_host[base + span.start:base + span.stop].copy_(
+                            flat[base + span.start:base + span.stop], non_blocking=True)
+                        event = torch.cuda.Event()
+                        event.record()
+                        copies.append((span, event))
+                    staged.append(copies)
             flat.record_stream(self._stream)
         else:
             x_host = flat
@@ -216,10 +222,21 @@ class RowPipeline:
 
         def chain(i: int, call):
             """Piece i after its Forward went out: dX read back (as soon as
-            the server has written it, where marked; else after the answer)
-            and copied to dX; the answer."""
+            the server has written it, where marked; else after the answer),
+            each range onto the GPU as soon as it is here; the answer."""
             first, last = rows[i]
             span = slice(first * h * elem, last * h * elem)
+
+            def landed(part: range):  # a range of the piece's dX is here
+                at = slice(span.start + part.start, span.start + part.stop)
+                with torch.cuda.stream(self._stream):
+                    dx_flat[at].copy_(dx_host[at], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                with lock:
+                    dx_ready.append(event)
+
+            landed = landed if on_gpu else None
             read = False
             if marked:
                 # Once the next piece is up: this process's read beside its
@@ -229,7 +246,7 @@ class RowPipeline:
                 try:
                     read = transfer.read_marked(region, dx_at + span.start, dx_view[span],
                                                 requests[i].backward.written_mark,
-                                                client.timeout, cancels[i])
+                                                client.timeout, cancels[i], landed)
                 except FlceError:
                     # The Forward's failure says more than the read's.
                     sessions[i] = future_result(call, client.timeout, "Forward").session_id
@@ -238,26 +255,25 @@ class RowPipeline:
             stamps[f"answered {i}"] = time.monotonic()
             sessions[i] = resp.session_id
             if not read:
-                transfer.read(region, dx_at + span.start, dx_view[span], client.timeout)
+                transfer.read(region, dx_at + span.start, dx_view[span], client.timeout, landed)
             stamps[f"read {i}"] = time.monotonic()
-            if on_gpu:
-                with torch.cuda.stream(self._stream):
-                    dx_flat[span].copy_(dx_host[span], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record()
-                with lock:
-                    dx_ready.append(event)
             return resp
 
         pool = self._threads(len(rows))
         futures = []
         try:
             for i, (first, last) in enumerate(rows):
-                if staged:
-                    staged[i].synchronize()
-                stamps[f"staged {i}"] = time.monotonic()
                 span = slice(first * h * elem, last * h * elem)
-                transfer.write(region, span.start, x_view[span], client.timeout)
+                before = None
+                if staged:
+                    staged[i][0][1].synchronize()
+
+                    def before(part: range, copies=staged[i]):
+                        for done, event in copies:
+                            if done.start < part.stop and part.start < done.stop:
+                                event.synchronize()
+                stamps[f"staged {i}"] = time.monotonic()  # (its first range)
+                transfer.write(region, span.start, x_view[span], client.timeout, before)
                 stamps[f"written {i}"] = time.monotonic()
                 written[i].set()
                 call = client._stub.Forward.future(requests[i], timeout=client.timeout,
