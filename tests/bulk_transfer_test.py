@@ -303,19 +303,20 @@ class BulkTransferTest(unittest.TestCase):
 
     def test_a_bulk_port_that_stalls_fails_the_transfer_within_its_timeout(self):
         # The client's sockets block with the kernel's timeouts (one system
-        # call a body): a port that stops sending, or never answers, must
-        # still end the transfer, by name, after the timeout.
+        # call a body): a port that stops sending, never answers or never
+        # reads must still end the transfer, by name, after the timeout.
         listener = socket.create_server(("127.0.0.1", 0))
         self.addCleanup(listener.close)
         held = []
 
         def serve():
             for answer in (b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n"
-                           b"Flce-Code: 0\r\n\r\n" + b"x" * 1000, b""):
+                           b"Flce-Code: 0\r\n\r\n" + b"x" * 1000, b"", None):
                 conn, _ = listener.accept()
                 held.append(conn)
-                conn.recv(65536)
-                conn.sendall(answer)
+                if answer is not None:  # (None: reads nothing)
+                    conn.recv(65536)
+                    conn.sendall(answer)
 
         threading.Thread(target=serve, daemon=True).start()
         port = bulk_http.BulkHttp("127.0.0.1", listener.getsockname()[1], timeout=0.5,
@@ -331,6 +332,12 @@ class BulkTransferTest(unittest.TestCase):
             self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
             self.assertIn(expected, str(e.exception))
         self.assertEqual(bytes(out[:1000]), b"x" * 1000)
+        start = time.monotonic()
+        with self.assertRaises(flce.FlceError) as e:
+            port.put("r", "ticket", 0, memoryview(bytearray(64 << 20)))
+        self.assertLess(time.monotonic() - start, 5)
+        self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
+        self.assertIn("the connection broke: sending stalled for 0.5 s", str(e.exception))
         for conn in held:
             conn.close()
 

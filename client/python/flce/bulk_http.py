@@ -143,6 +143,8 @@ class _Connection:
             # The server answered before the body was all sent (a refusal)
             # and closed: its answer says why.
             pass
+        except BlockingIOError:  # SO_SNDTIMEO passed
+            raise socket.timeout(f"sending stalled for {self.timeout:g} s") from None
         status, answer, rest = self._head()
         length = int(answer.get("content-length", "0"))
         closes = answer.get("connection", "").lower() == "close"
