@@ -146,7 +146,10 @@ class _Connection:
         except BlockingIOError:  # SO_SNDTIMEO passed
             raise socket.timeout(f"sending stalled for {self.timeout:g} s") from None
         status, answer, rest = self._head()
-        length = int(answer.get("content-length", "0"))
+        length = answer.get("content-length", "0")
+        if not length.isdigit():
+            raise _HttpError(f"an answer's Content-Length {length[:40]!r}")
+        length = int(length)
         closes = answer.get("connection", "").lower() == "close"
         if status == 200 and out is not None:
             if length != len(out):
