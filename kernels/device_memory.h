@@ -35,6 +35,14 @@ class DeviceEvent {
   virtual void* native() const = 0;
 };
 
+// A device copy of host bytes made ahead of the call that reads them
+// (DeviceMemory::StageToDevice): its memory, given back when destroyed
+// (after the copy), and the event recorded after the copy.
+struct StagedCopy {
+  std::unique_ptr<DeviceBlock> block;
+  std::unique_ptr<DeviceEvent> ready;
+};
+
 // Bytes of a cudaIpcMemHandle_t and of a cudaIpcEventHandle_t.
 inline constexpr int kCudaIpcHandleBytes = 64;
 
@@ -76,6 +84,16 @@ class DeviceMemory {
   // destroyed, which must come before the memory is unmapped. An error
   // leaves the memory as it was (copies then go through staging).
   virtual absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host, int64_t bytes) = 0;
+
+  // Starts a device copy of `bytes` of page-locked host memory at `host`
+  // on a stream of its own, beside the engine's calls, and returns at once:
+  // device work made to wait for `ready` sees the bytes. The host bytes
+  // must stay as they are until then. FAILED_PRECONDITION for pageable
+  // memory (its copy would hold the calling thread), RESOURCE_EXHAUSTED
+  // when the device has no room; UNIMPLEMENTED without a device.
+  virtual absl::StatusOr<StagedCopy> StageToDevice(const void* host, int64_t bytes) {
+    return absl::UnimplementedError("staging: no device");
+  }
 };
 
 }  // namespace flce

@@ -117,13 +117,16 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
                                              const ForwardCall& forward, BackwardCall* eager,
                                              const v1::EagerBackward* eager_request,
                                              MarkBoard* written_marks,
+                                             std::shared_ptr<LossCore::Staged> staged,
                                              v1::ForwardResponse* response, absl::Time queued) {
   const absl::Time engine_start = absl::Now();
-  absl::StatusOr<ForwardOutcome> outcome =
-      core_->Forward(forward, principal, CancelFor(call), [call] {
+  absl::StatusOr<ForwardOutcome> outcome = core_->Forward(
+      forward, principal, CancelFor(call),
+      [call] {
         call->record().Stamp("accepted");
         call->Started();
-      });
+      },
+      std::move(staged));
   metrics_->RecordQueueWait(absl::ToDoubleSeconds(engine_start - queued));
   metrics_->RecordEngine(call->record().rpc(), absl::ToDoubleSeconds(absl::Now() - engine_start),
                          outcome.ok() ? forward.problem.rows() : 0);
@@ -266,12 +269,15 @@ void LossServiceImpl::StartForward(Call* call, const std::string& principal,
     eager = std::make_shared<BackwardCall>(*std::move(part));
   }
   auto forward = std::make_shared<ForwardCall>(*std::move(decoded));
+  // X onto the device now, beside whatever runs before this call.
+  std::shared_ptr<LossCore::Staged> staged = core_->StageAhead(*forward);
+  if (staged != nullptr) call->record().Stamp("staged");
   Run(
       call,
       [=](absl::Time queued) {
         return ComputeForward(call, principal, *forward, eager.get(),
-                              eager ? &request->backward() : nullptr, *written_marks, response,
-                              queued);
+                              eager ? &request->backward() : nullptr, *written_marks, staged,
+                              response, queued);
       },
       [call](const absl::Status& status) { call->Reply(status); });
 }

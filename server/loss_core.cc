@@ -7,8 +7,33 @@
 
 namespace flce {
 
-LossCore::LossCore(LossEngine* engine, SessionStore* sessions, WeightRegistry* weights)
-    : engine_(engine), sessions_(sessions), weights_(weights) {}
+LossCore::LossCore(LossEngine* engine, SessionStore* sessions, WeightRegistry* weights,
+                   int64_t stage_ahead_bytes)
+    : engine_(engine),
+      sessions_(sessions),
+      weights_(weights),
+      stage_ahead_bytes_(stage_ahead_bytes) {}
+
+std::shared_ptr<LossCore::Staged> LossCore::StageAhead(const ForwardCall& call) {
+  DeviceMemory* device = engine_->device_memory();
+  const TensorView& x = call.problem.hidden;
+  const int64_t bytes = x.bytes();
+  if (device == nullptr || x.space != MemorySpace::kHost || call.problem.ready != nullptr ||
+      bytes <= 0) {
+    return nullptr;
+  }
+  int64_t held = staged_bytes_->load();
+  do {
+    if (bytes > stage_ahead_bytes_ - held) return nullptr;
+  } while (!staged_bytes_->compare_exchange_weak(held, held + bytes));
+  absl::StatusOr<StagedCopy> copy = device->StageToDevice(x.data, bytes);
+  if (!copy.ok()) {
+    staged_bytes_->fetch_sub(bytes);
+    return nullptr;  // the engine uploads X in the call and says what fails
+  }
+  forwards_staged_.fetch_add(1);
+  return std::make_shared<Staged>(*std::move(copy), staged_bytes_, bytes);
+}
 
 BackwardMode LossCore::ResolveMode(const LossProblem& problem, BackwardMode requested) const {
   if (requested != BackwardMode::kAuto) return requested;
@@ -28,6 +53,7 @@ namespace {
 struct BorrowedMemory {
   std::shared_ptr<RegisteredWeight> weight;
   std::shared_ptr<SliceResolver> shm;
+  std::shared_ptr<LossCore::Staged> staged;
 };
 
 }  // namespace
@@ -35,7 +61,8 @@ struct BorrowedMemory {
 absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
                                                  const std::string& principal,
                                                  const CancelFn& cancelled,
-                                                 const std::function<void()>& started) {
+                                                 const std::function<void()>& started,
+                                                 std::shared_ptr<Staged> staged) {
   // A registered weight is read from its device copy where the engine keeps
   // one: never uploaded or copied per call, and not counted in a session.
   // On several devices, its rows are kept in parts where they are computed.
@@ -71,6 +98,16 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
         reservation, sessions_->Reserve(engine_->SavedStateBytes(problem, spec.mode), principal));
   }
   if (started) started();
+  if (staged != nullptr) {
+    // X as StageAhead copied it (the reservation above counted X's device
+    // copy, as it would the engine's upload).
+    staged->Unhold();
+    problem.hidden.data = staged->copy().block->data();
+    problem.hidden.space = MemorySpace::kCuda;
+    problem.ready = staged->copy().ready.get();
+    problem.device_owner = std::make_shared<const BorrowedMemory>(
+        BorrowedMemory{call.weight_ref, call.shm, std::move(staged)});
+  }
   FLCE_ASSIGN_OR_RETURN(outcome.result, engine_->Forward(problem, spec, cancelled));
   // A shared-memory region its owner shrank under the call was read as
   // zeros: the result is void.

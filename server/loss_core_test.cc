@@ -189,5 +189,157 @@ TEST_F(LossCoreTest, CancelledForwardKeepsNoSession) {
   EXPECT_EQ(sessions_->bytes_in_use(), 0);
 }
 
+// StageAhead on an engine whose "device" is host memory: a staged copy is
+// a plain copy, and Forward reads X from it (checking that it was told to
+// wait for the copy's event), on the CPU engine.
+class HostStaging : public DeviceMemory {
+ public:
+  class Block : public DeviceBlock {
+   public:
+    Block(const void* host, int64_t bytes) : bytes_(static_cast<const char*>(host), bytes) {}
+    void* data() const override { return const_cast<char*>(bytes_.data()); }
+    int64_t bytes() const override { return static_cast<int64_t>(bytes_.size()); }
+
+   private:
+    std::string bytes_;
+  };
+  class Event : public DeviceEvent {
+   public:
+    void* native() const override { return nullptr; }
+  };
+
+  absl::StatusOr<StagedCopy> StageToDevice(const void* host, int64_t bytes) override {
+    if (refuse) return absl::ResourceExhaustedError("no room");
+    ++staged;
+    return StagedCopy{std::make_unique<Block>(host, bytes), std::make_unique<Event>()};
+  }
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> ImportCudaIpc(const std::string&) override {
+    return absl::UnimplementedError("");
+  }
+  absl::StatusOr<std::unique_ptr<DeviceEvent>> ImportCudaIpcEvent(const std::string&) override {
+    return absl::UnimplementedError("");
+  }
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> Allocate(int64_t) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status CopyToHost(const void*, void*, int64_t) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status CopyToDevice(const void*, void*, int64_t) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status Zero(void*, int64_t) override { return absl::UnimplementedError(""); }
+  absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void*, int64_t) override {
+    return absl::UnimplementedError("");
+  }
+
+  int staged = 0;
+  bool refuse = false;
+};
+
+class HostStagingEngine : public LossEngine {
+ public:
+  std::string backend() const override { return cpu_.backend(); }
+  std::vector<DeviceInfo> devices() const override { return {}; }
+  int64_t SavedStateBytes(const LossProblem& p, BackwardMode mode) const override {
+    return cpu_.SavedStateBytes(p, mode);
+  }
+  absl::StatusOr<ForwardResult> Forward(const LossProblem& problem, const ForwardSpec& spec,
+                                        const CancelFn& cancelled) override {
+    LossProblem p = problem;
+    if (p.hidden.space == MemorySpace::kCuda) {
+      ++staged_forwards;
+      EXPECT_NE(p.ready, nullptr) << "the call must wait for the copy";
+      EXPECT_NE(p.device_owner, nullptr) << "the copy must live as long as the call's state";
+      p.hidden.space = MemorySpace::kHost;
+    }
+    return cpu_.Forward(p, spec, cancelled);
+  }
+  absl::StatusOr<Gradients> Backward(SavedState& state, const BackwardSpec& spec,
+                                     const CancelFn& cancelled) override {
+    return cpu_.Backward(state, spec, cancelled);
+  }
+  DeviceMemory* device_memory() const override { return &device; }
+
+  mutable HostStaging device;
+  int staged_forwards = 0;
+
+ private:
+  CpuEngine cpu_;
+};
+
+class StageAheadTest : public LossCoreTest {
+ protected:
+  // The sessions (state of the engine's) go before the engine.
+  void TearDown() override {
+    staging_core_.reset();
+    sessions_.reset();
+  }
+  void Make(int64_t budget) {
+    sessions_ = std::make_unique<SessionStore>(SessionLimits{});
+    staging_core_ = std::make_unique<LossCore>(&staging_, sessions_.get(), &weights_, budget);
+  }
+  int64_t XBytes() { return Call(Reduction::kMean, BackwardMode::kStoreGrads).problem.hidden.bytes(); }
+
+  HostStagingEngine staging_;
+  std::unique_ptr<LossCore> staging_core_;
+};
+
+TEST_F(StageAheadTest, TheCallReadsXAsItWasWhenItArrived) {
+  ForwardCall call = Call(Reduction::kMean, BackwardMode::kStoreGrads);
+  auto plain = core_->Forward(call, "", nullptr);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  Make(int64_t{1} << 20);
+  std::shared_ptr<LossCore::Staged> staged = staging_core_->StageAhead(call);
+  ASSERT_NE(staged, nullptr);
+  // The region's bytes change after the copy: the call computes on the copy.
+  std::memset(const_cast<void*>(call.problem.hidden.data), 0, call.problem.hidden.bytes());
+  auto outcome = staging_core_->Forward(call, "", nullptr, nullptr, std::move(staged));
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  EXPECT_EQ(staging_.staged_forwards, 1);
+  EXPECT_EQ(outcome->result.loss.data, plain->result.loss.data);
+  // Its session's state holds the copy; its Backward runs.
+  BackwardCall backward;
+  backward.session_id = outcome->session_id;
+  auto grads = staging_core_->Backward(backward, "", nullptr);
+  ASSERT_TRUE(grads.ok()) << grads.status();
+}
+
+TEST_F(StageAheadTest, StagingHoldsItsBudgetOnlyUntilTheCallRuns) {
+  const int64_t x = XBytes();
+  Make(2 * x);
+  ForwardCall a = Call(Reduction::kMean, BackwardMode::kStoreGrads);
+  std::shared_ptr<LossCore::Staged> first = staging_core_->StageAhead(a);
+  std::shared_ptr<LossCore::Staged> second = staging_core_->StageAhead(a);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(staging_core_->StageAhead(a), nullptr) << "over the budget: uploaded in its call";
+  second.reset();  // a call dropped before it ran gives its part back
+  std::shared_ptr<LossCore::Staged> third = staging_core_->StageAhead(a);
+  ASSERT_NE(third, nullptr);
+  // A call that runs gives its part back while its session keeps the copy.
+  auto outcome = staging_core_->Forward(a, "", nullptr, nullptr, std::move(first));
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  EXPECT_EQ(sessions_->live_sessions(), 1);
+  EXPECT_NE(staging_core_->StageAhead(a), nullptr);
+  EXPECT_EQ(staging_.device.staged, 4);
+  EXPECT_EQ(staging_core_->forwards_staged(), 4);
+}
+
+TEST_F(StageAheadTest, NoStagingWithoutBudgetOrWhereTheCopyIsRefused) {
+  ForwardCall call = Call(Reduction::kMean, BackwardMode::kStoreGrads);
+  Make(0);
+  EXPECT_EQ(staging_core_->StageAhead(call), nullptr);
+  Make(int64_t{1} << 20);
+  staging_.device.refuse = true;
+  EXPECT_EQ(staging_core_->StageAhead(call), nullptr);
+  staging_.device.refuse = false;
+  // The refused copy gave its part back: the whole budget stages again.
+  const int64_t x = call.problem.hidden.bytes();
+  Make(x);
+  EXPECT_NE(staging_core_->StageAhead(call), nullptr);
+  EXPECT_EQ(core_->StageAhead(call), nullptr) << "an engine without a device stages nothing";
+}
+
 }  // namespace
 }  // namespace flce

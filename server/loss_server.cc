@@ -31,6 +31,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_queued_requests: ", o.max_queued_requests, "; expected >= 0"));
   }
+  if (o.stage_ahead_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--stage_ahead_bytes: ", o.stage_ahead_bytes, "; expected >= 0"));
+  }
   if (o.sessions.max_sessions < 0 || o.sessions.memory_budget_bytes < 0 ||
       o.sessions.max_sessions_per_principal < 0 || o.sessions.memory_bytes_per_principal < 0) {
     return absl::InvalidArgumentError(
@@ -195,7 +199,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   s->weights_ = std::make_unique<WeightRegistry>(options.weight_memory_bytes,
                                                  options.weight_device_memory_bytes);
   s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get(),
-                                        s->weights_.get());
+                                        s->weights_.get(), options.stage_ahead_bytes);
   s->queue_ = std::make_unique<WorkQueue>(options.workers, options.max_queued_requests);
   // Always there: regions of server memory need no flag.
   s->shared_memory_ = std::make_unique<SharedMemoryRegistry>(options.shared_memory);
@@ -367,6 +371,7 @@ Gauges LossServer::CurrentGauges() const {
   g.serving = serving_.load();
   g.sessions_expired = sessions_->expired_total();
   g.engine_forward_reruns = engine_->forward_reruns();
+  g.forwards_staged = core_->forwards_staged();
   return g;
 }
 

@@ -68,6 +68,10 @@ struct ServerOptions {
   RequestLimits requests;
   int workers = 1;               // concurrent engine calls
   int max_queued_requests = 64;  // waiting beyond the running ones
+  // Device memory for X of Forward calls copied onto the device when they
+  // arrive (from regions of server memory), while they wait for the engine
+  // (LossCore::StageAhead); 0: X uploaded in its call.
+  int64_t stage_ahead_bytes = int64_t{256} << 20;
   int64_t max_message_bytes = int64_t{256} << 20;
   absl::Duration reap_interval = absl::Seconds(5);
   // host:port of the Prometheus endpoint (GET /metrics); empty: none.

@@ -185,6 +185,7 @@ LossServiceImpl::Unary* LossServiceImpl::GetStats(Context* context, const Bytes*
   const Gauges& g = s.gauges;
   response->set_sessions_expired(g.sessions_expired);
   response->set_engine_forward_reruns(g.engine_forward_reruns);
+  response->set_forwards_staged(g.forwards_staged);
   response->set_queued_requests(g.queued_requests);
   response->set_running_requests(g.running_requests);
   response->set_live_sessions(g.live_sessions);

@@ -148,8 +148,8 @@ class LossServiceImpl final : public RawLossService, public CallChannelService {
   // (WrittenMarks), or null.
   absl::Status ComputeForward(Call* call, const std::string& principal, const ForwardCall& forward,
                               BackwardCall* eager, const v1::EagerBackward* eager_request,
-                              MarkBoard* written_marks, v1::ForwardResponse* response,
-                              absl::Time queued);
+                              MarkBoard* written_marks, std::shared_ptr<LossCore::Staged> staged,
+                              v1::ForwardResponse* response, absl::Time queued);
   // The same for Backward; the gradients land in *outcome, whose session
   // is settled when the call is over. `max_response_bytes` bounds the
   // inline gradients (0: none, for BackwardStream).

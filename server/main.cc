@@ -92,6 +92,10 @@ ABSL_FLAG(int, workers, 1, "engine calls run concurrently");
 ABSL_FLAG(int, vocab_shards, 1,
           "compute every problem in this many vocabulary shards, combined in the server (the "
           "path of a server with an engine per device, on one engine); 1: off");
+ABSL_FLAG(flce::ByteCount, stage_ahead_bytes,
+          flce::ByteCount{flce::ServerOptions().stage_ahead_bytes},
+          "GPU: device memory for the X of Forward calls (in regions of server memory) copied "
+          "onto the device as they arrive, while they wait for the engine; 0: in their call");
 ABSL_FLAG(int, max_queued_requests, 64,
           "requests that may wait for a worker; more are RESOURCE_EXHAUSTED");
 ABSL_FLAG(flce::ByteCount, max_message_bytes, flce::ByteCount{int64_t{256} << 20},
@@ -265,6 +269,7 @@ int main(int argc, char** argv) {
   options.requests.idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout).value;
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
+  options.stage_ahead_bytes = absl::GetFlag(FLAGS_stage_ahead_bytes).bytes;
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   options.engine.vocab_shards = absl::GetFlag(FLAGS_vocab_shards);
   options.engine.cpu.chunk_bytes = absl::GetFlag(FLAGS_cpu_chunk_bytes).bytes;

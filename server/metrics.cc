@@ -149,6 +149,10 @@ std::string PrometheusText(const MetricsSnapshot& s) {
          "path's range: the CUDA engine's one-pass rows).");
   absl::StrAppend(&out, "flce_engine_forward_reruns_total ", s.gauges.engine_forward_reruns,
                   "\n");
+  Family(&out, "flce_forwards_staged_total", "counter",
+         "Forward calls whose X (in a region of server memory) was copied onto the device when "
+         "they arrived, beside the calls before them (--stage_ahead_bytes).");
+  absl::StrAppend(&out, "flce_forwards_staged_total ", s.gauges.forwards_staged, "\n");
   Family(&out, "flce_stream_idle_timeouts_total", "counter",
          "Client streams finished for sending no message within --stream_idle_timeout.");
   absl::StrAppend(&out, "flce_stream_idle_timeouts_total ", s.gauges.stream_idle_timeouts,

@@ -44,6 +44,7 @@ struct Gauges {
   // gauges.
   int64_t sessions_expired = 0;
   int64_t engine_forward_reruns = 0;
+  int64_t forwards_staged = 0;  // X copied onto the device on arrival
   // Client streams (ForwardStream, PutWeight) and shared-memory mappings.
   int64_t open_streams = 0, request_memory_bytes = 0, stream_idle_timeouts = 0;
   int64_t shared_memory_bytes = 0;

@@ -1466,6 +1466,78 @@ TEST_F(ServerTest, AWrittenMarkLetsABulkReadWaitForTheForwardsDx) {
   ExpectStillServing();
 }
 
+// X in a region of server memory: on a server over one CUDA device each
+// Forward's X is copied onto the device as the call arrives, beside the
+// calls before it (--stage_ahead_bytes), and computes bit for bit what X
+// sent in the message does; calls sent at once queue behind each other.
+TEST_F(ServerTest, XInARegionOfServerMemoryIsStagedAheadAndComputesTheSame) {
+  const std::vector<int64_t> rows = {61, 67, 71, 73};
+  std::vector<OwnedProblem> problems;
+  for (int64_t n : rows) problems.push_back(Problem(n, 40, 301, DType::kBFloat16));
+  grpc::ClientContext register_context;
+  v1::RegisterSharedMemoryRequest reg;
+  reg.set_server_memory(true);
+  reg.set_bytes(1 << 20);
+  v1::RegisterSharedMemoryResponse region;
+  ASSERT_TRUE(stub_->RegisterSharedMemory(&register_context, reg, &region).ok());
+  std::vector<v1::ForwardRequest> sliced;
+  {
+    grpc::ClientContext context;
+    v1::WriteRegionResponse written;
+    auto writer = stub_->WriteRegion(&context, &written);
+    int64_t offset = 0;
+    for (const OwnedProblem& p : problems) {
+      v1::RegionPart part;
+      part.set_region_id(region.region_id());
+      part.set_offset(offset);
+      part.set_data(p.hidden.data);
+      ASSERT_TRUE(writer->Write(part));
+      v1::ForwardRequest r = BuildForwardRequest(Args(p, true, BackwardMode::kStoreGrads));
+      r.mutable_hidden()->mutable_shm()->set_region_id(region.region_id());
+      r.mutable_hidden()->mutable_shm()->set_offset(offset);
+      sliced.push_back(std::move(r));
+      offset += static_cast<int64_t>(p.hidden.data.size() + 4095) / 4096 * 4096;
+    }
+    writer->WritesDone();
+    ASSERT_TRUE(writer->Finish().ok());
+  }
+  std::vector<std::future<absl::StatusOr<v1::ForwardResponse>>> calls;
+  for (const v1::ForwardRequest& r : sliced) {
+    calls.push_back(std::async(std::launch::async, [&, r]() -> absl::StatusOr<v1::ForwardResponse> {
+      grpc::ClientContext context;
+      v1::ForwardResponse response;
+      absl::Status status = FromGrpcStatus(stub_->Forward(&context, r, &response));
+      if (!status.ok()) return status;
+      return response;
+    }));
+  }
+  for (size_t i = 0; i < problems.size(); ++i) {
+    absl::StatusOr<v1::ForwardResponse> from_region = calls[i].get();
+    ASSERT_TRUE(from_region.ok()) << from_region.status();
+    auto inline_forward = client_->Forward(Args(problems[i], true, BackwardMode::kStoreGrads));
+    ASSERT_TRUE(inline_forward.ok()) << inline_forward.status();
+    EXPECT_EQ(from_region->loss().data(), inline_forward->loss.data) << "call " << i;
+    BackwardArgs a, b;
+    a.session_id = from_region->session_id();
+    b.session_id = inline_forward->session_id;
+    auto ga = client_->Backward(a);
+    auto gb = client_->Backward(b);
+    ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+    EXPECT_EQ(ga->grad_hidden.data, gb->grad_hidden.data) << "call " << i;
+    EXPECT_EQ(ga->grad_weight->data, gb->grad_weight->data) << "call " << i;
+  }
+  grpc::ClientContext stats_context;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(stub_->GetStats(&stats_context, v1::GetStatsRequest(), &stats).ok());
+  const EngineOptions engine = TestOptions().engine;
+  if (Backend() == "cuda" && engine.cuda_devices.empty() && engine.vocab_shards <= 1) {
+    EXPECT_EQ(stats.forwards_staged(), static_cast<int64_t>(problems.size()));
+  } else {
+    EXPECT_EQ(stats.forwards_staged(), 0) << "nothing to stage without one device";
+  }
+  ExpectStillServing();
+}
+
 TEST_F(ServerTest, ClientSharedMemoryArenaRoundTrip) {
   server_.reset();
   ServerOptions o = TestOptions();

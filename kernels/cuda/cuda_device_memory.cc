@@ -31,12 +31,12 @@ class IpcMemory : public DeviceBlock {
   const int64_t bytes_;
 };
 
-// An event of another process's, opened through CUDA IPC; destroyed with
-// this.
-class IpcEvent : public DeviceEvent {
+// An event (another process's, opened through CUDA IPC, or a staged
+// copy's); destroyed with this.
+class OwnedEvent : public DeviceEvent {
  public:
-  IpcEvent(int device, cudaEvent_t event) : device_(device), event_(event) {}
-  ~IpcEvent() override {
+  OwnedEvent(int device, cudaEvent_t event) : device_(device), event_(event) {}
+  ~OwnedEvent() override {
     cudaSetDevice(device_);
     cudaEventDestroy(event_);
   }
@@ -70,6 +70,28 @@ class OwnedDeviceBlock : public DeviceBlock {
   void* const data_;
   const int64_t bytes_;
   const std::shared_ptr<std::atomic<int64_t>> allocated_;
+};
+
+// A staged copy's device memory: from the stream-ordered pool on the
+// staging stream, and given back on it when destroyed (after the copy; the
+// calls that read it synchronized their lanes before they returned). The
+// stream lives as long as any of its blocks.
+class StagedBlock : public DeviceBlock {
+ public:
+  StagedBlock(int device, void* data, int64_t bytes, std::shared_ptr<CudaStream> stream)
+      : device_(device), data_(data), bytes_(bytes), stream_(std::move(stream)) {}
+  ~StagedBlock() override {
+    cudaSetDevice(device_);
+    cudaFreeAsync(data_, stream_->get());
+  }
+  void* data() const override { return data_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  const int device_;
+  void* const data_;
+  const int64_t bytes_;
+  const std::shared_ptr<CudaStream> stream_;
 };
 
 // The size of the allocation that starts at `base`, from the driver's
@@ -152,6 +174,46 @@ absl::Status CudaDeviceMemory::Zero(void* device, int64_t bytes) {
   return health_.Check(cudaDeviceSynchronize(), "zero device memory");
 }
 
+absl::StatusOr<StagedCopy> CudaDeviceMemory::StageToDevice(const void* host, int64_t bytes) {
+  FLCE_RETURN_IF_ERROR(SetDevice());
+  cudaPointerAttributes where{};
+  if (cudaPointerGetAttributes(&where, host) != cudaSuccess) {
+    cudaGetLastError();
+    where.type = cudaMemoryTypeUnregistered;
+  }
+  if (where.type != cudaMemoryTypeHost) {
+    return absl::FailedPreconditionError("staging: the host memory is not page-locked");
+  }
+  std::shared_ptr<CudaStream> stream;
+  {
+    absl::MutexLock lock(&stage_mu_);
+    if (stage_stream_ == nullptr) {
+      FLCE_ASSIGN_OR_RETURN(CudaStream created, CudaStream::Create(health_));
+      stage_stream_ = std::make_shared<CudaStream>(std::move(created));
+    }
+    stream = stage_stream_;
+  }
+  void* data = nullptr;
+  const cudaError_t error =
+      cudaMallocAsync(&data, static_cast<size_t>(std::max<int64_t>(bytes, 1)), stream->get());
+  if (error == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("staging: ", bytes, " bytes do not fit on the GPU"));
+  }
+  FLCE_RETURN_IF_ERROR(health_.Check(error, "staging: cudaMallocAsync"));
+  StagedCopy staged;
+  staged.block = std::make_unique<StagedBlock>(device_, data, bytes, stream);
+  FLCE_RETURN_IF_ERROR(health_.Check(
+      cudaMemcpyAsync(data, host, bytes, cudaMemcpyHostToDevice, stream->get()), "staging a copy"));
+  cudaEvent_t event = nullptr;
+  FLCE_RETURN_IF_ERROR(health_.Check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                                     "staging: cudaEventCreate"));
+  staged.ready = std::make_unique<OwnedEvent>(device_, event);
+  FLCE_RETURN_IF_ERROR(health_.Check(cudaEventRecord(event, stream->get()), "staging: cudaEventRecord"));
+  return staged;
+}
+
 namespace {
 
 // Host memory page-locked by cudaHostRegister, unlocked when destroyed.
@@ -229,7 +291,7 @@ absl::StatusOr<std::unique_ptr<DeviceEvent>> CudaDeviceMemory::ImportCudaIpcEven
                      "cudaIpcGetEventHandle in another process on this host, for an event made "
                      "with cudaEventInterprocess | cudaEventDisableTiming");
   }
-  return std::unique_ptr<DeviceEvent>(new IpcEvent(device_, event));
+  return std::unique_ptr<DeviceEvent>(new OwnedEvent(device_, event));
 }
 
 }  // namespace internal_cuda

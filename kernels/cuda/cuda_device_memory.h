@@ -13,7 +13,10 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/cuda/cuda_resources.h"
 #include "kernels/cuda/device_health.h"
 #include "kernels/device_memory.h"
 
@@ -36,6 +39,9 @@ class CudaDeviceMemory final : public DeviceMemory {
   absl::StatusOr<std::unique_ptr<DeviceBlock>> PinHostMemory(void* host, int64_t bytes) override;
   absl::Status CopyToDevice(const void* host, void* device, int64_t bytes) override;
   absl::Status Zero(void* device, int64_t bytes) override;
+  // On a non-blocking stream of its own (made at the first call), memory
+  // from the device's stream-ordered pool.
+  absl::StatusOr<StagedCopy> StageToDevice(const void* host, int64_t bytes) override;
 
   // Bytes of Allocate's blocks alive.
   int64_t allocated_bytes() const { return allocated_->load(); }
@@ -51,6 +57,8 @@ class CudaDeviceMemory final : public DeviceMemory {
   DeviceHealth& health_;
   const std::shared_ptr<std::atomic<int64_t>> allocated_ =
       std::make_shared<std::atomic<int64_t>>(0);
+  absl::Mutex stage_mu_;
+  std::shared_ptr<CudaStream> stage_stream_ ABSL_GUARDED_BY(stage_mu_);
 };
 
 }  // namespace internal_cuda
