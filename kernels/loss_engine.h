@@ -223,6 +223,11 @@ struct BackwardSpec {
   // shard's own part is made): the addend is complete when it returns OK;
   // an error fails the call. It may block (on other engines' work).
   std::function<absl::Status()> grad_hidden_addend_ready;
+  // When set and grad_hidden_to is host memory: called on the call's
+  // thread as dX lands there front to back, with the bytes written so far
+  // (the last call with all of them), so that a reader of its first bytes
+  // need not wait for the rest. An engine may call it once, at the end.
+  std::function<void(int64_t bytes)> grad_hidden_landed;
 
   DType hidden_dtype(DType input) const { return grad_dtype.value_or(input); }
   DType weight_dtype(DType input) const { return weight_grad_dtype.value_or(hidden_dtype(input)); }

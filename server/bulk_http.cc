@@ -174,15 +174,17 @@ bool ClientGone(MHD_Connection* connection) {
   return recv(info->connect_fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
 
-// A read that names a mark: OK once it is posted OK; the failure posted, or
-// why the wait ended without a post (nullopt: the client left).
+// A read that names a mark: OK once it is posted OK or its range is written
+// (MarkBoard::Progress); the failure posted, or why the wait ended without
+// a post (nullopt: the client left).
 std::optional<absl::Status> AwaitMark(const BulkHttpServer& server, MHD_Connection* connection,
                                       Transfer* transfer) {
   transfer->record.Stamp("waiting");
   bool stopping = false, left = false;
   std::optional<absl::Status> posted = transfer->region->marks()->Await(
       transfer->after_mark, absl::Now() + transfer->wait,
-      [&] { return (stopping = server.stopping()) || (left = ClientGone(connection)); });
+      [&] { return (stopping = server.stopping()) || (left = ClientGone(connection)); },
+      absl::Milliseconds(50), transfer->to - transfer->region->base(), transfer->length);
   transfer->record.Stamp("posted");
   if (posted) return posted;
   if (stopping) return absl::UnavailableError("the server is stopping");

@@ -142,6 +142,13 @@ absl::Status LossServiceImpl::ComputeForward(Call* call, const std::string& prin
     // The gradients now, into the caller's memory; the session stays for
     // a Backward that needs another grad_output.
     eager->session_id = outcome->session_id;
+    if (written_marks != nullptr && eager->grad_hidden_out) {
+      // dX's first bytes in the region let reads of them go at once.
+      eager->grad_hidden_landed = [written_marks, mark = eager_request->written_mark(),
+                                   begin = eager->grad_hidden_out->offset](int64_t bytes) {
+        written_marks->Progress(mark, begin, begin + bytes);
+      };
+    }
     absl::StatusOr<BackwardOutcome> grads = core_->Backward(*eager, principal, CancelFor(call));
     if (!grads.ok()) {
       core_->Release(outcome->session_id, principal);

@@ -242,6 +242,7 @@ absl::StatusOr<BackwardOutcome> LossCore::Backward(const BackwardCall& call,
   spec.weight_grads_last_use =
       call.accumulate_weight_grad && !call.keep_session && !retry && !device_grad;
   spec.hidden_grad_only = retry || call.hidden_only;
+  if (spec.grad_hidden_to) spec.grad_hidden_landed = call.grad_hidden_landed;
   spec.weight_grads_only = call.weight_only;
   absl::StatusOr<Gradients> grads = engine_->Backward(*lease.state, spec, cancelled);
   if (!grads.ok()) {

@@ -11,6 +11,10 @@
 // else why they never will be. The first post of a mark wins (the call's
 // end posts a failure whatever it ended with; after an OK post that changes
 // nothing). The board remembers the last kMaxPosts posts.
+//
+// Before its post, the writing call may tell how far its bytes are in
+// (Progress: a prefix of what it writes, as it lands): a read that lies
+// within it goes at once, while the rest is still being written.
 
 #include <cstdint>
 #include <deque>
@@ -33,17 +37,28 @@ class MarkBoard {
   // posted already; wakes the waiters. REQUIRES: mark != 0.
   void Post(uint64_t mark, const absl::Status& outcome);
 
+  // `mark`'s call has written the region's bytes [begin, end) (the start
+  // of what it writes; a later call only moves `end` on). Nothing once the
+  // mark is posted. REQUIRES: mark != 0, begin <= end.
+  void Progress(uint64_t mark, int64_t begin, int64_t end);
+
   // The outcome posted for `mark`, waiting until it is posted or
   // `deadline` passes (nullopt), checking `stop` every `poll` while
-  // waiting (nullopt as soon as it answers true).
+  // waiting (nullopt as soon as it answers true). OK before the post once
+  // the region's bytes [offset, offset + length) are in (Progress), where
+  // length >= 0.
   std::optional<absl::Status> Await(uint64_t mark, absl::Time deadline,
                                     const std::function<bool()>& stop,
-                                    absl::Duration poll = absl::Milliseconds(50));
+                                    absl::Duration poll = absl::Milliseconds(50),
+                                    int64_t offset = 0, int64_t length = -1);
 
  private:
   absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, absl::Status> posted_ ABSL_GUARDED_BY(mu_);
   std::deque<uint64_t> order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  // Marks not yet posted whose call told its progress: [begin, end). One
+  // per writing call in flight; its post removes it.
+  absl::flat_hash_map<uint64_t, std::pair<int64_t, int64_t>> written_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace flce

@@ -6,6 +6,7 @@
 //   INVALID_ARGUMENT  shapes, dtypes, byte lengths, option values
 //   OUT_OF_RANGE      a target outside [0, V) that is not ignore_index
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +70,8 @@ struct BackwardCall {
   // Largest response the gradients may make (a unary Backward); 0: no
   // bound (streamed).
   int64_t max_response_bytes = 0;
+  // BackwardSpec::grad_hidden_landed, for dX written into a region.
+  std::function<void(int64_t bytes)> grad_hidden_landed;
 };
 
 absl::StatusOr<BackwardCall> DecodeBackward(const v1::BackwardRequest& request,

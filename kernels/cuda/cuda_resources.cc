@@ -25,6 +25,26 @@ CudaStream::~CudaStream() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
+absl::StatusOr<CudaEvent> CudaEvent::Create(DeviceHealth& health) {
+  cudaEvent_t e = nullptr;
+  absl::Status status =
+      health.Check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  if (!status.ok()) return status;
+  return CudaEvent(e);
+}
+
+CudaEvent& CudaEvent::operator=(CudaEvent&& o) noexcept {
+  if (this != &o) {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+    event_ = std::exchange(o.event_, nullptr);
+  }
+  return *this;
+}
+
+CudaEvent::~CudaEvent() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
 absl::StatusOr<CublasHandle> CublasHandle::Create(cudaStream_t stream, DeviceHealth& health) {
   cublasHandle_t h = nullptr;
   absl::Status status = health.Check(cublasCreate(&h), "cublasCreate");

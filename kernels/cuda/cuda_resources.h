@@ -36,6 +36,21 @@ class CudaStream {
   cudaStream_t stream_ = nullptr;
 };
 
+// An event without timing (cudaEventDisableTiming).
+class CudaEvent {
+ public:
+  static absl::StatusOr<CudaEvent> Create(DeviceHealth& health);
+  CudaEvent() = default;
+  CudaEvent(CudaEvent&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
+  CudaEvent& operator=(CudaEvent&& o) noexcept;
+  ~CudaEvent();
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  explicit CudaEvent(cudaEvent_t e) : event_(e) {}
+  cudaEvent_t event_ = nullptr;
+};
+
 class CublasHandle {
  public:
   // A handle bound to `stream`.

@@ -34,7 +34,8 @@ absl::StatusOr<Gradients> BackwardStored(const CallContext& call, StoredGradient
   if (!spec.weight_grads_only) {
     FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
                           DeliverGradient(call.lane, stored.dx.data(), DType::kFloat32,
-                                          {stored.n, stored.h}, dtype, scale, spec.grad_hidden_to));
+                                          {stored.n, stored.h}, dtype, scale, spec.grad_hidden_to,
+                                          spec.grad_hidden_landed));
     Mark(call.clock, "narrowing dX");
   }
   if (spec.hidden_grad_only) return out;
@@ -124,7 +125,7 @@ absl::StatusOr<Gradients> BackwardKept(const CallContext& call, const KeptLogits
                                         scale, nullptr));
     FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
                           DeliverGradient(lane, dx.data(), DType::kFloat32, {in.n, in.h}, dtype,
-                                          scale, spec.grad_hidden_to));
+                                          scale, spec.grad_hidden_to, spec.grad_hidden_landed));
     Mark(call.clock, "narrowing dX");
   }
   if (!want_dw) return out;
@@ -191,7 +192,7 @@ absl::StatusOr<Gradients> BackwardFromLse(const CallContext& call, const DeviceI
   if (!spec.weight_grads_only) {
     FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
                           DeliverGradient(lane, dx.data(), DType::kFloat32, {in.n, in.h}, dtype,
-                                          1.0f, spec.grad_hidden_to));
+                                          1.0f, spec.grad_hidden_to, spec.grad_hidden_landed));
     Mark(call.clock, "narrowing dX");
   }
   if (spec.hidden_grad_only) return out;

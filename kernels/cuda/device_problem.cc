@@ -13,6 +13,9 @@ namespace {
 // Elements converted per slice when narrowing fp32 results for host memory:
 // bounds the conversion buffer (64 MiB of bf16) whatever the size of dW.
 constexpr int64_t kSliceElements = int64_t{32} << 20;
+// Slices of a gradient whose landing is reported (DeliverGradient's
+// `landed`): as many as a client reads it in ranges.
+constexpr int64_t kLandedSlices = 4;
 
 // A device copy of `bytes` at `data` (host memory).
 absl::StatusOr<DeviceBuffer> Upload(const Lane& lane, const void* data, int64_t bytes) {
@@ -120,7 +123,8 @@ absl::StatusOr<RowBuffers> AllocateRows(const Lane& lane, int64_t n) {
 
 absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const void* src, DType src_dtype,
                                            std::vector<int64_t> shape, DType dtype, float scale,
-                                           const std::optional<GradientDestination>& to) {
+                                           const std::optional<GradientDestination>& to,
+                                           const std::function<void(int64_t)>& landed) {
   HostTensor out;
   out.dtype = dtype;
   out.shape = std::move(shape);
@@ -142,9 +146,17 @@ absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const void* src, DT
     dst = out.data.data();
   }
   if (count == 0) return out;
-  FLCE_ASSIGN_OR_RETURN(DeviceBuffer slice, lane.Allocate(std::min(count, kSliceElements) * elem));
-  for (int64_t first = 0; first < count; first += kSliceElements) {
-    const int64_t m = std::min(kSliceElements, count - first);
+  // Reported as it lands: a few slices, so that a reader of the first bytes
+  // (a bulk read waiting for them) starts while the rest come down.
+  const int64_t per_slice =
+      landed ? std::min(kSliceElements,
+                        std::max((count + kLandedSlices - 1) / kLandedSlices,
+                                 (int64_t{1} << 20) / elem))
+             : kSliceElements;
+  FLCE_ASSIGN_OR_RETURN(DeviceBuffer slice, lane.Allocate(std::min(count, per_slice) * elem));
+  std::vector<CudaEvent> done;
+  for (int64_t first = 0; first < count; first += per_slice) {
+    const int64_t m = std::min(per_slice, count - first);
     FLCE_RETURN_IF_ERROR(
         lane.Check(LaunchConvert(static_cast<const char*>(src) + first * DTypeSize(src_dtype),
                                  src_dtype, slice.data(), dtype, m, scale, s),
@@ -152,6 +164,15 @@ absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const void* src, DT
     FLCE_RETURN_IF_ERROR(lane.Check(
         cudaMemcpyAsync(dst + first * elem, slice.data(), m * elem, cudaMemcpyDeviceToHost, s),
         "download"));
+    if (landed) {
+      FLCE_ASSIGN_OR_RETURN(CudaEvent event, CudaEvent::Create(lane.health()));
+      FLCE_RETURN_IF_ERROR(lane.Check(cudaEventRecord(event.get(), s), "download"));
+      done.push_back(std::move(event));
+    }
+  }
+  for (size_t i = 0; i < done.size(); ++i) {
+    FLCE_RETURN_IF_ERROR(lane.Check(cudaEventSynchronize(done[i].get()), "download"));
+    landed(std::min(count, static_cast<int64_t>(i + 1) * per_slice) * elem);
   }
   // Host memory is written when this returns (a short tensor's bytes live
   // inside `out`, which moves).

@@ -7,6 +7,7 @@
 // destinations or host memory, rounded once to their final dtype.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -85,10 +86,13 @@ absl::StatusOr<RowBuffers> AllocateRows(const Lane& lane, int64_t n);
 // conversion slices of bounded size. The returned tensor has dtype and
 // shape, and bytes only when it is that new tensor. Host memory is written
 // when this returns (it waits); a device `to` is written in stream order,
-// without a wait.
+// without a wait. `landed` (host memory only) is told the bytes written so
+// far as they land, front to back: the copy then goes in a few slices (at
+// least 1 MiB each), each reported once it is in.
 absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const void* src, DType src_dtype,
                                            std::vector<int64_t> shape, DType dtype, float scale,
-                                           const std::optional<GradientDestination>& to);
+                                           const std::optional<GradientDestination>& to,
+                                           const std::function<void(int64_t)>& landed = nullptr);
 
 // A device gradient already in its final dtype at `src`: copied to a host
 // `to` or a new tensor; with a device `to`, `src` is that memory already.
