@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -14,21 +15,27 @@ namespace flce {
 namespace internal_cuda {
 namespace {
 
-// A mapping of another process's allocation; closed when destroyed.
-class IpcMemory : public DeviceBlock {
+// Device memory given back by `release` (on the block's device) when
+// destroyed: another process's allocation mapped through CUDA IPC (closed),
+// or a staged copy's memory from the stream-ordered pool (freed on the
+// staging stream, after the copy; the calls that read it synchronized
+// their lanes before they returned).
+class ReleasedBlock : public DeviceBlock {
  public:
-  IpcMemory(int device, void* base, int64_t bytes) : device_(device), base_(base), bytes_(bytes) {}
-  ~IpcMemory() override {
+  ReleasedBlock(int device, void* data, int64_t bytes, std::function<void(void*)> release)
+      : device_(device), data_(data), bytes_(bytes), release_(std::move(release)) {}
+  ~ReleasedBlock() override {
     cudaSetDevice(device_);
-    cudaIpcCloseMemHandle(base_);
+    release_(data_);
   }
-  void* data() const override { return base_; }
+  void* data() const override { return data_; }
   int64_t bytes() const override { return bytes_; }
 
  private:
   const int device_;
-  void* const base_;
+  void* const data_;
   const int64_t bytes_;
+  const std::function<void(void*)> release_;
 };
 
 // An event (another process's, opened through CUDA IPC, or a staged
@@ -70,28 +77,6 @@ class OwnedDeviceBlock : public DeviceBlock {
   void* const data_;
   const int64_t bytes_;
   const std::shared_ptr<std::atomic<int64_t>> allocated_;
-};
-
-// A staged copy's device memory: from the stream-ordered pool on the
-// staging stream, and given back on it when destroyed (after the copy; the
-// calls that read it synchronized their lanes before they returned). The
-// stream lives as long as any of its blocks.
-class StagedBlock : public DeviceBlock {
- public:
-  StagedBlock(int device, void* data, int64_t bytes, std::shared_ptr<CudaStream> stream)
-      : device_(device), data_(data), bytes_(bytes), stream_(std::move(stream)) {}
-  ~StagedBlock() override {
-    cudaSetDevice(device_);
-    cudaFreeAsync(data_, stream_->get());
-  }
-  void* data() const override { return data_; }
-  int64_t bytes() const override { return bytes_; }
-
- private:
-  const int device_;
-  void* const data_;
-  const int64_t bytes_;
-  const std::shared_ptr<CudaStream> stream_;
 };
 
 // The size of the allocation that starts at `base`, from the driver's
@@ -203,7 +188,9 @@ absl::StatusOr<StagedCopy> CudaDeviceMemory::StageToDevice(const void* host, int
   }
   FLCE_RETURN_IF_ERROR(health_.Check(error, "staging: cudaMallocAsync"));
   StagedCopy staged;
-  staged.block = std::make_unique<StagedBlock>(device_, data, bytes, stream);
+  // The stream lives as long as any of its blocks.
+  staged.block = std::make_unique<ReleasedBlock>(
+      device_, data, bytes, [stream](void* memory) { cudaFreeAsync(memory, stream->get()); });
   FLCE_RETURN_IF_ERROR(health_.Check(
       cudaMemcpyAsync(data, host, bytes, cudaMemcpyHostToDevice, stream->get()), "staging a copy"));
   cudaEvent_t event = nullptr;
@@ -274,7 +261,8 @@ absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::ImportCudaIpc(
     cudaIpcCloseMemHandle(base);
     return bytes.status();
   }
-  return std::unique_ptr<DeviceBlock>(new IpcMemory(device_, base, *bytes));
+  return std::unique_ptr<DeviceBlock>(
+      new ReleasedBlock(device_, base, *bytes, [](void* memory) { cudaIpcCloseMemHandle(memory); }));
 }
 
 absl::StatusOr<std::unique_ptr<DeviceEvent>> CudaDeviceMemory::ImportCudaIpcEvent(
