@@ -223,10 +223,10 @@ struct BackwardSpec {
   // shard's own part is made): the addend is complete when it returns OK;
   // an error fails the call. It may block (on other engines' work).
   std::function<absl::Status()> grad_hidden_addend_ready;
-  // When set and grad_hidden_to is host memory: called on the call's
-  // thread as dX lands there front to back, with the bytes written so far
-  // (the last call with all of them), so that a reader of its first bytes
-  // need not wait for the rest. An engine may call it once, at the end.
+  // When set and grad_hidden_to is host memory: may be called on the
+  // call's thread as dX lands there front to back, with the bytes written
+  // so far, so that a reader of its first bytes need not wait for the rest
+  // (the CUDA engine does; the CPU engine writes dX in place and does not).
   std::function<void(int64_t bytes)> grad_hidden_landed;
 
   DType hidden_dtype(DType input) const { return grad_dtype.value_or(input); }
