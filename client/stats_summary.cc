@@ -148,7 +148,9 @@ std::string StatsSummary(const v1::GetStatsResponse& s) {
       "device mem  ", HumanBytes(s.device_memory_bytes()),
       " held by the engine (pool, weights, gradient sums)\n",
       absl::StrFormat("reruns      %d Forward calls recomputed on the exact path\n",
-                      s.engine_forward_reruns()));
+                      s.engine_forward_reruns()),
+      absl::StrFormat("staged      %d Forward calls' X copied onto the device as they arrived\n",
+                      s.forwards_staged()));
   return out;
 }
 

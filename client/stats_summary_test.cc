@@ -64,6 +64,7 @@ TEST(StatsSummaryTest, ShowsRequestsErrorsLatencyTokensAndMemory) {
   s.set_live_sessions(4);
   s.set_session_memory_bytes(int64_t{2} << 30);
   s.set_queued_requests(1);
+  s.set_forwards_staged(7);
   const std::string text = StatsSummary(s);
   EXPECT_THAT(text, HasSubstr("SERVING, up 1h02m"));
   EXPECT_THAT(text, HasSubstr("errors of Forward: RESOURCE_EXHAUSTED 2"));
@@ -73,6 +74,7 @@ TEST(StatsSummaryTest, ShowsRequestsErrorsLatencyTokensAndMemory) {
   EXPECT_THAT(text, HasSubstr("received 3.0 GiB"));
   EXPECT_THAT(text, HasSubstr("4 live holding 2.0 GiB"));
   EXPECT_THAT(text, HasSubstr("1 queued"));
+  EXPECT_THAT(text, HasSubstr("7 Forward calls' X copied onto the device"));
   // One line per RPC with its counts.
   EXPECT_THAT(text, ::testing::ContainsRegex("Forward +20 +2 "));
   EXPECT_THAT(text, ::testing::ContainsRegex("Backward +20 +0 "));
