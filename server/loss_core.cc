@@ -76,11 +76,6 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
       problem.weight_parts = std::move(parts);
     }
   }
-  if (problem.hidden.space == MemorySpace::kCuda || problem.weight.space == MemorySpace::kCuda ||
-      !problem.weight_parts.empty()) {
-    problem.device_owner =
-        std::make_shared<const BorrowedMemory>(BorrowedMemory{call.weight_ref, call.shm});
-  }
   if (problem.shard && !engine_->supports_vocab_shards()) {
     return absl::UnimplementedError(absl::StrCat(
         "vocab_shard: the ", engine_->backend(),
@@ -105,6 +100,9 @@ absl::StatusOr<ForwardOutcome> LossCore::Forward(const ForwardCall& call,
     problem.hidden.data = staged->copy().block->data();
     problem.hidden.space = MemorySpace::kCuda;
     problem.ready = staged->copy().ready.get();
+  }
+  if (problem.hidden.space == MemorySpace::kCuda || problem.weight.space == MemorySpace::kCuda ||
+      !problem.weight_parts.empty()) {
     problem.device_owner = std::make_shared<const BorrowedMemory>(
         BorrowedMemory{call.weight_ref, call.shm, std::move(staged)});
   }

@@ -79,9 +79,9 @@ class LossCore {
   // lies in page-locked host memory (a region of server memory), starts
   // X's copy onto the device now, when the call arrives, so that it runs
   // beside the engine's calls before this one instead of at the start of
-  // its own; null where it does not (the engine uploads X in the call, as before): no device,
-  // X elsewhere, a worker's ready event, the budget spent by calls staged
-  // and not yet running, or the copy refused.
+  // its own; null where it does not (the engine uploads X in the call, as
+  // before): no device, X elsewhere, a worker's ready event, the budget
+  // spent by calls staged and not yet running, or the copy refused.
   std::shared_ptr<Staged> StageAhead(const ForwardCall& call);
   // Calls StageAhead staged so far.
   int64_t forwards_staged() const { return forwards_staged_.load(); }

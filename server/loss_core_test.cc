@@ -279,7 +279,9 @@ class StageAheadTest : public LossCoreTest {
     sessions_ = std::make_unique<SessionStore>(SessionLimits{});
     staging_core_ = std::make_unique<LossCore>(&staging_, sessions_.get(), &weights_, budget);
   }
-  int64_t XBytes() { return Call(Reduction::kMean, BackwardMode::kStoreGrads).problem.hidden.bytes(); }
+  int64_t XBytes() {
+    return Call(Reduction::kMean, BackwardMode::kStoreGrads).problem.hidden.bytes();
+  }
 
   HostStagingEngine staging_;
   std::unique_ptr<LossCore> staging_core_;

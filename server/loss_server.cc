@@ -198,8 +198,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
   s->sessions_ = std::make_unique<SessionStore>(options.sessions);
   s->weights_ = std::make_unique<WeightRegistry>(options.weight_memory_bytes,
                                                  options.weight_device_memory_bytes);
-  s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get(),
-                                        s->weights_.get(), options.stage_ahead_bytes);
+  s->core_ = std::make_unique<LossCore>(s->engine_.get(), s->sessions_.get(), s->weights_.get(),
+                                        options.stage_ahead_bytes);
   s->queue_ = std::make_unique<WorkQueue>(options.workers, options.max_queued_requests);
   // Always there: regions of server memory need no flag.
   s->shared_memory_ = std::make_unique<SharedMemoryRegistry>(options.shared_memory);

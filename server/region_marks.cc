@@ -25,9 +25,8 @@ void MarkBoard::Progress(uint64_t mark, int64_t begin, int64_t end) {
 }
 
 std::optional<absl::Status> MarkBoard::Await(uint64_t mark, absl::Time deadline,
-                                             const std::function<bool()>& stop,
-                                             absl::Duration poll, int64_t offset,
-                                             int64_t length) {
+                                             const std::function<bool()>& stop, absl::Duration poll,
+                                             int64_t offset, int64_t length) {
   absl::MutexLock lock(&mu_);
   auto in = [this, mark, offset, length]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (length < 0) return false;

@@ -197,7 +197,8 @@ absl::StatusOr<StagedCopy> CudaDeviceMemory::StageToDevice(const void* host, int
   FLCE_RETURN_IF_ERROR(health_.Check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
                                      "staging: cudaEventCreate"));
   staged.ready = std::make_unique<OwnedEvent>(device_, event);
-  FLCE_RETURN_IF_ERROR(health_.Check(cudaEventRecord(event, stream->get()), "staging: cudaEventRecord"));
+  FLCE_RETURN_IF_ERROR(
+      health_.Check(cudaEventRecord(event, stream->get()), "staging: cudaEventRecord"));
   return staged;
 }
 
@@ -261,8 +262,8 @@ absl::StatusOr<std::unique_ptr<DeviceBlock>> CudaDeviceMemory::ImportCudaIpc(
     cudaIpcCloseMemHandle(base);
     return bytes.status();
   }
-  return std::unique_ptr<DeviceBlock>(
-      new ReleasedBlock(device_, base, *bytes, [](void* memory) { cudaIpcCloseMemHandle(memory); }));
+  return std::unique_ptr<DeviceBlock>(new ReleasedBlock(
+      device_, base, *bytes, [](void* memory) { cudaIpcCloseMemHandle(memory); }));
 }
 
 absl::StatusOr<std::unique_ptr<DeviceEvent>> CudaDeviceMemory::ImportCudaIpcEvent(

@@ -32,10 +32,10 @@ absl::StatusOr<Gradients> BackwardStored(const CallContext& call, StoredGradient
   const DType wdtype = spec.weight_dtype(stored.dtype);
   Gradients out;
   if (!spec.weight_grads_only) {
-    FLCE_ASSIGN_OR_RETURN(out.grad_hidden,
-                          DeliverGradient(call.lane, stored.dx.data(), DType::kFloat32,
-                                          {stored.n, stored.h}, dtype, scale, spec.grad_hidden_to,
-                                          spec.grad_hidden_landed));
+    FLCE_ASSIGN_OR_RETURN(
+        out.grad_hidden,
+        DeliverGradient(call.lane, stored.dx.data(), DType::kFloat32, {stored.n, stored.h}, dtype,
+                        scale, spec.grad_hidden_to, spec.grad_hidden_landed));
     Mark(call.clock, "narrowing dX");
   }
   if (spec.hidden_grad_only) return out;

@@ -149,9 +149,8 @@ absl::StatusOr<HostTensor> DeliverGradient(const Lane& lane, const void* src, DT
   // Reported as it lands: a few slices, so that a reader of the first bytes
   // (a bulk read waiting for them) starts while the rest come down.
   const int64_t per_slice =
-      landed ? std::min(kSliceElements,
-                        std::max((count + kLandedSlices - 1) / kLandedSlices,
-                                 (int64_t{1} << 20) / elem))
+      landed ? std::min(kSliceElements, std::max((count + kLandedSlices - 1) / kLandedSlices,
+                                                 (int64_t{1} << 20) / elem))
              : kSliceElements;
   FLCE_ASSIGN_OR_RETURN(DeviceBuffer slice, lane.Allocate(std::min(count, per_slice) * elem));
   std::vector<CudaEvent> done;
