@@ -9,9 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/generic/async_generic_service.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "kernels/status_macros.h"
 #include "server/engine_factory.h"
+#include "server/health_service.h"
 #include "server/http_listen.h"
 #include "server/sigbus_guard.h"
 #include "common/version.h"
@@ -30,6 +30,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
   if (o.max_queued_requests < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_queued_requests: ", o.max_queued_requests, "; expected >= 0"));
+  }
+  if (o.max_health_watches < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_health_watches: ", o.max_health_watches, "; expected >= 0"));
   }
   if (o.stage_ahead_bytes < 0) {
     return absl::InvalidArgumentError(
@@ -239,9 +243,11 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
                 s->bulk_http_->port(), bulk);
   }
 
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // grpc.health.v1 of our own: its watches end when shutdown starts.
+  s->health_ = std::make_unique<HealthService>(options.max_health_watches);
+  builder.RegisterService(s->health_.get());
   // Reflection answers without a token (gRPC serves it outside the
   // handlers that authenticate): with tokens it is off.
   // grpc.reflection.v1alpha is gRPC's plugin; v1, which newer tools ask
@@ -274,11 +280,12 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(
         "--listen_address: cannot listen on ", options.listen_address));
   }
   if (!options.health_address.empty()) {
-    // Plaintext and only grpc.health.v1 (the default health service of a
-    // server with no other service): for kubelet's gRPC probes, which do
-    // not speak TLS.
+    // Plaintext and only grpc.health.v1: for kubelet's gRPC probes, which
+    // do not speak TLS.
     grpc::ServerBuilder health_builder;
     health_builder.SetOption(std::make_unique<WithoutReflection>());
+    s->health_port_service_ = std::make_unique<HealthService>(options.max_health_watches);
+    health_builder.RegisterService(s->health_port_service_.get());
     s->health_only_ = std::make_unique<HealthOnly>();
     health_builder.RegisterCallbackGenericService(s->health_only_.get());
     health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -334,11 +341,10 @@ LossServer::~LossServer() { Shutdown(absl::ZeroDuration()); }
 
 void LossServer::SetServing(bool serving) {
   serving_ = serving;
-  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
-    if (server == nullptr) continue;
-    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  for (HealthService* health : {health_.get(), health_port_service_.get()}) {
+    if (health == nullptr) continue;
     health->SetServingStatus(kServiceName, serving);
-    health->SetServingStatus(serving);
+    health->SetServingStatus("", serving);
   }
 }
 
@@ -414,6 +420,11 @@ void LossServer::Shutdown(absl::Duration grace) {
   if (server_ == nullptr) return;  // Start failed before serving
   SPDLOG_INFO("shutdown: draining (grace {})", absl::FormatDuration(grace));
   SetServing(false);
+  // Open health watches end now (NOT_SERVING, then UNAVAILABLE): they
+  // would hold the shutdown below until its deadline.
+  for (HealthService* health : {health_.get(), health_port_service_.get()}) {
+    if (health != nullptr) health->Shutdown();
+  }
   const absl::Time deadline = absl::Now() + grace;
   // Channels take no new call; theirs in flight, like the RPCs', have until
   // the deadline.

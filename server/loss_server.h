@@ -18,6 +18,7 @@
 #include "server/auth.h"
 #include "server/bulk_http.h"
 #include "server/engine_factory.h"
+#include "server/health_service.h"
 #include "server/loss_core.h"
 #include "server/loss_service.h"
 #include "server/metrics.h"
@@ -79,6 +80,8 @@ struct ServerOptions {
   // host:port of a plaintext port serving only grpc.health.v1 (for probes
   // that cannot speak TLS, like kubelet's); empty: none.
   std::string health_address;
+  // grpc.health.v1 Watch calls open at once, per port.
+  int max_health_watches = 256;
   // host:port of the bulk HTTP port (server/bulk_http.h), which moves the
   // bytes of regions of server memory for remote clients; "auto": the
   // host of listen_address on a free port; empty: none (clients then use
@@ -152,6 +155,10 @@ class LossServer {
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<BulkHttpServer> bulk_http_;
   std::atomic<bool> serving_{true};
+  // grpc.health.v1 of the main port and of the health-only port (before
+  // their servers: gone after them).
+  std::unique_ptr<HealthService> health_;
+  std::unique_ptr<HealthService> health_port_service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::CallbackGenericService> health_only_;
   std::unique_ptr<grpc::Server> health_server_;

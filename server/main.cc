@@ -159,6 +159,8 @@ ABSL_FLAG(int, max_bulk_connections_per_address,
           "connections the bulk port holds from one client address");
 ABSL_FLAG(std::string, health_address, "",
           "host:port of a plaintext port with only grpc.health.v1, for probes without TLS");
+ABSL_FLAG(int, max_health_watches, flce::ServerOptions().max_health_watches,
+          "grpc.health.v1 Watch calls open at once on each port (ended at shutdown)");
 ABSL_FLAG(bool, insecure, false,
           "serve plaintext without TLS (refused unless given; logs a warning)");
 ABSL_FLAG(flce::DurationFlag, drain_timeout, flce::DurationFlag{absl::ZeroDuration()},
@@ -234,6 +236,7 @@ int main(int argc, char** argv) {
   options.security.insecure = absl::GetFlag(FLAGS_insecure);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.health_address = absl::GetFlag(FLAGS_health_address);
+  options.max_health_watches = absl::GetFlag(FLAGS_max_health_watches);
   options.bulk_address = absl::GetFlag(FLAGS_bulk_address);
   options.max_bulk_connections = absl::GetFlag(FLAGS_max_bulk_connections);
   options.max_bulk_connections_per_address = absl::GetFlag(FLAGS_max_bulk_connections_per_address);

@@ -149,6 +149,47 @@ class FaultTest(unittest.TestCase):
             flce.Client(server.address, timeout=5).info()
         self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
 
+    def test_sigterm_ends_open_health_watches_and_does_not_wait_for_them(self):
+        # A Watch never ends by itself: the server must end it (NOT_SERVING,
+        # then UNAVAILABLE) or SIGTERM would wait out the whole grace.
+        server = ServerProcess(SERVER, "--backend=cpu", "--shutdown_grace=120s",
+                               "--max_health_watches=2")
+        self.addCleanup(server.kill)
+        channel = grpc.insecure_channel(server.address)
+        self.addCleanup(channel.close)
+        watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
+        # HealthCheckResponse on the wire: field 1 = SERVING (1) or NOT_SERVING (2).
+        serving, not_serving = b"\x08\x01", b"\x08\x02"
+        first, second = watch(b""), watch(b"")
+        self.assertEqual(next(first), serving)
+        self.assertEqual(next(second), serving)
+        with self.assertRaises(grpc.RpcError) as e:
+            next(watch(b""))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.assertIn("--max_health_watches", e.exception.details())
+        second.cancel()  # a watch ended by its client frees its place
+        wait_for(lambda: self._watch_opens(watch), "a freed watch place")
+        start = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        self.assertEqual(next(first), not_serving)
+        with self.assertRaises(grpc.RpcError) as e:
+            next(first)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(server.process.wait(timeout=60), 0)
+        self.assertLess(time.monotonic() - start, 30)  # the grace is 120 s
+        self.assertIn("shutdown: done", server.read_log())
+
+    def _watch_opens(self, watch):
+        call = watch(b"")
+        try:
+            next(call)
+            return True
+        except grpc.RpcError as e:
+            self.assertEqual(e.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            return False
+        finally:
+            call.cancel()
+
     def test_python_client_over_tls_with_a_token(self):
         tokens = os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), "tokens")
         with open(tokens, "w") as f:
