@@ -165,10 +165,10 @@ grpc::ServerWriteReactor<HealthCheckResponse>* HealthService::Watch(
   if (shut_down_) {
     watcher->Send(HealthCheckResponse::NOT_SERVING, /*end=*/true);
   } else if (static_cast<int>(watchers_.size()) >= max_watches_) {
-    watcher->Refuse(grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("grpc.health.v1 Watch: ", watchers_.size(),
-                     " watches open, the server's bound (--max_health_watches)")));
+    watcher->Refuse(
+        grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     absl::StrCat("grpc.health.v1 Watch: ", watchers_.size(),
+                                  " watches open, the server's bound (--max_health_watches)")));
   } else {
     watchers_.insert(watcher);
     watcher->Send(StatusOf(request->service()), /*end=*/false);

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "kernels/status_macros.h"
@@ -14,7 +15,6 @@
 #include "server/health_service.h"
 #include "server/http_listen.h"
 #include "server/sigbus_guard.h"
-#include "common/version.h"
 #include "spdlog/spdlog.h"
 
 namespace flce {

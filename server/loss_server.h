@@ -4,9 +4,9 @@
 // The flce server as a value: engine, sessions, work queue, the gRPC server
 // with health checking and reflection, and the session reaper.
 
+#include <atomic>
 #include <memory>
 #include <string>
-#include <atomic>
 #include <thread>
 
 #include "absl/status/statusor.h"
@@ -17,6 +17,7 @@
 #include "kernels/loss_engine.h"
 #include "server/auth.h"
 #include "server/bulk_http.h"
+#include "server/call_channel.h"
 #include "server/engine_factory.h"
 #include "server/health_service.h"
 #include "server/loss_core.h"
@@ -24,9 +25,8 @@
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/reflection_v1.h"
-#include "server/session_store.h"
 #include "server/request_admission.h"
-#include "server/call_channel.h"
+#include "server/session_store.h"
 #include "server/shared_memory.h"
 #include "server/weight_registry.h"
 #include "server/work_queue.h"
