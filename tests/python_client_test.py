@@ -11,14 +11,16 @@ import os
 import sys
 import time
 import unittest
+from unittest import mock
 
+import grpc
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import flce
 from flce import client as flce_client
-from server_process import ServerProcess, run_tests
+from server_process import ServerProcess, run_tests, wait_for
 from train_tiny_lm import TinyLM
 
 SERVER = sys.argv[1]
@@ -453,6 +455,54 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(self.client.info().live_sessions, before + 1)  # the second only
         self.client.release_session(second)
         self._live_sessions_become(before)
+
+    def test_a_held_call_keeps_the_channels_completion_thread(self):
+        import grpc._channel
+
+        started = []  # gRPC's thread that completes a channel's calls, each start
+        real = grpc._channel._run_channel_spin_thread
+        patch = mock.patch.object(grpc._channel, "_run_channel_spin_thread",
+                                  side_effect=lambda state: (started.append(1), real(state)))
+
+        def calls(client, n):
+            for _ in range(n):
+                client._stub.GetServerInfo.future(flce_client.pb.GetServerInfoRequest(),
+                                                  timeout=30).result()
+                time.sleep(0.01)  # the thread of a call with none after it ends
+
+        # Without one, each call made while none is in flight starts it anew.
+        plain = flce.Client(self.server.address)
+        self.addCleanup(plain.close)
+        with patch:
+            calls(plain, 3)
+        self.assertEqual(len(started), 3)
+        held = flce.Client(self.server.address)
+        self.addCleanup(held.close)
+        started.clear()
+        with patch:
+            held.hold_channel_thread()
+            calls(held, 3)
+            held.hold_channel_thread()  # still open: no second one
+        self.assertEqual(len(started), 1)
+        call = held._held_call
+        self.assertFalse(call.done())
+        held.close()
+        self.assertTrue(call.done())
+        self.assertGreaterEqual(plain.info().live_sessions, 0)  # the server serves on
+
+    def test_a_server_that_refuses_a_held_call_is_not_asked_again(self):
+        server = ServerProcess(SERVER, "--backend=cpu", "--max_health_watches=0")
+        self.addCleanup(server.kill)
+        client = flce.Client(server.address)
+        self.addCleanup(client.close)
+        client.hold_channel_thread()
+        wait_for(lambda: client._held_call.done(), "the refused watch to end")
+        self.assertEqual(client._held_call.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        client.hold_channel_thread()
+        self.assertIs(client._held_call, False)
+        client.hold_channel_thread()  # and no call made
+        self.assertIs(client._held_call, False)
+        self.assertGreaterEqual(client.info().live_sessions, 0)
 
     def test_a_weight_changed_without_a_pull_warns(self):
         w = torch.randn(11, 4, requires_grad=True)

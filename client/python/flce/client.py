@@ -454,9 +454,33 @@ class Client:
         self._weights = {}  # name → (V, H, has_bias, wire dtype) of the weights put
         self._pending = None  # a Forward of the channel's whose answer is still to be read
         self._channel_refused_at = None  # when the server last refused one
+        self._held_call = None  # see hold_channel_thread()
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         self.stream_chunk_bytes = stream_chunk_bytes
+
+    def hold_channel_thread(self):
+        """Keeps one call open on the channel (grpc.health.v1's Watch, which
+        the server answers once and then holds) so that gRPC's thread that
+        completes the channel's ``future()`` calls stays: with no call in
+        flight that thread ends, and the next ``future()`` starts it anew and
+        waits until it runs. Callers that make calls back to back (the row
+        pieces') hold it; ``close()`` ends the call. The server ends open
+        watches when it shuts down (the next call here opens another); one
+        that refuses them (its ``--max_health_watches`` reached, or no Watch
+        at all) is not asked again by this client."""
+        held = self._held_call
+        if held is False:
+            return
+        if held is not None and held.done():
+            if held.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               grpc.StatusCode.UNIMPLEMENTED):
+                self._held_call = False
+                return
+            held = None
+        if held is None:
+            watch = self._channel.unary_stream("/grpc.health.v1.Health/Watch")
+            self._held_call = watch(b"", metadata=self._metadata)
 
     def cuda_ipc(self):
         """This client's :class:`flce.cuda_ipc.CudaIpcRegistry`: the GPU
@@ -520,6 +544,9 @@ class Client:
 
     def close(self):
         self._settle_pending()
+        if self._held_call:
+            self._held_call.cancel()
+        self._held_call = None
         if self._bulk is not None:
             self._bulk.close()
             self._bulk = None

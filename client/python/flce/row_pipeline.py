@@ -151,6 +151,7 @@ class RowPipeline:
         normalise by (all rows ignored): the caller takes one call."""
         client = self.client
         stamps = self.last_stamps = {"start": time.monotonic()}
+        client.hold_channel_thread()
         n, h = hidden.shape
         elem = hidden.element_size()
         targets = target.detach().to("cpu")
