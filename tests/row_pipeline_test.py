@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import flce
 from flce.row_pipeline import PipelinedStep
-from server_process import ServerProcess, run_tests
+from server_process import ServerProcess, run_tests, wait_for
 
 SERVER = sys.argv[1]
 
@@ -137,6 +137,62 @@ class RowPipelineTest(unittest.TestCase):
         loss, dx, dw = self.train(m, torch.float32, steps=1, accumulate=1)
         self.assertLess(max(loss, dx, dw), 1e-5)
         self.assertEqual(calls, {"marked": 0, "after": 3 + 1})
+        self.assertEqual(self.live_sessions(m.client), 0)
+
+    def test_the_backwards_adds_go_out_behind_the_next_steps_pieces(self):
+        # With the expected upstream gradient, backward sends nothing: each
+        # piece's GRADIENTS_WEIGHT add goes once the next step's Forwards
+        # are out, or before the pull reads the sum; the sum is the same.
+        torch.manual_seed(5)
+        n, h, v = 211, 48, 997
+        m = self.module()
+        w = (torch.randn(v, h) / 7).requires_grad_()
+        w_ref = w.detach().clone().requires_grad_()
+
+        def backwards():
+            stats = m.client.stats()
+            return sum(r.count for r in stats.requests if r.rpc == "Backward")
+
+        base = backwards()
+        for step in range(3):
+            x = torch.randn(n, h).requires_grad_()
+            t = torch.randint(0, v, (n,))
+            m(x, w, t).backward()
+            F.cross_entropy(F.linear(x.detach(), w_ref), t).backward()
+            # Each step's 3 adds go behind the next step's pieces (upstream
+            # 1 is the one expected from the start).
+            sent = base + 3 * step
+            wait_for(lambda: backwards() == sent, f"step {step}'s Backwards")
+            time.sleep(0.1)
+            self.assertEqual(backwards(), sent)  # this step's adds: not yet
+        m.pull_weight_grads()
+        self.assertEqual(backwards(), base + 3 * 3)
+        self.assertLess(float((w.grad - w_ref.grad).abs().max()), 1e-5)
+        self.assertEqual(self.live_sessions(m.client), 0)
+
+    def test_a_deferred_add_that_fails_fails_the_pull(self):
+        # The pieces' sessions gone before their adds went out: the pull
+        # sends them, and raises their error instead of a sum without them.
+        torch.manual_seed(6)
+        m = self.module()
+        w = (torch.randn(997, 48) / 7).requires_grad_()
+        x = torch.randn(211, 48).requires_grad_()
+        m(x, w, torch.randint(0, 997, (211,))).backward()
+        for session_id in m._last.sessions:
+            m.client.release_session(session_id)
+        with self.assertRaises(flce.FlceError) as e:
+            m.pull_weight_grads()
+        # (A released session: FAILED_PRECONDITION, as for any Backward.)
+        self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIsNone(w.grad)
+        # The module serves on: the next step and its pull.
+        x = torch.randn(211, 48).requires_grad_()
+        t = torch.randint(0, 997, (211,))
+        m(x, w, t).backward()
+        m.pull_weight_grads()
+        w_ref = w.detach().clone().requires_grad_()
+        F.cross_entropy(F.linear(x.detach(), w_ref), t).backward()
+        self.assertLess(float((w.grad - w_ref.grad).abs().max()), 1e-5)
         self.assertEqual(self.live_sessions(m.client), 0)
 
     def test_evaluation_sends_x_over_the_bulk_port(self):

@@ -285,6 +285,9 @@ class RowPipeline:
                     lambda c, cancel=cancels[i]: c.code() != grpc.StatusCode.OK
                     and cancel.cancel())
                 futures.append(pool.submit(chain, i, call))
+                if i == len(rows) - 1 and module._registration is not None:
+                    # The last step's adds, behind this step's Forwards.
+                    module._registration.send_deferred()
             answers = [f.result() for f in futures]
         except BaseException:
             for event, cancel in zip(written, cancels):
@@ -358,13 +361,17 @@ class RowPipeline:
         client = self.client
         same = grad_output == step.expected
         g = step.piece_grad(grad_output)
-        calls = []
-        for session_id in step.sessions:
-            r = pb.BackwardRequest(session_id=session_id, accumulate_weight_grad=True,
-                                   gradients=pb.GRADIENTS_WEIGHT if same else pb.GRADIENTS_ALL)
-            to_wire(np.asarray(g, dtype=np.float32), r.grad_output)
-            calls.append(client._stub.Backward.future(r, timeout=client.timeout,
-                                                      metadata=client._metadata))
+
+        def issue():
+            calls = []
+            for session_id in step.sessions:
+                r = pb.BackwardRequest(session_id=session_id, accumulate_weight_grad=True,
+                                       gradients=pb.GRADIENTS_WEIGHT if same
+                                       else pb.GRADIENTS_ALL)
+                to_wire(np.asarray(g, dtype=np.float32), r.grad_output)
+                calls.append(client._stub.Backward.future(r, timeout=client.timeout,
+                                                          metadata=client._metadata))
+            return calls
 
         def settle(calls):
             answers, failed = [], None
@@ -380,9 +387,12 @@ class RowPipeline:
             return answers
 
         if same:
-            registration.adding(calls, settle)
+            # Sent once the next step's pieces are out (or before the sum is
+            # read): not on autograd's path now, and on the server they run
+            # while that step's last dX crosses the wire.
+            registration.defer(issue, settle)
             return step.dx
-        answers = settle(calls)
+        answers = settle(issue())
         # Another upstream gradient: dX as the full Backwards returned it.
         for answer, (first, last) in zip(answers, step.rows):
             step.dx[first:last].copy_(to_torch(answer.grad_hidden, step.dx.device))

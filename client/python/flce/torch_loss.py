@@ -128,6 +128,8 @@ class _RemoteFunction(torch.autograd.Function):
         # NaN stays there if the computation fails.
         loss = (torch.full((), float("nan"), dtype=torch.float32, device=hidden.device)
                 if eager is not None else None)
+        if registration is not None:
+            registration.send_deferred()  # the row pieces' adds still to send
         result = module.client.forward(
             hidden, target, wire_weight, wire_bias, weight_name=weight_name,
             weight_version=weight_version,

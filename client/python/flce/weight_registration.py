@@ -31,6 +31,7 @@ class WeightRegistration:
         self._pending = 0       # Backward calls whose dW waits on the server
         self._params = None     # (weight, bias) of the pending sum
         self._in_flight = []    # (Backward calls adding into the sum, their settle)
+        self._deferred = []     # (issue, settle) of adds not sent yet: see defer()
         # For parameters on a GPU: page-locked host tensors the sum lands in,
         # kept from pull to pull, and the event of their last copy to the GPU.
         self._staging = None
@@ -52,9 +53,24 @@ class WeightRegistration:
         for calls_done, settle_done in done:
             settle_done(calls_done)
 
+    def defer(self, issue, settle):
+        """Adds into the sum to send later: ``issue()`` makes the Backward
+        calls (then as :meth:`adding`) at the next :meth:`send_deferred` —
+        once the next step's calls are out — or before anything reads the
+        sum or replaces the weight, whichever comes first."""
+        self._deferred.append((issue, settle))
+
+    def send_deferred(self):
+        """Sends the adds deferred so far (see :meth:`defer`)."""
+        deferred, self._deferred = self._deferred, []
+        for issue, settle in deferred:
+            self.adding(issue(), settle)
+
     def settle(self):
-        """Waits for the Backward calls still adding into the sum; the first
-        error among them is raised (their dW is not in the sum)."""
+        """Sends the deferred adds and waits for the Backward calls still
+        adding into the sum; the first error among them is raised (their dW
+        is not in the sum)."""
+        self.send_deferred()
         in_flight, self._in_flight = self._in_flight, []
         failed = None
         for calls, settle in in_flight:
