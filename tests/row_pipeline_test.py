@@ -146,6 +146,7 @@ class RowPipelineTest(unittest.TestCase):
         torch.manual_seed(5)
         n, h, v = 211, 48, 997
         m = self.module()
+        m._registration.SEND_AFTER_S = 60  # (see the test after this one)
         w = (torch.randn(v, h) / 7).requires_grad_()
         w_ref = w.detach().clone().requires_grad_()
 
@@ -170,11 +171,28 @@ class RowPipelineTest(unittest.TestCase):
         self.assertLess(float((w.grad - w_ref.grad).abs().max()), 1e-5)
         self.assertEqual(self.live_sessions(m.client), 0)
 
+    def test_deferred_adds_go_by_themselves_when_no_step_comes(self):
+        # No next step and no pull: the adds go after SEND_AFTER_S (50 ms),
+        # their sessions released by them, and the pull finds them done.
+        torch.manual_seed(7)
+        m = self.module()
+        w = (torch.randn(997, 48) / 7).requires_grad_()
+        x = torch.randn(211, 48).requires_grad_()
+        t = torch.randint(0, 997, (211,))
+        m(x, w, t).backward()
+        self.assertEqual(self.live_sessions(m.client), 0)  # consumed by their adds
+        self.assertEqual(m._registration._deferred, [])
+        m.pull_weight_grads()
+        w_ref = w.detach().clone().requires_grad_()
+        F.cross_entropy(F.linear(x.detach(), w_ref), t).backward()
+        self.assertLess(float((w.grad - w_ref.grad).abs().max()), 1e-5)
+
     def test_a_deferred_add_that_fails_fails_the_pull(self):
         # The pieces' sessions gone before their adds went out: the pull
         # sends them, and raises their error instead of a sum without them.
         torch.manual_seed(6)
         m = self.module()
+        m._registration.SEND_AFTER_S = 60  # nothing sent before the pull
         w = (torch.randn(997, 48) / 7).requires_grad_()
         x = torch.randn(211, 48).requires_grad_()
         m(x, w, torch.randint(0, 997, (211,))).backward()

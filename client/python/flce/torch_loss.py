@@ -114,8 +114,10 @@ class _RemoteFunction(torch.autograd.Function):
         if pieces:
             # Over the network in row pieces: dX comes along (see
             # flce.row_pipeline), backward adds dW into the server's sum.
-            step = module._pipeline.forward(module, hidden, target, weight_name,
-                                            weight_version, module._expected_grad_output, pieces)
+            with registration.behind():
+                step = module._pipeline.forward(module, hidden, target, weight_name,
+                                                weight_version, module._expected_grad_output,
+                                                pieces)
             if step is not None:
                 ctx.step, ctx.module, ctx.params = step, module, (weight, bias)
                 module._last, module._backward_stats = step, None

@@ -9,9 +9,14 @@ server sums dW (and db) of the Backward calls made with
 ``accumulate_weight_grad``; :meth:`pull_grads` takes the sum (TakeWeightGrad)
 and adds it into the parameters' ``.grad`` — call it before anything reads
 ``.grad`` (gradient clipping, the optimizer step), or let :meth:`attach` do
-it before each ``optimizer.step()``.
+it before each ``optimizer.step()``. The row pieces' adds into the sum
+(``defer``) go out behind the next step's calls, or by themselves after
+``SEND_AFTER_S``, and always before the sum is read.
 """
 
+import contextlib
+import threading
+import time
 import uuid
 import warnings
 
@@ -22,6 +27,14 @@ class WeightRegistration:
     """One weight (and bias) registered with ``client`` under a name of its
     own (a fresh random one unless ``name`` is given)."""
 
+    # Deferred adds (see defer()) go by themselves once they have waited
+    # this long for a next step: a training loop's next loss call normally
+    # comes sooner (it takes them), a model's backward and forward between
+    # two loss calls often take longer (the adds then run on the server
+    # while they do, not at the pull), and no add's session waits for the
+    # server's TTL.
+    SEND_AFTER_S = 0.05
+
     def __init__(self, client, name: str = ""):
         self._client = client
         self.name = name or f"flce-{uuid.uuid4().hex[:16]}"
@@ -30,8 +43,15 @@ class WeightRegistration:
         self.puts = 0           # PutWeight calls so far
         self._pending = 0       # Backward calls whose dW waits on the server
         self._params = None     # (weight, bias) of the pending sum
+        # Guards the adds' bookkeeping below, which the sender thread shares.
+        self._lock = threading.Condition()
         self._in_flight = []    # (Backward calls adding into the sum, their settle)
         self._deferred = []     # (issue, settle) of adds not sent yet: see defer()
+        self._deferred_at = 0.0  # when the oldest of them was deferred
+        self._send_errors = []  # adds whose calls could not even be made
+        self._sender = None     # the thread that sends deferred adds in time
+        self._holding = 0       # steps under way (see behind())
+        self._closed = False
         # For parameters on a GPU: page-locked host tensors the sum lands in,
         # kept from pull to pull, and the event of their last copy to the GPU.
         self._staging = None
@@ -47,32 +67,88 @@ class WeightRegistration:
     def adding(self, calls, settle):
         """Backward calls in flight that add into the sum: ``settle(calls)``
         waits for them (raising their error) before anything reads the sum
-        or replaces the weight. Those already done are settled now."""
-        done = [e for e in self._in_flight if all(c.done() for c in e[0])]
-        self._in_flight = [e for e in self._in_flight if e not in done] + [(calls, settle)]
-        for calls_done, settle_done in done:
-            settle_done(calls_done)
+        or replaces the weight. Those already done and answered OK are
+        settled now; a failed one stays for :meth:`settle` to raise."""
+        with self._lock:
+            self._in_flight.append((calls, settle))
+            kept = []
+            for entry in self._in_flight:
+                if all(c.done() for c in entry[0]):
+                    try:
+                        entry[1](entry[0])
+                        continue
+                    except Exception:  # raised by settle(), later
+                        pass
+                kept.append(entry)
+            self._in_flight = kept
 
     def defer(self, issue, settle):
         """Adds into the sum to send later: ``issue()`` makes the Backward
         calls (then as :meth:`adding`) at the next :meth:`send_deferred` —
-        once the next step's calls are out — or before anything reads the
-        sum or replaces the weight, whichever comes first."""
-        self._deferred.append((issue, settle))
+        once the next step's calls are out —, before anything reads the sum
+        or replaces the weight, or after ``SEND_AFTER_S`` without either."""
+        with self._lock:
+            if not self._deferred:
+                self._deferred_at = time.monotonic()
+            self._deferred.append((issue, settle))
+            if self._sender is None and not self._closed:
+                self._sender = threading.Thread(target=self._send_in_time, daemon=True,
+                                                name="flce-weight-adds")
+                self._sender.start()
+            self._lock.notify()
 
     def send_deferred(self):
         """Sends the adds deferred so far (see :meth:`defer`)."""
-        deferred, self._deferred = self._deferred, []
-        for issue, settle in deferred:
-            self.adding(issue(), settle)
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+            for issue, settle in deferred:
+                try:
+                    calls = issue()
+                except Exception as e:  # e.g. the client closed: raised by settle()
+                    self._send_errors.append(e)
+                    continue
+                self.adding(calls, settle)
+
+    @contextlib.contextmanager
+    def behind(self):
+        """A step's calls going out: the deferred adds wait for them (the
+        step calls :meth:`send_deferred` once they are out), not for
+        ``SEND_AFTER_S``; a step that fails first sends them at its end."""
+        with self._lock:
+            self._holding += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holding -= 1
+                self.send_deferred()
+
+    def _send_in_time(self):
+        with self._lock:
+            while not self._closed:
+                if not self._deferred:
+                    # Idle for a second: the thread ends (the next defer()
+                    # starts another), holding nothing alive meanwhile.
+                    self._lock.wait(1.0)
+                    if not self._deferred:
+                        break
+                    continue
+                left = self._deferred_at + self.SEND_AFTER_S - time.monotonic()
+                if left > 0 or self._holding:
+                    self._lock.wait(left if left > 0 else self.SEND_AFTER_S)
+                    continue
+                self.send_deferred()
+            self._sender = None
 
     def settle(self):
         """Sends the deferred adds and waits for the Backward calls still
         adding into the sum; the first error among them is raised (their dW
         is not in the sum)."""
-        self.send_deferred()
-        in_flight, self._in_flight = self._in_flight, []
-        failed = None
+        with self._lock:
+            self.send_deferred()
+            in_flight, self._in_flight = self._in_flight, []
+            errors, self._send_errors = self._send_errors, []
+        failed = errors[0] if errors else None
         for calls, settle in in_flight:
             try:
                 settle(calls)
@@ -182,6 +258,9 @@ class WeightRegistration:
             self.settle()
         except Exception:  # pragma: no cover - going away: nothing to add into
             pass
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
         if self._key is not None:
             try:
                 self._client.delete_weight(self.name)
