@@ -14,8 +14,9 @@ server works on the following pieces (the read sent before the answer where
 the server holds it until dX is written: marks, :meth:`flce.bulk.BulkTransfer.read_marked`).
 When autograd's backward comes with that same upstream
 gradient, one small Backward per piece (``gradients="weight"``) adds dW and
-db into the registered weight's sum on the server — left in flight, waited
-for by the weight's next pull — and dX is already here: a step is the
+db into the registered weight's sum on the server — sent behind the next
+step's Forwards (or after 50 ms with no step under way), waited for by the
+weight's next pull — and dX is already here: a step is the
 engine's time plus one piece's transfer each way. Another
 upstream gradient (the first step of a run with gradient accumulation, say)
 gets the exact gradients the slow way: each piece's full Backward, dX read
@@ -98,8 +99,9 @@ class PipelinedStep:
     def finish(self, grad_output: float, registration) -> torch.Tensor:
         """Adds dW (db) into the registered weight's sum for ``grad_output``
         and returns dX for it. For the expected upstream gradient the adds
-        are left in flight with ``registration`` (its next pull, weight
-        change or close waits for them): dX is here already."""
+        are deferred with ``registration`` (sent behind the next step's
+        calls; its next pull, weight change or close sends and waits for
+        them): dX is here already."""
         self.consumed = True
         # The pieces' copies into dX first: the exact path overwrites it.
         for event in self._dx_ready:
@@ -392,6 +394,7 @@ class RowPipeline:
             # while that step's last dX crosses the wire.
             registration.defer(issue, settle)
             return step.dx
+        registration.send_deferred()  # the sum's adds in the steps' order
         answers = settle(issue())
         # Another upstream gradient: dX as the full Backwards returned it.
         for answer, (first, last) in zip(answers, step.rows):
