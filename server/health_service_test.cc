@@ -27,8 +27,8 @@ class HealthServiceTest : public ::testing::Test {
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
-    stub_ = Health::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                                grpc::InsecureChannelCredentials()));
+    stub_ = Health::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
   }
 
   void TearDown() override {
