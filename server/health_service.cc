@@ -142,18 +142,19 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* cont
                                                const HealthCheckRequest* request,
                                                HealthCheckResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  grpc::Status status;
+  ServingStatus status;
   {
     absl::MutexLock lock(&mu_);
-    const auto it = statuses_.find(request->service());
-    if (it == statuses_.end()) {
-      status = grpc::Status(grpc::StatusCode::NOT_FOUND,
-                            absl::StrCat("service: unknown service \"", request->service(), "\""));
-    } else {
-      response->set_status(it->second);
-    }
+    status = StatusOf(request->service());
   }
-  reactor->Finish(status);
+  if (status == HealthCheckResponse::SERVICE_UNKNOWN) {
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::NOT_FOUND,
+                     absl::StrCat("service: unknown service \"", request->service(), "\"")));
+    return reactor;
+  }
+  response->set_status(status);
+  reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 
