@@ -340,6 +340,75 @@ class PythonClientTest(unittest.TestCase):
         small = loss_fn(h[:64].detach().requires_grad_(), w, t[:64])
         self.assertTrue(torch.isfinite(small).item())
 
+    def test_cuda_ipc_backward_returns_before_the_answer_with_pytorchs_gradients(self):
+        # Backward while the Forward still runs goes behind a gate that checks
+        # the upstream gradient on the GPU: one the gradients were made for
+        # opens it there; another has them redone first. Either way the bits
+        # are those of the path that waits for the answer.
+        self._needs_cuda_server()
+        torch.manual_seed(12)
+        h = torch.randn(301, 96, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(1003, 96, device="cuda") / 10).to(torch.bfloat16)
+        t = torch.randint(0, 1003, (301,), device="cuda")
+        t[:7] = -100
+        grpc_client = flce.Client(self.server.address, call_channel=False)
+        self.addCleanup(grpc_client.close)
+        waits = flce.RemoteLinearCrossEntropy(grpc_client, cuda_ipc=True)
+        gated = flce.RemoteLinearCrossEntropy(self.client, cuda_ipc=True)
+        self.addCleanup(waits.close)
+        self.addCleanup(gated.close)
+        before = self.client.info().live_sessions
+        scales = (1.0, 0.25, 0.25, 3.0, 1.0)  # made for 1 → redone → as made → redone twice
+        results = {}
+        for name, loss_fn in (("waits", waits), ("gated", gated)):
+            results[name] = []
+            for scale in scales:
+                hv, wv = h.clone().requires_grad_(), w.clone().requires_grad_()
+                if loss_fn is gated:
+                    # The server's work waits behind this stream's queued
+                    # sleep: backward surely runs before the answer.
+                    torch.cuda._sleep(100_000_000)
+                loss = loss_fn(hv, wv, t)
+                (loss * scale).backward()
+                if loss_fn is gated:
+                    self.assertFalse(loss_fn._last.done(), f"scale {scale}")
+                    self.assertEqual(len(loss_fn._gates), 1)
+                results[name].append((loss.item(), hv.grad.clone(), wv.grad.clone()))
+        gated.synchronize()
+        self.assertEqual(gated._gates, [])
+        for scale, a, b in zip(scales, results["waits"], results["gated"]):
+            self.assertEqual(a[0], b[0], f"loss at scale {scale}")
+            self.assertTrue(torch.equal(a[1], b[1]), f"dX at scale {scale}")
+            self.assertTrue(torch.equal(a[2], b[2]), f"dW at scale {scale}")
+        self.assertEqual(gated._expected_grad_output, 1.0)
+        # Every session was consumed (redone) or released.
+        for client in (self.client, grpc_client):
+            client._flush_releases()
+        wait_for(lambda: self.client.info().live_sessions <= before, "the sessions' release", 10)
+
+    def test_cuda_ipc_a_failure_after_backward_returned_raises_at_the_next_call(self):
+        self._needs_cuda_server()
+        torch.manual_seed(13)
+        h = torch.randn(65536, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(65536, 2048, device="cuda") / 45).to(torch.bfloat16).requires_grad_()
+        t = torch.randint(0, 65536, (65536,), device="cuda")
+        client = flce.Client(self.server.address, timeout=0.02)  # far less than it takes
+        loss_fn = flce.RemoteLinearCrossEntropy(client, cuda_ipc=True)
+        self.addCleanup(client.close)
+        loss = loss_fn(h, w, t)
+        loss.backward()  # returns before the answer: the gate holds the stream
+        self.assertTrue(torch.isnan(loss).item())
+        self.assertTrue(torch.isnan(h.grad.float()).all().item())
+        self.assertTrue(torch.isnan(w.grad.float()).all().item())
+        with self.assertRaises(flce.FlceError) as e:
+            loss_fn(h[:64].detach(), w.detach(), t[:64])
+        self.assertEqual(e.exception.code.name, "DEADLINE_EXCEEDED")
+        client.timeout = 60
+        small = loss_fn(h[:64].detach().requires_grad_(), w, t[:64])
+        small.backward()
+        self.assertTrue(torch.isfinite(small).item())
+        loss_fn.close()
+
     def test_cuda_ipc_a_server_dying_mid_call_releases_the_stream(self):
         self._needs_cuda_server()
         server = ServerProcess(SERVER, "--backend=cuda", "--enable_shared_memory")

@@ -8,6 +8,7 @@ deadline; server errors raise :class:`FlceError` carrying the gRPC code.
 
 import dataclasses
 import struct
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -246,6 +247,8 @@ class PendingForward:
         self._channel = self._call = None
         self._result = self._error = None
         self._over = False
+        # wait() may come from an upstream gate's thread and the caller's.
+        self._lock = threading.Lock()
         # Its session is nobody's once it is made (the graph went first).
         self.release_when_done = False
 
@@ -257,7 +260,8 @@ class PendingForward:
         # (Closed before it was taken: not made, the caller may go elsewhere.)
         accepted = channel.accepted(call)
         self._channel, self._call = channel, call
-        self._client._pending = self
+        with self._client._pending_lock:
+            self._client._pending = self
         if accepted:
             self._ipc.wait_fence(channel, call.seq, device)
             channel.watch(call)
@@ -267,22 +271,27 @@ class PendingForward:
     def done(self) -> bool:
         return self._over
 
+    def in_flight(self):
+        """(channel, call) of a call made through a call channel whose answer
+        has not come yet (nor its fence been stored), else None."""
+        if self._over or self._channel is None or self._channel.answered(self._call):
+            return None
+        return self._channel, self._call
+
     def wait(self):
         """Reads the answer (waiting for it) without raising its error."""
-        if self._over:
-            return
-        client = self._client
-        if client._pending is self:
-            client._pending = None
-        try:
-            self.settle(self._channel.finish(self._call))
-        except FlceError as e:
-            self._error = e
-            self.fail()
-        except _call_channel.ChannelClosed:
-            self._error = FlceError(grpc.StatusCode.UNAVAILABLE,
-                                    "call channel: closed by the server during the call")
-            self.fail()
+        with self._lock:
+            if self._over:
+                return
+            try:
+                self.settle(self._channel.finish(self._call))
+            except FlceError as e:
+                self._error = e
+                self.fail()
+            except _call_channel.ChannelClosed:
+                self._error = FlceError(grpc.StatusCode.UNAVAILABLE,
+                                        "call channel: closed by the server during the call")
+                self.fail()
 
     def result(self) -> ForwardResult:
         self.wait()
@@ -310,8 +319,9 @@ class PendingForward:
 
     def _end(self):
         self._over = True
-        if self._client._pending is self:
-            self._client._pending = None
+        with self._client._pending_lock:
+            if self._client._pending is self:
+                self._client._pending = None
         ipc, self.inputs = self._ipc, None
         if self.token is not None:
             ipc.done(self.token)
@@ -453,6 +463,8 @@ class Client:
         self._bulk_refused_at = None  # when the server last refused a region
         self._weights = {}  # name → (V, H, has_bias, wire dtype) of the weights put
         self._pending = None  # a Forward of the channel's whose answer is still to be read
+        self._pending_lock = threading.Lock()
+        self._gates = {}  # device index → UpstreamGate, made on first use
         self._channel_refused_at = None  # when the server last refused one
         self._held_call = None  # see hold_channel_thread()
         self.timeout = timeout
@@ -490,6 +502,15 @@ class Client:
 
             self._cuda_ipc = CudaIpcRegistry(self, keep=self._cuda_ipc_keep)
         return self._cuda_ipc
+
+    def upstream_gate(self, device_index: int):
+        """This client's :class:`flce.upstream_gate.UpstreamGate` on a device."""
+        gate = self._gates.get(device_index)
+        if gate is None:
+            from flce.upstream_gate import UpstreamGate
+
+            gate = self._gates[device_index] = UpstreamGate(device_index)
+        return gate
 
     def bulk(self, nbytes: int):
         """This client's :class:`flce.bulk.BulkTransfer` for ``nbytes``, or
@@ -544,6 +565,9 @@ class Client:
 
     def close(self):
         self._settle_pending()
+        for gate in self._gates.values():
+            gate.close()
+        self._gates = {}
         if self._held_call:
             self._held_call.cancel()
         self._held_call = None
@@ -772,10 +796,15 @@ class Client:
         return pending if asynchronous else pending.result()
 
     def _settle_pending(self):
-        """Reads the answer of this client's pending Forward, if any (its
-        result or error stays with it): the channel is free again."""
-        if self._pending is not None:
-            self._pending.wait()
+        """Waits until this client's upstream gates are open (see
+        :mod:`flce.upstream_gate`: one still shut may need the server), then
+        reads the answer of its pending Forward, if any (its result or error
+        stays with it): the channel is free again."""
+        for gate in list(self._gates.values()):
+            gate.settle()
+        pending = self._pending
+        if pending is not None:
+            pending.wait()
 
     def _forward_result(self, r: "pb.ForwardRequest", resp: "pb.ForwardResponse") -> ForwardResult:
         if resp.session_id:
