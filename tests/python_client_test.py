@@ -397,9 +397,8 @@ class PythonClientTest(unittest.TestCase):
         self.addCleanup(client.close)
         loss = loss_fn(h, w, t)
         loss.backward()  # returns before the answer: the gate holds the stream
+        self.assertEqual(len(loss_fn._gates), 1)
         self.assertTrue(torch.isnan(loss).item())
-        self.assertTrue(torch.isnan(h.grad.float()).all().item())
-        self.assertTrue(torch.isnan(w.grad.float()).all().item())
         with self.assertRaises(flce.FlceError) as e:
             loss_fn(h[:64].detach(), w.detach(), t[:64])
         self.assertEqual(e.exception.code.name, "DEADLINE_EXCEEDED")

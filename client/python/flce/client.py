@@ -827,7 +827,7 @@ class Client:
                  float32_grads: bool = False, accumulate_weight_grad: bool = False,
                  shm: Optional[SharedMemoryRegion] = None, into=None,
                  accumulate_into: bool = False, copy_out: bool = True,
-                 gradients: str = "all", global_lse=None) -> Gradients:
+                 gradients: str = "all", global_lse=None, ready: bool = True) -> Gradients:
         """Backward for a session; grad_output is a scalar (mean/sum) or [N]
         (none), None meaning 1. ``gradients``: "all", "hidden" (dX only, the
         session kept for the rest: needs ``keep_session``) or "weight" (dW and
@@ -837,8 +837,10 @@ class Client:
         With ``into`` = (dX, dW, db), contiguous CUDA tensors of the
         gradients' dtypes and shapes (None for any to return as bytes), the
         server writes those gradients straight into them (CUDA IPC), after
-        the work queued before the call; with ``accumulate_into`` it adds dW
-        and db into what those tensors hold (as autograd adds into .grad).
+        the work queued before the call (``ready=False``: without waiting
+        for this process's stream, where nothing queued reads or writes them
+        before the answer); with ``accumulate_into`` it adds dW and db into
+        what those tensors hold (as autograd adds into .grad).
         ``global_lse`` (fp32 [N]): for a vocabulary shard's session, each
         row's log-sum-exp over the whole vocabulary; dX is then the shard's
         part."""
@@ -887,7 +889,8 @@ class Client:
                     if tensor is not None:
                         getattr(r, field).CopyFrom(ipc.slice(
                             tensor, accumulate=accumulate_into and field != "grad_hidden_out"))
-                token, r.ready_event = ipc.record_ready(targets[0].device)
+                if ready:
+                    token, r.ready_event = ipc.record_ready(targets[0].device)
             resp = self._unary("Backward", _call_channel.BACKWARD, r, pb.BackwardResponse,
                                same_host=shm is not None or ipc is not None)
             if shm is not None and copy_out:

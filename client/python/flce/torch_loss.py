@@ -158,7 +158,7 @@ class _RemoteFunction(torch.autograd.Function):
             ctx.session = _Session(module.client, pending=result)
             # The session may be a RECOMPUTE one (its mode is in the answer).
             ctx.keep = (hidden, weight)
-            ctx.loss = loss.detach()  # (an alias: for NaN if the call fails)
+            ctx.loss = loss.detach()  # (an alias, kept while the call may write it)
             module._last = result
             return loss
         ctx.pending = None
@@ -281,14 +281,14 @@ def _behind_gate(ctx, module, session, grad_output, in_flight):
     they go to autograd at once, and this stream waits at a gate that
     checks on the GPU that the call succeeded and that ``grad_output`` is
     the upstream gradient they were made for (see :mod:`flce.upstream_gate`);
-    if not, the gate's thread redoes them for it, or writes NaN into them
-    and keeps the call's error for the module's next call, before it opens."""
+    if not, the gate's thread has them redone for it, or keeps the call's
+    error for the module's next call, before it opens."""
     into, expected = ctx.eager
     device = next(t.device for t in into if t is not None)
     # Aliases: autograd takes the tensors themselves as .grad only where
     # nobody else holds them.
     aliases = [None if t is None else t.detach() for t in into]
-    resolve = functools.partial(_resolve_gate, module, aliases, ctx.loss)
+    resolve = functools.partial(_resolve_gate, module, aliases)
     job = module.client.upstream_gate(device.index).shut(
         *in_flight, ctx.pending, grad_output, expected, resolve,
         keep=(ctx.keep, aliases, ctx.loss))
@@ -298,33 +298,30 @@ def _behind_gate(ctx, module, session, grad_output, in_flight):
     return tuple(into) + (None, None, None)
 
 
-def _resolve_gate(module, into, loss, job):
+def _resolve_gate(module, into, job):
     """A gate's check failed (run on its thread while the caller's stream
-    waits): the gradients redone for the upstream gradient autograd gave,
-    or, if the call failed, NaN written into them and the loss."""
+    waits at the gate): the gradients redone for the upstream gradient
+    autograd gave, or the call's error kept for the module's next call.
+    Nothing here may queue work on this process's GPU: a stream that waits
+    at a gate can hold up others that share its hardware queue."""
     pending = job.pending
     pending.wait()
     error = pending.error()
-    side = torch.cuda.Stream(device=loss.device)  # (the caller's stream waits at the gate)
     if error is None:
         if job.value == job.expected:
             return  # the GPU read a later call's answer: nothing was wrong
         try:
-            with torch.cuda.stream(side):
-                module.client.backward(pending.result().session_id,
-                                       torch.tensor(job.value, dtype=torch.float32),
-                                       into=into, copy_out=False)
+            # (No ready event: nothing queued here reads or writes these
+            # tensors before the gate opens.)
+            module.client.backward(pending.result().session_id,
+                                   torch.tensor(job.value, dtype=torch.float32),
+                                   into=into, copy_out=False, ready=False)
             job.redone = True
             module._expected_grad_output = job.value
             return
         except FlceError as e:
             error = e
     job.error = error
-    with torch.cuda.stream(side):
-        for t in list(into) + [loss]:
-            if t is not None:
-                t.fill_(float("nan"))
-    side.synchronize()
 
 
 def _can_add_into(grad, like) -> bool:
@@ -356,8 +353,8 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     gradient for them (hooks on those parameters do not run). Through CUDA
     IPC forward and backward return before the server is done (the stream
     waits for it on the GPU, see :mod:`flce.upstream_gate`): a computation
-    that fails after backward returned leaves NaN in the loss and gradients
-    and raises at the module's next call, or at ``synchronize()``.
+    that fails after backward returned leaves the loss NaN and the gradients
+    undefined, and raises at the module's next call, or at ``synchronize()``.
 
     Over the network (neither shared_memory nor cuda_ipc) the weight and bias
     are registered with the server (PutWeight) on first use and again only

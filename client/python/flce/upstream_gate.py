@@ -20,8 +20,10 @@ gradients at once; work queued after it runs once the gate opens.
 When the check holds (the call succeeded, the upstream gradient was the one
 expected) the GPU opens the gate by itself. When it does not, the gate's
 thread (which sees every gate's check once it has run) calls the caller's
-``resolve`` — redo the gradients for this upstream gradient, or write NaN
-into them and keep the call's error — and then opens it from the host. The
+``resolve`` — have the server redo the gradients for this upstream gradient,
+or keep the call's error — and then opens it from the host. ``resolve`` must
+queue no work on this process's GPU: the waiting stream can hold up other
+streams that share its hardware queue. The
 caller settles its gates (:meth:`UpstreamGate.settle`) before its next call
 that queues work on the server: a gate still shut waits for its thread.
 """
