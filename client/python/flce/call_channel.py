@@ -33,8 +33,6 @@ _CANCEL_SEQ, _CLOSED = 320, 384
 _REQUEST_METHOD, _REQUEST_LENGTH, _REQUEST_TIMEOUT_US = 448, 452, 456
 _RESPONSE_CODE, _RESPONSE_LENGTH = 512, 516
 _ACCEPTED_SEQ, _FENCE_SEQ, _HEARTBEAT = 576, 640, 704
-# The answer's number and status code (see flce.upstream_gate).
-RESPONSE_SEQ, RESPONSE_CODE = _RESPONSE_SEQ, _RESPONSE_CODE
 # The server beats every 100 ms: this long without a beat, it is gone.
 HEARTBEAT_LOST_S = 2.0
 FORWARD, BACKWARD, RELEASE_SESSION = 1, 2, 3
@@ -262,10 +260,6 @@ class CallChannel:
         server after the answer, or here for a server that is gone)."""
         words = self._words
         return not words or call.seq in (words[_RESPONSE_SEQ].value, words[_FENCE_SEQ].value)
-
-    def header(self) -> memoryview:
-        """The channel's header page (see proto/call_channel_layout.h)."""
-        return self._region.buffer[:HEADER_BYTES]
 
     def fence(self) -> int:
         """The address of the fence word (for a GPU stream's wait; the

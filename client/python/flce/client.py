@@ -271,12 +271,11 @@ class PendingForward:
     def done(self) -> bool:
         return self._over
 
-    def in_flight(self):
-        """(channel, call) of a call made through a call channel whose answer
-        has not come yet (nor its fence been stored), else None."""
-        if self._over or self._channel is None or self._channel.answered(self._call):
-            return None
-        return self._channel, self._call
+    def in_flight(self) -> bool:
+        """Whether this is a call made through a call channel whose answer
+        has not come yet (nor its fence been stored)."""
+        return not (self._over or self._channel is None
+                    or self._channel.answered(self._call))
 
     def wait(self):
         """Reads the answer (waiting for it) without raising its error."""

@@ -196,9 +196,8 @@ class _RemoteFunction(torch.autograd.Function):
         module = ctx.module
         retain = module.retain_graph
         if ctx.eager is not None and not retain and ctx.pending is not None:
-            in_flight = ctx.pending.in_flight()
-            if in_flight is not None:
-                return _behind_gate(ctx, module, session, grad_output, in_flight)
+            if ctx.pending.in_flight():
+                return _behind_gate(ctx, module, session, grad_output)
         # With the gradients coming along, the upstream gradient sets off
         # for the host at once: on this stream its copy waits behind the
         # answer's fence, so it arrives with the answer instead of a round
@@ -276,7 +275,7 @@ class _RemoteFunction(torch.autograd.Function):
         return result[0], result[1], result[2], None, None, None
 
 
-def _behind_gate(ctx, module, session, grad_output, in_flight):
+def _behind_gate(ctx, module, session, grad_output):
     """Backward while the Forward that brought the gradients still runs:
     they go to autograd at once, and this stream waits at a gate that
     checks on the GPU that the call succeeded and that ``grad_output`` is
@@ -290,7 +289,7 @@ def _behind_gate(ctx, module, session, grad_output, in_flight):
     aliases = [None if t is None else t.detach() for t in into]
     resolve = functools.partial(_resolve_gate, module, aliases)
     job = module.client.upstream_gate(device.index).shut(
-        *in_flight, ctx.pending, grad_output, expected, resolve,
+        ctx.loss, ctx.pending, grad_output, expected, resolve,
         keep=(ctx.keep, aliases, ctx.loss))
     module._gates.append(job)
     session.consumed = True  # released or consumed once the gate is settled
@@ -313,9 +312,10 @@ def _resolve_gate(module, into, job):
         try:
             # (No ready event: nothing queued here reads or writes these
             # tensors before the gate opens.)
-            module.client.backward(pending.result().session_id,
-                                   torch.tensor(job.value, dtype=torch.float32),
-                                   into=into, copy_out=False, ready=False)
+            grads = module.client.backward(pending.result().session_id,
+                                           torch.tensor(job.value, dtype=torch.float32),
+                                           into=into, copy_out=False, ready=False)
+            module._backward_stats = grads.stats
             job.redone = True
             module._expected_grad_output = job.value
             return
@@ -456,7 +456,9 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     @property
     def last_stats(self):
         """The server's CallStats of the last Forward and of its Backward
-        (None when the Forward brought the gradients)."""
+        (None when the Forward brought the gradients); waits for the server
+        to be done with the last backward (see ``synchronize``)."""
+        self.synchronize()
         last = self._last_result()
         return [last.stats if last is not None else None, self._backward_stats]
 

@@ -9,16 +9,17 @@ Python (autograd's end, the caller's next kernels) then runs after the
 server instead of beside it.
 
 A gate checks it on the GPU instead. :meth:`UpstreamGate.shut` queues on the
-current stream, behind the call's fence: a copy of the call channel's answer
-words (the answered call's number and its status code) to the device, the
-comparison of those and of the upstream gradient with what the gradients
-were made for, and the result's copy into a word of page-locked memory: the
-gate's number if all hold, 0 if not. The stream then waits until that word
-holds the gate's number (cuStreamWaitValue32). Backward returns the
-gradients at once; work queued after it runs once the gate opens.
+current stream, behind the call's fence: the check that the call wrote the
+loss (the worker fills it with NaN before the call; the server writes it
+last, only when the whole computation succeeded) and that the upstream
+gradient is the one the gradients were made for, and the result's copy into
+a word of page-locked memory: the gate's number if both hold, 0 if not. The
+stream then waits until that word holds the gate's number
+(cuStreamWaitValue32). Backward returns the gradients at once; work queued
+after it runs once the gate opens.
 
-When the check holds (the call succeeded, the upstream gradient was the one
-expected) the GPU opens the gate by itself. When it does not, the gate's
+When the check holds the GPU opens the gate by itself (a loss that is NaN
+from the computation itself only costs the thread's confirmation). When it does not, the gate's
 thread (which sees every gate's check once it has run) calls the caller's
 ``resolve`` — have the server redo the gradients for this upstream gradient,
 or keep the call's error — and then opens it from the host. ``resolve`` must
@@ -34,7 +35,6 @@ import threading
 from collections import deque
 from typing import Callable, Optional
 
-from flce import call_channel as _call_channel
 from flce.cuda_ipc import _Driver
 
 _ON_GATE_THREAD = threading.local()
@@ -68,7 +68,8 @@ class UpstreamGate:
         self._driver = _Driver()
         self._index = device_index
         # One page of page-locked memory the GPU writes and waits on: the
-        # gate words, then the upstream gradients' copies.
+        # gate words (int64, waited on in their low 32 bits), then the
+        # upstream gradients' copies.
         self._page = mmap.mmap(-1, 4096)
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._page))
         with torch.cuda.device(device_index):
@@ -76,10 +77,9 @@ class UpstreamGate:
             if int(error) != 0:
                 raise RuntimeError(f"upstream gate: cudaHostRegister: {error}")
             self._device_address = self._driver.device_address(self._address)
-        self._words = torch.frombuffer(self._page, dtype=torch.int32, count=_SLOTS)
+        self._words = torch.frombuffer(self._page, dtype=torch.int64, count=_SLOTS)
         self._values = torch.frombuffer(self._page, dtype=torch.float32, count=_SLOTS,
-                                        offset=4 * _SLOTS)
-        self._answer_words = (_call_channel.RESPONSE_CODE - _call_channel.RESPONSE_SEQ) // 4 + 1
+                                        offset=8 * _SLOTS)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._jobs = deque()  # not yet settled, in order
@@ -88,13 +88,15 @@ class UpstreamGate:
         self._thread = None
         self._closing = False
 
-    def shut(self, channel, call, pending, grad_output, expected: float,
+    def shut(self, loss, pending, grad_output, expected: float,
              resolve: Callable[["GateJob"], None], keep) -> GateJob:
         """Queues the gate on the current stream (see the module's doc) for
-        the accepted Forward ``call`` of ``channel`` (its ``pending``), whose
-        gradients were made for ``expected``; ``grad_output`` is the 0-dim
-        upstream gradient autograd gave. ``resolve(job)`` runs on the gate's
-        thread when the check fails, before the gate opens."""
+        a Forward in flight (its ``pending``), whose fence the stream waits
+        on already, whose ``loss`` (0-dim fp32, NaN before the call) it
+        writes last and whose gradients were made for ``expected``;
+        ``grad_output`` is the 0-dim upstream gradient autograd gave.
+        ``resolve(job)`` runs on the gate's thread when the check fails,
+        before the gate opens."""
         import torch
 
         with self._lock:
@@ -104,21 +106,13 @@ class UpstreamGate:
             seq = self._seq
         slot = seq % _SLOTS
         stream = torch.cuda.current_stream(self._index)
-        # The answer's words (registered page-locked memory: read when the
-        # copy runs, after the fence).
-        header = torch.frombuffer(channel.header(), dtype=torch.int32,
-                                  count=self._answer_words, offset=_call_channel.RESPONSE_SEQ)
-        answer = header.to(f"cuda:{self._index}", non_blocking=True)
-        del header
-        number = call.seq if call.seq < 1 << 31 else call.seq - (1 << 32)  # as int32
-        g = grad_output.detach().reshape(()).float()
-        ok = (answer[0] == number) & (answer[-1] == 0) & (g == expected)
-        self._words[slot:slot + 1].copy_((ok.to(torch.int32) * seq).reshape(1),
-                                         non_blocking=True)
-        self._values[slot:slot + 1].copy_(g.reshape(1), non_blocking=True)
+        g = grad_output.detach().reshape(1).float()
+        shut = torch.where((g != expected) | loss.detach().reshape(1).isnan(), 0, seq)
+        self._words[slot:slot + 1].copy_(shut, non_blocking=True)
+        self._values[slot:slot + 1].copy_(g, non_blocking=True)
         event = torch.cuda.Event(blocking=True)
         event.record(stream)
-        self._driver.wait_value(stream.cuda_stream, self._device_address + 4 * slot, seq,
+        self._driver.wait_value(stream.cuda_stream, self._device_address + 8 * slot, seq,
                                 _CU_STREAM_WAIT_VALUE_EQ)
         job = GateJob(seq, slot, event, pending, expected, resolve, keep)
         with self._lock:
@@ -172,7 +166,7 @@ class UpstreamGate:
                     job.error = job.error or e
                 finally:
                     job.resolved = True
-                    ctypes.c_int32.from_address(self._address + 4 * job.slot).value = job.seq
+                    ctypes.c_int64.from_address(self._address + 8 * job.slot).value = job.seq
             else:
                 # The server is done: its answer (read now, the inputs it
                 # held let go) and the tensors kept for a redo are not needed.
