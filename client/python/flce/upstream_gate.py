@@ -85,8 +85,12 @@ class UpstreamGate:
         self._jobs = deque()  # not yet settled, in order
         self._unseen = deque()  # not yet seen by the thread
         self._seq = 0
+        self._events = []  # events of settled gates, recorded again by later ones
         self._thread = None
         self._closing = False
+
+    def _word(self, slot: int) -> int:
+        return ctypes.c_int64.from_address(self._address + 8 * slot).value
 
     def shut(self, loss, pending, grad_output, expected: float,
              resolve: Callable[["GateJob"], None], keep) -> GateJob:
@@ -110,7 +114,10 @@ class UpstreamGate:
         shut = torch.where((g != expected) | loss.detach().reshape(1).isnan(), 0, seq)
         self._words[slot:slot + 1].copy_(shut, non_blocking=True)
         self._values[slot:slot + 1].copy_(g, non_blocking=True)
-        event = torch.cuda.Event(blocking=True)
+        with self._lock:
+            event = self._events.pop() if self._events else None
+        if event is None:
+            event = torch.cuda.Event(blocking=True)
         event.record(stream)
         self._driver.wait_value(stream.cuda_stream, self._device_address + 8 * slot, seq,
                                 _CU_STREAM_WAIT_VALUE_EQ)
@@ -137,11 +144,13 @@ class UpstreamGate:
                     return
                 job = self._jobs[0]
             job.event.synchronize()
-            if not job._done.is_set() and self._words[job.slot].item() != job.seq:
+            if self._word(job.slot) != job.seq:
                 job._done.wait()
             with self._lock:
                 if self._jobs and self._jobs[0] is job:
                     self._jobs.popleft()
+                    if job._done.is_set():  # (else the thread still reads it)
+                        self._events.append(job.event)
             job.keep = None
             if job is upto:
                 return
@@ -158,8 +167,8 @@ class UpstreamGate:
                     return
                 job = self._unseen.popleft()
             job.event.synchronize()
-            job.value = float(self._values[job.slot].item())
-            if self._words[job.slot].item() != job.seq:
+            if self._word(job.slot) != job.seq:
+                job.value = float(self._values[job.slot].item())
                 try:
                     job.resolve(job)
                 except BaseException as e:  # pragma: no cover - resolve keeps its errors
@@ -167,10 +176,8 @@ class UpstreamGate:
                 finally:
                     job.resolved = True
                     ctypes.c_int64.from_address(self._address + 8 * job.slot).value = job.seq
-            else:
-                # The server is done: its answer (read now, the inputs it
-                # held let go) and the tensors kept for a redo are not needed.
-                job.pending.wait()
+            # (Nothing more when the GPU opened it: Python here competes for
+            # the interpreter with the caller's, which then runs.)
             job.keep = None
             job._done.set()
 
