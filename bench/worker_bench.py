@@ -229,7 +229,6 @@ class Timeline:
         ("flce.cuda_ipc", "CudaIpcRegistry.wait_fence", "wait_fence"),
         ("flce.call_channel", "CallChannel.finish", "channel.finish"),
         ("flce.torch_loss", "_RemoteFunction.backward", "function.backward"),
-        ("flce.upstream_gate", "UpstreamGate.shut", "gate.shut"),
         ("flce.row_pipeline", "PipelinedStep.finish", "pieces.finish"),
         ("flce.torch_loss", "RemoteLinearCrossEntropy.forward", "module.forward"),
         ("torch", "Tensor.backward", "loss.backward"),

@@ -255,12 +255,6 @@ class CallChannel:
             words[_CLIENT_WAITING].value = 0
         return True
 
-    def answered(self, call: "Call") -> bool:
-        """Whether `call`'s answer has come, or its fence was stored (by the
-        server after the answer, or here for a server that is gone)."""
-        words = self._words
-        return not words or call.seq in (words[_RESPONSE_SEQ].value, words[_FENCE_SEQ].value)
-
     def fence(self) -> int:
         """The address of the fence word (for a GPU stream's wait; the
         region must be registered with the GPU first)."""

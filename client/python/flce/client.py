@@ -8,7 +8,6 @@ deadline; server errors raise :class:`FlceError` carrying the gRPC code.
 
 import dataclasses
 import struct
-import threading
 import time
 from typing import Optional, Sequence
 
@@ -247,8 +246,6 @@ class PendingForward:
         self._channel = self._call = None
         self._result = self._error = None
         self._over = False
-        # wait() may come from an upstream gate's thread and the caller's.
-        self._lock = threading.Lock()
         # Its session is nobody's once it is made (the graph went first).
         self.release_when_done = False
 
@@ -260,8 +257,7 @@ class PendingForward:
         # (Closed before it was taken: not made, the caller may go elsewhere.)
         accepted = channel.accepted(call)
         self._channel, self._call = channel, call
-        with self._client._pending_lock:
-            self._client._pending = self
+        self._client._pending = self
         if accepted:
             self._ipc.wait_fence(channel, call.seq, device)
             channel.watch(call)
@@ -271,26 +267,22 @@ class PendingForward:
     def done(self) -> bool:
         return self._over
 
-    def in_flight(self) -> bool:
-        """Whether this is a call made through a call channel whose answer
-        has not come yet (nor its fence been stored)."""
-        return not (self._over or self._channel is None
-                    or self._channel.answered(self._call))
-
     def wait(self):
         """Reads the answer (waiting for it) without raising its error."""
-        with self._lock:
-            if self._over:
-                return
-            try:
-                self.settle(self._channel.finish(self._call))
-            except FlceError as e:
-                self._error = e
-                self.fail()
-            except _call_channel.ChannelClosed:
-                self._error = FlceError(grpc.StatusCode.UNAVAILABLE,
-                                        "call channel: closed by the server during the call")
-                self.fail()
+        if self._over:
+            return
+        client = self._client
+        if client._pending is self:
+            client._pending = None
+        try:
+            self.settle(self._channel.finish(self._call))
+        except FlceError as e:
+            self._error = e
+            self.fail()
+        except _call_channel.ChannelClosed:
+            self._error = FlceError(grpc.StatusCode.UNAVAILABLE,
+                                    "call channel: closed by the server during the call")
+            self.fail()
 
     def result(self) -> ForwardResult:
         self.wait()
@@ -318,9 +310,8 @@ class PendingForward:
 
     def _end(self):
         self._over = True
-        with self._client._pending_lock:
-            if self._client._pending is self:
-                self._client._pending = None
+        if self._client._pending is self:
+            self._client._pending = None
         ipc, self.inputs = self._ipc, None
         if self.token is not None:
             ipc.done(self.token)
@@ -462,8 +453,6 @@ class Client:
         self._bulk_refused_at = None  # when the server last refused a region
         self._weights = {}  # name → (V, H, has_bias, wire dtype) of the weights put
         self._pending = None  # a Forward of the channel's whose answer is still to be read
-        self._pending_lock = threading.Lock()
-        self._gates = {}  # device index → UpstreamGate, made on first use
         self._channel_refused_at = None  # when the server last refused one
         self._held_call = None  # see hold_channel_thread()
         self.timeout = timeout
@@ -501,15 +490,6 @@ class Client:
 
             self._cuda_ipc = CudaIpcRegistry(self, keep=self._cuda_ipc_keep)
         return self._cuda_ipc
-
-    def upstream_gate(self, device_index: int):
-        """This client's :class:`flce.upstream_gate.UpstreamGate` on a device."""
-        gate = self._gates.get(device_index)
-        if gate is None:
-            from flce.upstream_gate import UpstreamGate
-
-            gate = self._gates[device_index] = UpstreamGate(device_index)
-        return gate
 
     def bulk(self, nbytes: int):
         """This client's :class:`flce.bulk.BulkTransfer` for ``nbytes``, or
@@ -564,9 +544,6 @@ class Client:
 
     def close(self):
         self._settle_pending()
-        for gate in self._gates.values():
-            gate.close()
-        self._gates = {}
         if self._held_call:
             self._held_call.cancel()
         self._held_call = None
@@ -795,15 +772,10 @@ class Client:
         return pending if asynchronous else pending.result()
 
     def _settle_pending(self):
-        """Waits until this client's upstream gates are open (see
-        :mod:`flce.upstream_gate`: one still shut may need the server), then
-        reads the answer of its pending Forward, if any (its result or error
-        stays with it): the channel is free again."""
-        for gate in list(self._gates.values()):
-            gate.settle()
-        pending = self._pending
-        if pending is not None:
-            pending.wait()
+        """Reads the answer of this client's pending Forward, if any (its
+        result or error stays with it): the channel is free again."""
+        if self._pending is not None:
+            self._pending.wait()
 
     def _forward_result(self, r: "pb.ForwardRequest", resp: "pb.ForwardResponse") -> ForwardResult:
         if resp.session_id:
@@ -826,7 +798,7 @@ class Client:
                  float32_grads: bool = False, accumulate_weight_grad: bool = False,
                  shm: Optional[SharedMemoryRegion] = None, into=None,
                  accumulate_into: bool = False, copy_out: bool = True,
-                 gradients: str = "all", global_lse=None, ready: bool = True) -> Gradients:
+                 gradients: str = "all", global_lse=None) -> Gradients:
         """Backward for a session; grad_output is a scalar (mean/sum) or [N]
         (none), None meaning 1. ``gradients``: "all", "hidden" (dX only, the
         session kept for the rest: needs ``keep_session``) or "weight" (dW and
@@ -836,10 +808,8 @@ class Client:
         With ``into`` = (dX, dW, db), contiguous CUDA tensors of the
         gradients' dtypes and shapes (None for any to return as bytes), the
         server writes those gradients straight into them (CUDA IPC), after
-        the work queued before the call (``ready=False``: without waiting
-        for this process's stream, where nothing queued reads or writes them
-        before the answer); with ``accumulate_into`` it adds dW and db into
-        what those tensors hold (as autograd adds into .grad).
+        the work queued before the call; with ``accumulate_into`` it adds dW
+        and db into what those tensors hold (as autograd adds into .grad).
         ``global_lse`` (fp32 [N]): for a vocabulary shard's session, each
         row's log-sum-exp over the whole vocabulary; dX is then the shard's
         part."""
@@ -888,8 +858,7 @@ class Client:
                     if tensor is not None:
                         getattr(r, field).CopyFrom(ipc.slice(
                             tensor, accumulate=accumulate_into and field != "grad_hidden_out"))
-                if ready:
-                    token, r.ready_event = ipc.record_ready(targets[0].device)
+                token, r.ready_event = ipc.record_ready(targets[0].device)
             resp = self._unary("Backward", _call_channel.BACKWARD, r, pb.BackwardResponse,
                                same_host=shm is not None or ipc is not None)
             if shm is not None and copy_out:

@@ -71,12 +71,11 @@ class _Driver:
             return None
         return self._base.value, self._size.value, self._buffer_id.value
 
-    def wait_value(self, stream: int, device_address: int, value: int, flags: int = 0):
+    def wait_value(self, stream: int, device_address: int, value: int):
         """Queues on `stream` a wait until the 32-bit word at
-        `device_address` is at least `value` (cyclically; flags 0,
-        CU_STREAM_WAIT_VALUE_GEQ), or as `flags` say (1: equal to it)."""
+        `device_address` is at least `value` (cyclically)."""
         result = self._cuda.cuStreamWaitValue32_v2(ctypes.c_void_p(stream), device_address,
-                                                   value, flags)
+                                                   value, 0)  # CU_STREAM_WAIT_VALUE_GEQ
         if result != 0:
             raise RuntimeError(f"cuda_ipc: cuStreamWaitValue32 failed with CUDA driver error "
                                f"{result}")

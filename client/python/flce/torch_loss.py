@@ -9,13 +9,12 @@ the input's device and in its dtype, the loss in float32.
 """
 
 import copy
-import functools
 from typing import Optional
 
 import torch
 
-from flce.client import (Client, FlceError, HostStaging, PendingForward, check_loss_options,
-                         to_torch, wire_scalar)
+from flce.client import (Client, HostStaging, PendingForward, check_loss_options, to_torch,
+                         wire_scalar)
 from flce.row_pipeline import RowPipeline
 from flce.weight_registration import WeightRegistration
 
@@ -158,7 +157,6 @@ class _RemoteFunction(torch.autograd.Function):
             ctx.session = _Session(module.client, pending=result)
             # The session may be a RECOMPUTE one (its mode is in the answer).
             ctx.keep = (hidden, weight)
-            ctx.loss = loss.detach()  # (an alias, kept while the call may write it)
             module._last = result
             return loss
         ctx.pending = None
@@ -195,9 +193,6 @@ class _RemoteFunction(torch.autograd.Function):
                 "RemoteLinearCrossEntropy(..., retain_graph=True)")
         module = ctx.module
         retain = module.retain_graph
-        if ctx.eager is not None and not retain and ctx.pending is not None:
-            if ctx.pending.in_flight():
-                return _behind_gate(ctx, module, session, grad_output)
         # With the gradients coming along, the upstream gradient sets off
         # for the host at once: on this stream its copy waits behind the
         # answer's fence, so it arrives with the answer instead of a round
@@ -275,55 +270,6 @@ class _RemoteFunction(torch.autograd.Function):
         return result[0], result[1], result[2], None, None, None
 
 
-def _behind_gate(ctx, module, session, grad_output):
-    """Backward while the Forward that brought the gradients still runs:
-    they go to autograd at once, and this stream waits at a gate that
-    checks on the GPU that the call succeeded and that ``grad_output`` is
-    the upstream gradient they were made for (see :mod:`flce.upstream_gate`);
-    if not, the gate's thread has them redone for it, or keeps the call's
-    error for the module's next call, before it opens."""
-    into, expected = ctx.eager
-    device = next(t.device for t in into if t is not None)
-    # Aliases: autograd takes the tensors themselves as .grad only where
-    # nobody else holds them.
-    aliases = [None if t is None else t.detach() for t in into]
-    resolve = functools.partial(_resolve_gate, module, aliases)
-    job = module.client.upstream_gate(device.index).shut(
-        ctx.loss, ctx.pending, grad_output, expected, resolve,
-        keep=(ctx.keep, aliases, ctx.loss))
-    module._gates.append(job)
-    session.consumed = True  # released or consumed once the gate is settled
-    ctx.keep = ctx.eager = ctx.pending = ctx.loss = None
-    return tuple(into) + (None, None, None)
-
-
-def _resolve_gate(module, into, job):
-    """A gate's check failed (run on its thread while the caller's stream
-    waits at the gate): the gradients redone for the upstream gradient
-    autograd gave, or the call's error kept for the module's next call.
-    Nothing here may queue work on this process's GPU: a stream that waits
-    at a gate can hold up others that share its hardware queue."""
-    pending = job.pending
-    pending.wait()
-    error = pending.error()
-    if error is None:
-        if job.value == job.expected:
-            return  # the GPU read a later call's answer: nothing was wrong
-        try:
-            # (No ready event: nothing queued here reads or writes these
-            # tensors before the gate opens.)
-            grads = module.client.backward(pending.result().session_id,
-                                           torch.tensor(job.value, dtype=torch.float32),
-                                           into=into, copy_out=False, ready=False)
-            module._backward_stats = grads.stats
-            job.redone = True
-            module._expected_grad_output = job.value
-            return
-        except FlceError as e:
-            error = e
-    job.error = error
-
-
 def _can_add_into(grad, like) -> bool:
     """Whether the server may add a gradient like ``like`` into ``grad`` (a
     parameter's .grad): a contiguous CUDA tensor of the same dtype and shape."""
@@ -350,11 +296,7 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     the server add dW (and db) straight into ``weight.grad`` (``bias.grad``)
     when they exist, in their dtype and rounded as autograd adds, so gradient
     accumulation allocates no dW-sized temporary; autograd then sees no
-    gradient for them (hooks on those parameters do not run). Through CUDA
-    IPC forward and backward return before the server is done (the stream
-    waits for it on the GPU, see :mod:`flce.upstream_gate`): a computation
-    that fails after backward returned leaves the loss NaN and the gradients
-    undefined, and raises at the module's next call, or at ``synchronize()``.
+    gradient for them (hooks on those parameters do not run).
 
     Over the network (neither shared_memory nor cuda_ipc) the weight and bias
     are registered with the server (PutWeight) on first use and again only
@@ -437,9 +379,6 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self._expected_grad_output = 1.0
         # Page-locked memory the upstream gradient comes to the host in.
         self._staging = HostStaging(max_kept=2)
-        # The gates of backwards that returned before their Forward's answer
-        # (see _behind_gate), settled by the next call.
-        self._gates = []
 
     def __deepcopy__(self, memo):
         """A module with the same options on the same client (its connection
@@ -456,9 +395,7 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     @property
     def last_stats(self):
         """The server's CallStats of the last Forward and of its Backward
-        (None when the Forward brought the gradients); waits for the server
-        to be done with the last backward (see ``synchronize``)."""
-        self.synchronize()
+        (None when the Forward brought the gradients)."""
         last = self._last_result()
         return [last.stats if last is not None else None, self._backward_stats]
 
@@ -515,26 +452,6 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         self._grad_regions.append(region)
         return region
 
-    def synchronize(self):
-        """Waits until the server is done with every backward so far and
-        raises the error of one that failed after it returned (see
-        ``cuda_ipc`` in the class's doc; the next forward does this too)."""
-        if not self._gates:
-            return
-        jobs, self._gates = self._gates, []
-        self.client._settle_pending()
-        error = None
-        for job in jobs:
-            job.pending.wait()
-            failed = job.error or job.pending.error()
-            if failed is None and not job.redone:
-                session_id = job.pending.result().session_id
-                if session_id:
-                    self.client.release_with_next_forward(session_id)
-            error = error or failed
-        if error is not None:
-            raise error
-
     def pull_weight_grads(self):
         """Adds the dW (and db) the server summed since the last pull into
         ``weight.grad`` (``bias.grad``): call it before anything reads them
@@ -550,23 +467,16 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
         return None
 
     def close(self):
-        """Frees the module's regions and registered weight; raises, once
-        that is done, the error of a backward that failed after it returned
-        and was not raised yet."""
-        try:
-            self.synchronize()
-        finally:
-            if self._registration is not None:
-                self._registration.close()
-            for region in [self._region] + self._grad_regions:
-                if region is not None:
-                    region.close()
-            self._region = None
-            self._grad_regions = []
+        if self._registration is not None:
+            self._registration.close()
+        for region in [self._region] + self._grad_regions:
+            if region is not None:
+                region.close()
+        self._region = None
+        self._grad_regions = []
 
     @_graph_break
     def forward(self, hidden, weight, target, bias=None):
-        self.synchronize()  # the last backward's gate, if any
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         flat_target = target.reshape(-1)
         loss = _RemoteFunction.apply(flat_hidden, weight, bias, flat_target, self,
