@@ -7,8 +7,10 @@ Run by Bazel (tests/BUILD) with the path of flce_server as the argument.
 import ctypes
 import os
 import re
+import signal
 import struct
 import sys
+import time
 import unittest
 
 import grpc
@@ -154,6 +156,40 @@ class CallChannelTest(unittest.TestCase):
         with self.assertRaises(flce.FlceError) as e:
             channel.finish(call)
         self.assertEqual(e.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+
+    def test_a_watched_call_of_a_server_that_stops_beating_gets_its_fence(self):
+        # The watch thread stores the fence itself once the heartbeat stops
+        # (a GPU stream waiting on it must go on), not while it beats.
+        server = ServerProcess(SERVER, "--backend=cpu", "--enable_shared_memory")
+        self.addCleanup(server.kill)
+        c = flce.Client(server.address, call_channel=True)
+        self.addCleanup(c.close)
+        channel = c.call_channel()
+        fence = channel._words[call_channel._FENCE_SEQ]
+        x, w, t = problem(13, n=2048, h=512, v=16000)  # most of a second on the CPU
+        region = c.create_shared_memory(40 << 20)
+        self.addCleanup(region.close)
+        for round_ in range(2):  # the second call meets a watch thread already running
+            request = pb.ForwardRequest()
+            offset = 0
+            for tensor, out in ((x, request.hidden), (w, request.weight)):
+                offset = region.write(tensor, out, offset)
+            flce.to_wire(t, request.target)
+            call = channel.submit(call_channel.FORWARD, request, pb.ForwardResponse, 60)
+            self.assertTrue(channel.accepted(call))
+            channel.watch(call)
+            if round_ == 0:
+                self.assertEqual(channel.finish(call).num_valid, 2045)
+                time.sleep(0.3)  # the thread looks at an answered call
+                continue
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                time.sleep(1.0)
+                self.assertNotEqual(fence.value, call.seq)  # still beating a second ago
+                wait_for(lambda: fence.value == call.seq, "the fence stored by the watch thread")
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            self.assertEqual(channel.finish(call).num_valid, 2045)  # the server went on
 
     def test_the_loss_is_written_to_loss_out(self):
         x, w, t = problem(12)

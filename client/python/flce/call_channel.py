@@ -102,10 +102,9 @@ class CallChannel:
         self.channel_id = ""
         self.broken = False  # unusable: a call was abandoned, or the server closed it
         self.on_close = []  # run first by close()
-        self._watch_cond = threading.Condition()
-        self._watched = None  # the call the watch thread watches
+        self._watched = None  # the call the watch thread watches (the last one watched)
         self._watcher = None
-        self._closing = False
+        self._closing = threading.Event()
         self._lock = threading.Lock()
         buf = self._region.buffer
         struct.pack_into("<Q", buf, 0, MAGIC)
@@ -264,47 +263,35 @@ class CallChannel:
         """Has a thread of this channel's store `call`'s fence itself if the
         server stops beating before answering it: a GPU stream waiting on the
         fence (queued work the caller synchronises with before it reads the
-        answer) must not wait for a dead server forever."""
-        with self._watch_cond:
-            self._watched = call
-            if self._watcher is None:
-                self._watcher = threading.Thread(target=self._watch_loop, daemon=True,
-                                                 name="flce-fence-watch")
-                self._watcher.start()
-            self._watch_cond.notify()
+        answer) must not wait for a dead server forever. The thread looks
+        every 0.1 s at the call last watched; nothing wakes it per call (a
+        wake-up there would contend for the GIL with the caller's next
+        steps)."""
+        self._watched = call
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_loop, daemon=True,
+                                             name="flce-fence-watch")
+            self._watcher.start()
 
     def _watch_loop(self):
-        while True:
-            with self._watch_cond:
-                while self._watched is None and not self._closing:
-                    self._watch_cond.wait()
-                if self._closing:
-                    return
-                call = self._watched
-            words = self._words
-            beat, beat_at = words[_HEARTBEAT].value, time.monotonic()
-            while True:
-                time.sleep(0.1)
-                with self._watch_cond:
-                    if self._closing or self._watched is not call:
-                        break
-                    if words[_RESPONSE_SEQ].value == call.seq or words[_CLOSED].value:
-                        self._watched = None
-                        break
-                    now = time.monotonic()
-                    if words[_HEARTBEAT].value != beat:
-                        beat, beat_at = words[_HEARTBEAT].value, now
-                    elif now > beat_at + HEARTBEAT_LOST_S:
-                        words[_FENCE_SEQ].value = call.seq  # the GPU goes on
-                        self._watched = None
-                        break
-            del words
+        words = self._words
+        call, beat, beat_at = None, 0, 0.0
+        while not self._closing.wait(0.1):
+            watched = self._watched
+            if watched is None or words[_RESPONSE_SEQ].value == watched.seq or words[_CLOSED].value:
+                call = None
+                continue
+            now = time.monotonic()
+            if watched is not call or words[_HEARTBEAT].value != beat:
+                call, beat, beat_at = watched, words[_HEARTBEAT].value, now
+            elif now > beat_at + HEARTBEAT_LOST_S:
+                words[_FENCE_SEQ].value = call.seq  # the GPU goes on
+                beat_at = float("inf")  # once
+        del words
 
     def close(self):
         """Closes the channel and frees its region (idempotent)."""
-        with self._watch_cond:
-            self._closing = True
-            self._watch_cond.notify()
+        self._closing.set()
         if self._watcher is not None:
             self._watcher.join()
             self._watcher = None
