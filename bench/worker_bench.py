@@ -8,6 +8,11 @@ eager ``F.cross_entropy(F.linear(x, w).float(), t)`` forward + backward;
 plus the worker's extra memory (peak during the step beyond its inputs and
 its own gradients). Median of ``--iters`` steps after ``--warmup``. Starts
 its own flce_server (``--backend`` cuda or cpu, shared memory on).
+``--gpu_busy_ms`` queues that much GPU work at each step's start (inside
+its time, left out of the overhead): the loss called while the model's
+forward still runs, as in a training loop, where a call that waits for
+the GPU before its request goes out (CUDA targets copied to the host)
+shows it.
 
 Transports: ``cuda_ipc`` (GPU tensors read and written in place, the calls
 through a call channel), ``cuda_ipc_grpc`` (the same with the calls through
@@ -24,7 +29,7 @@ otherwise), so that piece counts compare in one run.
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
   [--iters 10] [--warmup 3] [--json PATH] [--breakdown] [--phases] [--timeline]
-  [--profile K] [--server_flags "..."] [--pieces 4]
+  [--profile K] [--server_flags "..."] [--pieces 4] [--gpu_busy_ms 0] [--host_targets]
 Needs PyTorch, the flce package and server_process.py on PYTHONPATH.
 """
 
@@ -64,9 +69,32 @@ def peak(device):
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
-def time_steps(step, hidden, weight, target, warmup, iters):
+class GpuBusy:
+    """Queues about ``ms`` of GPU work on the current stream (a spinning
+    kernel): what a model's forward leaves queued when its loss is called.
+    Calibrated once against CUDA events."""
+
+    def __init__(self, ms: float):
+        self.ms, self.cycles = ms, 0
+        if ms > 0:
+            probe = 10_000_000
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(probe)  # warm
+            start.record()
+            torch.cuda._sleep(probe)
+            end.record()
+            end.synchronize()
+            self.cycles = int(probe * ms / start.elapsed_time(end))
+
+    def __call__(self):
+        if self.cycles:
+            torch.cuda._sleep(self.cycles)
+
+
+def time_steps(step, hidden, weight, target, warmup, iters, busy=None):
     """Worker-visible ms of each timed step, and the extra bytes beyond the
-    inputs and the step's own gradients (dX, dW) at its peak."""
+    inputs and the step's own gradients (dX, dW) at its peak. ``busy``
+    (a GpuBusy) queues GPU work at each step's start, inside its time."""
     device = hidden.device
     times, extra, stats = [], 0, []
     for i in range(warmup + iters):
@@ -76,6 +104,8 @@ def time_steps(step, hidden, weight, target, warmup, iters):
         reset_peak(device)
         base = memory(device)
         start = time.perf_counter()
+        if busy is not None:
+            busy()
         step_stats = step(h, w, target)
         sync(device)
         elapsed = (time.perf_counter() - start) * 1e3
@@ -388,6 +418,13 @@ def main(argv):
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also profile the timed steps of each transport (cProfile) and "
                              "print the K functions with the most time of their own")
+    parser.add_argument("--gpu_busy_ms", type=float, default=0,
+                        help="queue this many ms of GPU work at each step's start, inside its "
+                             "time (a model's forward still running when its loss is called); "
+                             "the overhead column then leaves it out")
+    parser.add_argument("--host_targets", action="store_true",
+                        help="give flce the targets in host memory (eager keeps them on the "
+                             "device)")
     parser.add_argument("--timeline", action="store_true",
                         help="also print when, within a step, the worker and the server "
                              "reached each point of the call (the server logs at DEBUG level)")
@@ -396,6 +433,9 @@ def main(argv):
     dtype = DTYPES[args.dtype]
     transports = [t for t in args.transports.split(",") if t]
     phases = Phases() if args.phases else None
+    if args.gpu_busy_ms > 0 and device.type != "cuda":
+        parser.error("--gpu_busy_ms needs --device=cuda")
+    busy = GpuBusy(args.gpu_busy_ms) if args.gpu_busy_ms > 0 else None
     timeline = Timeline() if args.timeline else None
     server = ServerProcess(args.server_binary, f"--backend={args.backend}",
                            "--enable_shared_memory", f"--max_message_bytes={1 << 30}",
@@ -418,7 +458,10 @@ def main(argv):
             bare.append((time.perf_counter() - start) * 1e3)
         print(f"worker on {name} ({args.dtype}); server backend {info.backend}; "
               f"median of {args.iters} steps after {args.warmup}, forward + backward; "
-              f"a bare GetServerInfo round trip: {statistics.median(bare):.3f} ms")
+              f"a bare GetServerInfo round trip: {statistics.median(bare):.3f} ms"
+              + (f"; each step (worker, eager) after {args.gpu_busy_ms:g} ms of GPU work "
+                 f"queued at its start, which the overhead leaves out" if busy else "")
+              + ("; flce's targets in host memory" if args.host_targets else ""))
         print(f"{'N×H×V':<18} {'transport':<13} {'worker ms':>10} {'engine ms':>10} "
               f"{'overhead':>9} {'eager ms':>9} {'vs eager':>9} {'extra GiB':>10} "
               f"{'eager extra':>12}")
@@ -428,8 +471,9 @@ def main(argv):
             hidden = torch.randn(n, h, device=device).to(dtype)
             weight = (torch.randn(v, h, device=device) / h ** 0.5).to(dtype)
             target = torch.randint(0, v, (n,), device=device)
+            flce_target = target.cpu() if args.host_targets else target
             eager, eager_extra, _ = time_steps(eager_step, hidden, weight, target,
-                                               args.warmup, args.iters)
+                                               args.warmup, args.iters, busy)
             eager_ms = statistics.median(eager)
             for transport in transports:
                 kind, _, pieces = transport.partition(":")  # registered:K, K row pieces
@@ -454,8 +498,8 @@ def main(argv):
                     profiler = cProfile.Profile()
                     step = profiled(step, profiler, args.warmup)
                 try:
-                    times, extra, engine = time_steps(step, hidden, weight, target,
-                                                      args.warmup, args.iters)
+                    times, extra, engine = time_steps(step, hidden, weight, flce_target,
+                                                      args.warmup, args.iters, busy)
                     pull_ms = time_pull(module, hidden, weight, target)
                     engine = [s() for s in engine]  # every call answered now
                 finally:
@@ -478,7 +522,8 @@ def main(argv):
                 engine_ms = statistics.median(s["engine"] for s in engine)
                 row = {"shape": shape, "dtype": args.dtype, "transport": transport,
                        "worker_ms": worker_ms, "worker_best_ms": min(times),
-                       "engine_ms": engine_ms, "overhead_ms": worker_ms - engine_ms,
+                       "engine_ms": engine_ms, "gpu_busy_ms": args.gpu_busy_ms,
+                       "overhead_ms": worker_ms - engine_ms - args.gpu_busy_ms,
                        "eager_ms": eager_ms, "worker_over_eager": worker_ms / eager_ms,
                        "extra_gib": extra / 2 ** 30, "eager_extra_gib": eager_extra / 2 ** 30,
                        "device": name, "backend": info.backend,
@@ -486,7 +531,7 @@ def main(argv):
                                      for key in engine[0]}}
                 rows.append(row)
                 print(f"{shape:<18} {transport:<13} {worker_ms:>10.2f} {engine_ms:>10.2f} "
-                      f"{worker_ms - engine_ms:>9.2f} {eager_ms:>9.2f} "
+                      f"{worker_ms - engine_ms - args.gpu_busy_ms:>9.2f} {eager_ms:>9.2f} "
                       f"{worker_ms / eager_ms:>9.3f} {extra / 2 ** 30:>10.3f} "
                       f"{eager_extra / 2 ** 30:>12.3f}", flush=True)
                 if pull_ms is not None:
