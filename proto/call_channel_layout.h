@@ -20,9 +20,14 @@
 //
 //   client: writes the serialized request message into the request area,
 //           kRequestMethod, kRequestLength and kRequestTimeoutUs, then
-//           stores the call's number in kRequestSeq and wakes the server
-//           (futex(2) FUTEX_WAKE on kRequestSeq; the server may be
-//           polling, then the wake costs nothing but the system call).
+//           stores the call's number in kRequestSeq and, after a full
+//           memory barrier, wakes the server if kServerWaiting is set
+//           (futex(2) FUTEX_WAKE on kRequestSeq; a server polling needs
+//           none). The server sets kServerWaiting (a sequentially
+//           consistent store) before it checks kRequestSeq a last time and
+//           sleeps in FUTEX_WAIT on it: either the client sees it waiting
+//           or the server sees the call. (Waking it always is correct too,
+//           at a system call's cost.)
 //   server: takes a number it has not served in kRequestSeq as a call
 //           (copying the request out of the region before it reads it),
 //           serves it like the RPC of kRequestMethod, writes kResponseCode

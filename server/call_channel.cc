@@ -36,6 +36,10 @@ inline void CpuRelax() {
 #endif
 }
 
+// A channel's thread sleeps before its polling window only when the window
+// opens at least this much later (see CallChannel::Loop).
+constexpr absl::Duration kShortestSleep = absl::Milliseconds(1);
+
 // The longest deadline a request may ask for (longer is none).
 constexpr uint64_t kMaxTimeoutUs = uint64_t{365} * 24 * 3600 * 1000000;
 
@@ -163,9 +167,10 @@ class CallChannel {
   }
 
   void Loop();
-  // Serves the call `seq` the client stored; it is answered (now, or by
-  // the worker it was queued to) exactly once.
-  void Take(uint32_t seq);
+  // Serves the call `seq` the client stored (`method`, its kRequestMethod
+  // read once); it is answered (now, or by the worker it was queued to)
+  // exactly once.
+  void Take(uint32_t seq, uint32_t method);
 
   const std::string id_;
   const std::string principal_;
@@ -272,8 +277,7 @@ class CallChannel::TypedCall final : public CallChannel::ChannelCall {
   Response response_;
 };
 
-void CallChannel::Take(uint32_t seq) {
-  const uint32_t method = Load(cc::kRequestMethodOffset);
+void CallChannel::Take(uint32_t seq, uint32_t method) {
   const uint32_t length = Load(cc::kRequestLengthOffset);
   const uint64_t timeout_us =
       __atomic_load_n(reinterpret_cast<uint64_t*>(base_ + cc::kRequestTimeoutUsOffset),
@@ -333,26 +337,31 @@ void CallChannel::Take(uint32_t seq) {
   }
 }
 
+void CallGaps::Observe(uint32_t method, absl::Duration gap) {
+  const int slot = Slot(method);
+  gaps_[slot] = seen_[slot] ? (gaps_[slot] + gap) / 2 : gap;
+  seen_[slot] = true;
+}
+
 void CallChannel::Loop() {
-  // The next call is expected one gap after the last answer (the gaps of
-  // the last calls, averaged): the thread sleeps until shortly before then,
+  // The next call is expected one gap after the last answer (CallGaps, by
+  // the method answered): the thread sleeps until shortly before then,
   // polls from then for `spin`, and sleeps again until the client wakes it.
   // A call that comes on time meets a polling thread; one that comes early
   // or late costs a wake-up.
   int64_t polls = 0;
-  absl::Duration gap = absl::ZeroDuration();
-  bool first = true;
+  CallGaps gaps;
+  uint32_t method = 0;  // of the call answered last (0 before the first: its own slot)
   absl::Time answered = absl::Now();
   absl::Time poll_from = answered, poll_until = answered + limits_.spin;
   for (;;) {
     if (stop_.load()) break;
     const uint32_t seq = Load(cc::kRequestSeqOffset);
     if (seq != seen_) {
-      const absl::Duration observed = absl::Now() - answered;
-      gap = first ? observed : (gap + observed) / 2;
-      first = false;
+      gaps.Observe(method, absl::Now() - answered);
       seen_ = seq;
-      Take(seq);
+      method = Load(cc::kRequestMethodOffset);
+      Take(seq, method);
       if (in_flight_.load()) {
         // Queued to a worker: its answer comes before the next call.
         absl::MutexLock lock(&mu_);
@@ -360,6 +369,7 @@ void CallChannel::Loop() {
             +[](CallChannel* c) { return !c->in_flight_.load(); }, this));
       }
       answered = absl::Now();
+      const absl::Duration gap = gaps.Expected(method);
       poll_from = answered + gap - (absl::Microseconds(500) + gap / 16);
       poll_until = std::max(poll_from, answered) + limits_.spin;
       continue;
@@ -376,7 +386,10 @@ void CallChannel::Loop() {
                   absl::FormatDuration(limits_.idle_timeout));
       break;
     }
-    if (now >= poll_from && now < poll_until) {
+    // A window that opens within a millisecond is polled for from now: a
+    // sleep that short saves next to nothing, and a timed sleep on a busy
+    // (virtual) CPU can end well after the call came.
+    if (now < poll_until && poll_from - now < kShortestSleep) {
       if ((polls & 4095) == 0) sched_yield();  // room for others on a busy host
       continue;
     }

@@ -5,8 +5,9 @@
 // proto/call_channel_layout.h): a same-host client's Forward, Backward and
 // ReleaseSession calls through a POSIX shared-memory region instead of
 // gRPC. Each open channel has a thread of its own that sleeps in futex(2)
-// until shortly before the client's next call is due (as the gaps between
-// its last calls tell), polls the region from then for `spin`, and sleeps
+// until shortly before the client's next call is due (as the gaps after
+// its last calls of the same method tell: CallGaps), polls the region from
+// then for `spin`, and sleeps
 // again until the client wakes it; the calls run on that thread when a
 // worker's place is free (WorkQueue::RunHereOrSubmit). A same-host gRPC
 // call costs several thread wake-ups, each 0.2 ms on an idle virtual CPU
@@ -48,6 +49,30 @@ struct CallChannelLimits {
   absl::Duration spin = absl::Milliseconds(50);
   // A channel without a call for this long is closed (--call_channel_idle_timeout).
   absl::Duration idle_timeout = absl::Minutes(10);
+};
+
+// When a channel's next call is due: the gap between the answer to a call
+// and the call after it, kept per method of the call answered (the
+// average of its last gaps, the newest weighing half). A training step
+// through a channel alternates Forward and Backward: a short gap after
+// Forward (the worker's Python between them), the rest of the step after
+// Backward; one average of both mispredicts each, and a call that comes
+// before the thread polls costs a wake-up on both sides.
+class CallGaps {
+ public:
+  // `gap` passed between the answer to a call of `method` and the next call.
+  void Observe(uint32_t method, absl::Duration gap);
+  // The gap expected after a call of `method`; zero while none was seen
+  // (the thread then polls at once).
+  absl::Duration Expected(uint32_t method) const { return gaps_[Slot(method)]; }
+
+ private:
+  // Forward, Backward and ReleaseSession each; any other number (a
+  // client's garbage) in slot 0.
+  static int Slot(uint32_t method) { return method < kSlots ? static_cast<int>(method) : 0; }
+  static constexpr uint32_t kSlots = 4;
+  absl::Duration gaps_[kSlots] = {};
+  bool seen_[kSlots] = {};
 };
 
 // What serves a channel's calls: the loss service's handlers, as for the

@@ -116,6 +116,29 @@ v1::ForwardRequest ForwardWithRows(int64_t rows) {
   return request;
 }
 
+TEST(CallGapsTest, EachMethodsGapIsExpectedAfterItsOwnCalls) {
+  CallGaps gaps;
+  EXPECT_EQ(gaps.Expected(cc::kForward), absl::ZeroDuration());  // none seen: poll at once
+  // A training step: Backward comes soon after Forward, the next Forward
+  // after the rest of the step.
+  for (int step = 0; step < 4; ++step) {
+    gaps.Observe(cc::kForward, absl::Microseconds(300));
+    gaps.Observe(cc::kBackward, absl::Milliseconds(5));
+  }
+  EXPECT_EQ(gaps.Expected(cc::kForward), absl::Microseconds(300));
+  EXPECT_EQ(gaps.Expected(cc::kBackward), absl::Milliseconds(5));
+  EXPECT_EQ(gaps.Expected(cc::kReleaseSession), absl::ZeroDuration());
+  // The average of the last gaps, the newest weighing half.
+  gaps.Observe(cc::kForward, absl::Microseconds(700));
+  EXPECT_EQ(gaps.Expected(cc::kForward), absl::Microseconds(500));
+  // A method number no call has (a client's garbage) has a slot of its own.
+  gaps.Observe(77, absl::Seconds(3));
+  EXPECT_EQ(gaps.Expected(77), absl::Seconds(3));
+  EXPECT_EQ(gaps.Expected(0), absl::Seconds(3));
+  EXPECT_EQ(gaps.Expected(cc::kForward), absl::Microseconds(500));
+  EXPECT_EQ(gaps.Expected(cc::kBackward), absl::Milliseconds(5));
+}
+
 class CallChannelTest : public ::testing::Test {
  protected:
   static constexpr int64_t kBytes = cc::kHeaderBytes + 2 * kArea;

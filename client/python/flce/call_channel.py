@@ -28,7 +28,7 @@ from flce_pb.v1 import loss_service_pb2 as pb
 
 MAGIC = 0x3130484345434C46  # "FLCECH01"
 HEADER_BYTES = 4096
-_REQUEST_SEQ, _RESPONSE_SEQ, _CLIENT_WAITING = 64, 128, 192
+_REQUEST_SEQ, _RESPONSE_SEQ, _CLIENT_WAITING, _SERVER_WAITING = 64, 128, 192, 256
 _CANCEL_SEQ, _CLOSED = 320, 384
 _REQUEST_METHOD, _REQUEST_LENGTH, _REQUEST_TIMEOUT_US = 448, 452, 456
 _RESPONSE_CODE, _RESPONSE_LENGTH = 512, 516
@@ -106,10 +106,12 @@ class CallChannel:
         self._watcher = None
         self._closing = threading.Event()
         self._lock = threading.Lock()
+        self._barrier = threading.Lock()  # see submit
         buf = self._region.buffer
         struct.pack_into("<Q", buf, 0, MAGIC)
         self._words = {off: ctypes.c_uint32.from_buffer(buf, off)
-                       for off in (_REQUEST_SEQ, _RESPONSE_SEQ, _CLIENT_WAITING, _CANCEL_SEQ,
+                       for off in (_REQUEST_SEQ, _RESPONSE_SEQ, _CLIENT_WAITING,
+                                   _SERVER_WAITING, _CANCEL_SEQ,
                                    _CLOSED, _REQUEST_METHOD, _REQUEST_LENGTH, _RESPONSE_CODE,
                                    _RESPONSE_LENGTH, _ACCEPTED_SEQ, _FENCE_SEQ, _HEARTBEAT)}
         self._timeout_us = ctypes.c_uint64.from_buffer(buf, _REQUEST_TIMEOUT_US)
@@ -156,8 +158,18 @@ class CallChannel:
             self._seq = seq
             call = Call(seq, method, response_type, time.monotonic(), timeout)
             words[_REQUEST_SEQ].value = seq  # the call is made here
-            _futex()(_SYS_FUTEX, ctypes.c_void_p(self._addr[_REQUEST_SEQ]), _FUTEX_WAKE, 1,
-                     None, None, 0)
+            # A server polling for it needs no wake-up (a system call, and
+            # on a VM several µs even with nobody to wake). The server sets
+            # its waiting word before it looks at the number a last time and
+            # sleeps; between the store above and the load below a full
+            # barrier (the uncontended lock's atomic instructions), so that
+            # either this load sees the server waiting or the server sees
+            # the call.
+            self._barrier.acquire()
+            self._barrier.release()
+            if words[_SERVER_WAITING].value:
+                _futex()(_SYS_FUTEX, ctypes.c_void_p(self._addr[_REQUEST_SEQ]), _FUTEX_WAKE, 1,
+                         None, None, 0)
             return call
         except BaseException:
             self._lock.release()
