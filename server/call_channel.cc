@@ -339,8 +339,18 @@ void CallChannel::Take(uint32_t seq, uint32_t method) {
 
 void CallGaps::Observe(uint32_t method, absl::Duration gap) {
   const int slot = Slot(method);
-  gaps_[slot] = seen_[slot] ? (gaps_[slot] + gap) / 2 : gap;
+  if (seen_[slot]) {
+    deviations_[slot] = (deviations_[slot] + absl::AbsDuration(gap - gaps_[slot])) / 2;
+    gaps_[slot] = (gaps_[slot] + gap) / 2;
+  } else {
+    gaps_[slot] = gap;
+  }
   seen_[slot] = true;
+}
+
+absl::Duration CallGaps::Expected(uint32_t method) const {
+  const int slot = Slot(method);
+  return std::max(absl::ZeroDuration(), gaps_[slot] - 2 * deviations_[slot]);
 }
 
 void CallChannel::Loop() {

@@ -53,7 +53,9 @@ struct CallChannelLimits {
 
 // When a channel's next call is due: the gap between the answer to a call
 // and the call after it, kept per method of the call answered (the
-// average of its last gaps, the newest weighing half). A training step
+// average of its last gaps and of their deviation from it, the newest
+// weighing half each; a call is expected from two deviations before the
+// average on). A training step
 // through a channel alternates Forward and Backward: a short gap after
 // Forward (the worker's Python between them), the rest of the step after
 // Backward; one average of both mispredicts each, and a call that comes
@@ -62,9 +64,10 @@ class CallGaps {
  public:
   // `gap` passed between the answer to a call of `method` and the next call.
   void Observe(uint32_t method, absl::Duration gap);
-  // The gap expected after a call of `method`; zero while none was seen
-  // (the thread then polls at once).
-  absl::Duration Expected(uint32_t method) const { return gaps_[Slot(method)]; }
+  // The shortest gap likely after a call of `method` (the average less two
+  // deviations, at least zero); zero while none was seen (the thread then
+  // polls at once).
+  absl::Duration Expected(uint32_t method) const;
 
  private:
   // Forward, Backward and ReleaseSession each; any other number (a
@@ -72,6 +75,7 @@ class CallGaps {
   static int Slot(uint32_t method) { return method < kSlots ? static_cast<int>(method) : 0; }
   static constexpr uint32_t kSlots = 4;
   absl::Duration gaps_[kSlots] = {};
+  absl::Duration deviations_[kSlots] = {};
   bool seen_[kSlots] = {};
 };
 

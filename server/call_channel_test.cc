@@ -128,14 +128,19 @@ TEST(CallGapsTest, EachMethodsGapIsExpectedAfterItsOwnCalls) {
   EXPECT_EQ(gaps.Expected(cc::kForward), absl::Microseconds(300));
   EXPECT_EQ(gaps.Expected(cc::kBackward), absl::Milliseconds(5));
   EXPECT_EQ(gaps.Expected(cc::kReleaseSession), absl::ZeroDuration());
-  // The average of the last gaps, the newest weighing half.
-  gaps.Observe(cc::kForward, absl::Microseconds(700));
-  EXPECT_EQ(gaps.Expected(cc::kForward), absl::Microseconds(500));
+  // Gaps that vary are expected two deviations early: the average of the
+  // last gaps (the newest weighing half) less twice the average of their
+  // distance from it.
+  gaps.Observe(cc::kForward, absl::Microseconds(700));  // average 500, deviation 200
+  EXPECT_EQ(gaps.Expected(cc::kForward), absl::Microseconds(100));
+  gaps.Observe(cc::kForward, absl::Microseconds(500));  // average 500, deviation 100
+  EXPECT_EQ(gaps.Expected(cc::kForward), absl::Microseconds(300));
+  gaps.Observe(cc::kForward, absl::Microseconds(100));  // average 300, deviation 250
+  EXPECT_EQ(gaps.Expected(cc::kForward), absl::ZeroDuration());
   // A method number no call has (a client's garbage) has a slot of its own.
   gaps.Observe(77, absl::Seconds(3));
   EXPECT_EQ(gaps.Expected(77), absl::Seconds(3));
   EXPECT_EQ(gaps.Expected(0), absl::Seconds(3));
-  EXPECT_EQ(gaps.Expected(cc::kForward), absl::Microseconds(500));
   EXPECT_EQ(gaps.Expected(cc::kBackward), absl::Milliseconds(5));
 }
 
