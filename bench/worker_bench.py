@@ -29,7 +29,8 @@ otherwise), so that piece counts compare in one run.
 Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
   [--iters 10] [--warmup 3] [--json PATH] [--breakdown] [--phases] [--timeline]
-  [--profile K] [--server_flags "..."] [--pieces 4] [--gpu_busy_ms 0] [--host_targets]
+  [--profile K] [--channel_wakes] [--server_flags "..."] [--pieces 4] [--gpu_busy_ms 0]
+  [--host_targets]
 Needs PyTorch, the flce package and server_process.py on PYTHONPATH.
 """
 
@@ -37,6 +38,7 @@ import argparse
 import json
 import re
 import statistics
+import struct
 import sys
 import time
 
@@ -186,6 +188,56 @@ def wrap_in_place(module, attribute, wrap):
         holder = getattr(holder, part)
     static = isinstance(vars(holder).get(name), staticmethod)
     setattr(holder, name, wrap(getattr(holder, name), static))
+
+
+class ChannelWakes:
+    """How many of the timed steps' calls through a call channel found the
+    server's channel thread asleep (its kServerWaiting word set as the
+    call was made: a wake-up on both sides) rather than polling, by method
+    (wraps CallChannel.submit in place)."""
+
+    NAMES = {1: "Forward", 2: "Backward", 3: "ReleaseSession"}
+
+    SERVER_WAITING = 256  # proto/call_channel_layout.h's kServerWaitingOffset
+
+    def __init__(self):
+        self.counting = False
+        self.counts = {}
+        wrap_in_place("flce.call_channel", "CallChannel.submit",
+                      lambda f, static: self._counted(f))
+
+    def _counted(self, submit):
+        wakes = self
+
+        def counted(channel, method, *args, **kwargs):
+            if wakes.counting:
+                asleep = bool(struct.unpack_from("<I", channel._region.buffer,
+                                                 wakes.SERVER_WAITING)[0])
+                key = (wakes.NAMES.get(method, str(method)), asleep)
+                wakes.counts[key] = wakes.counts.get(key, 0) + 1
+            return submit(channel, method, *args, **kwargs)
+        return counted
+
+    def wrap(self, step, skip):
+        calls = [0]
+
+        def run(h, w, t):
+            calls[0] += 1
+            self.counting = calls[0] > skip
+            try:
+                return step(h, w, t)
+            finally:
+                self.counting = False
+        return run
+
+    def print(self, shape, transport):
+        parts = [f"{name} {self.counts.get((name, True), 0)} of "
+                 f"{self.counts.get((name, True), 0) + self.counts.get((name, False), 0)}"
+                 for name in self.NAMES.values()
+                 if (name, True) in self.counts or (name, False) in self.counts]
+        print(f"  {shape} {transport} calls that found the channel's thread asleep: "
+              + (", ".join(parts) or "no channel calls"), flush=True)
+        self.counts = {}
 
 
 class Phases:
@@ -425,6 +477,9 @@ def main(argv):
     parser.add_argument("--host_targets", action="store_true",
                         help="give flce the targets in host memory (eager keeps them on the "
                              "device)")
+    parser.add_argument("--channel_wakes", action="store_true",
+                        help="also count the timed steps' call-channel calls that found the "
+                             "server's channel thread asleep, by method")
     parser.add_argument("--timeline", action="store_true",
                         help="also print when, within a step, the worker and the server "
                              "reached each point of the call (the server logs at DEBUG level)")
@@ -433,6 +488,7 @@ def main(argv):
     dtype = DTYPES[args.dtype]
     transports = [t for t in args.transports.split(",") if t]
     phases = Phases() if args.phases else None
+    wakes = ChannelWakes() if args.channel_wakes else None
     if args.gpu_busy_ms > 0 and device.type != "cuda":
         parser.error("--gpu_busy_ms needs --device=cuda")
     busy = GpuBusy(args.gpu_busy_ms) if args.gpu_busy_ms > 0 else None
@@ -488,6 +544,8 @@ def main(argv):
                 step = flce_step(module)
                 if phases is not None:
                     step = phases.wrap(step)
+                if wakes is not None:
+                    step = wakes.wrap(step, args.warmup)
                 if timeline is not None:
                     timeline.module = module
                     step = timeline.wrap(step)
@@ -506,6 +564,8 @@ def main(argv):
                     module.close()
                 if phases is not None:
                     phases.print(shape, transport, args.warmup)
+                if wakes is not None:
+                    wakes.print(shape, transport)
                 if timeline is not None:
                     timeline.print(shape, transport, args.warmup, server)
                 if profiler is not None:
