@@ -34,6 +34,16 @@ def problem(seed, n=37, h=16, v=101):
     return x, w, t
 
 
+def region_forward(region, x, w, t):
+    """A ForwardRequest whose X and W are in `region`, the targets inline."""
+    request = pb.ForwardRequest()
+    offset = 0
+    for tensor, out in ((x, request.hidden), (w, request.weight)):
+        offset = region.write(tensor, out, offset)
+    flce.to_wire(t, request.target)
+    return request
+
+
 def channel_calls(server):
     return len(re.findall(r"rpc=(Forward|Backward|ReleaseSession) via=channel", server.read_log()))
 
@@ -138,11 +148,7 @@ class CallChannelTest(unittest.TestCase):
         x, w, t = problem(11, n=2048, h=256, v=8000)  # a few hundred ms on the CPU
         region = c.create_shared_memory(16 << 20)
         self.addCleanup(region.close)
-        request = pb.ForwardRequest()
-        offset = 0
-        for tensor, out in ((x, request.hidden), (w, request.weight)):
-            offset = region.write(tensor, out, offset)
-        flce.to_wire(t, request.target)
+        request = region_forward(region, x, w, t)
         call = channel.submit(call_channel.FORWARD, request, pb.ForwardResponse, 60)
         self.assertTrue(channel.accepted(call))
         self.assertNotEqual(words[call_channel._FENCE_SEQ].value, call.seq)
@@ -170,11 +176,7 @@ class CallChannelTest(unittest.TestCase):
         region = c.create_shared_memory(40 << 20)
         self.addCleanup(region.close)
         for round_ in range(2):  # the second call meets a watch thread already running
-            request = pb.ForwardRequest()
-            offset = 0
-            for tensor, out in ((x, request.hidden), (w, request.weight)):
-                offset = region.write(tensor, out, offset)
-            flce.to_wire(t, request.target)
+            request = region_forward(region, x, w, t)
             call = channel.submit(call_channel.FORWARD, request, pb.ForwardResponse, 60)
             self.assertTrue(channel.accepted(call))
             channel.watch(call)
