@@ -30,7 +30,7 @@ Usage: worker_bench.py FLCE_SERVER [--backend cuda] [--device cuda]
   [--shapes NxHxV,...] [--transports cuda_ipc,inline] [--dtype bf16]
   [--iters 10] [--warmup 3] [--json PATH] [--breakdown] [--phases] [--timeline]
   [--profile K] [--channel_wakes] [--server_flags "..."] [--pieces 4] [--gpu_busy_ms 0]
-  [--host_targets]
+  [--host_targets] [--no_gpu_fence]
 Needs PyTorch, the flce package and server_process.py on PYTHONPATH.
 """
 
@@ -477,6 +477,12 @@ def main(argv):
     parser.add_argument("--host_targets", action="store_true",
                         help="give flce the targets in host memory (eager keeps them on the "
                              "device)")
+    parser.add_argument("--no_gpu_fence", action="store_true",
+                        help="diagnostic, not a way to run: the worker's stream does not wait "
+                             "on the GPU for a CUDA IPC Forward's answer (backward still reads "
+                             "it on the host before the gradients are used; the loss may be "
+                             "read early). Shows what the waiting stream costs the server's "
+                             "engine time (the GPU switching to the worker's context)")
     parser.add_argument("--channel_wakes", action="store_true",
                         help="also count the timed steps' call-channel calls that found the "
                              "server's channel thread asleep, by method")
@@ -489,6 +495,9 @@ def main(argv):
     transports = [t for t in args.transports.split(",") if t]
     phases = Phases() if args.phases else None
     wakes = ChannelWakes() if args.channel_wakes else None
+    if args.no_gpu_fence:
+        wrap_in_place("flce.cuda_ipc", "CudaIpcRegistry.wait_fence",
+                      lambda f, static: lambda *a, **k: None)
     if args.gpu_busy_ms > 0 and device.type != "cuda":
         parser.error("--gpu_busy_ms needs --device=cuda")
     busy = GpuBusy(args.gpu_busy_ms) if args.gpu_busy_ms > 0 else None
@@ -517,7 +526,8 @@ def main(argv):
               f"a bare GetServerInfo round trip: {statistics.median(bare):.3f} ms"
               + (f"; each step (worker, eager) after {args.gpu_busy_ms:g} ms of GPU work "
                  f"queued at its start, which the overhead leaves out" if busy else "")
-              + ("; flce's targets in host memory" if args.host_targets else ""))
+              + ("; flce's targets in host memory" if args.host_targets else "")
+              + ("; DIAGNOSTIC: no GPU fence" if args.no_gpu_fence else ""))
         print(f"{'N×H×V':<18} {'transport':<13} {'worker ms':>10} {'engine ms':>10} "
               f"{'overhead':>9} {'eager ms':>9} {'vs eager':>9} {'extra GiB':>10} "
               f"{'eager extra':>12}")
