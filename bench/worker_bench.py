@@ -72,25 +72,22 @@ def peak(device):
 
 
 class GpuBusy:
-    """Queues about ``ms`` of GPU work on the current stream (a spinning
-    kernel): what a model's forward leaves queued when its loss is called.
-    Calibrated once against CUDA events."""
+    """Queues about ``ms`` (> 0) of GPU work on the current stream (a
+    spinning kernel): what a model's forward leaves queued when its loss is
+    called. Calibrated once against CUDA events."""
 
     def __init__(self, ms: float):
-        self.ms, self.cycles = ms, 0
-        if ms > 0:
-            probe = 10_000_000
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(probe)  # warm
-            start.record()
-            torch.cuda._sleep(probe)
-            end.record()
-            end.synchronize()
-            self.cycles = int(probe * ms / start.elapsed_time(end))
+        probe = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(probe)  # warm
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        self.cycles = int(probe * ms / start.elapsed_time(end))
 
     def __call__(self):
-        if self.cycles:
-            torch.cuda._sleep(self.cycles)
+        torch.cuda._sleep(self.cycles)
 
 
 def time_steps(step, hidden, weight, target, warmup, iters, busy=None):
@@ -194,47 +191,40 @@ class ChannelWakes:
     """How many of the timed steps' calls through a call channel found the
     server's channel thread asleep (its kServerWaiting word set as the
     call was made: a wake-up on both sides) rather than polling, by method
-    (wraps CallChannel.submit in place)."""
+    (wraps CallChannel.submit in place; counts while enabled, as a
+    profiler: see `profiled`)."""
 
     NAMES = {1: "Forward", 2: "Backward", 3: "ReleaseSession"}
-
-    SERVER_WAITING = 256  # proto/call_channel_layout.h's kServerWaitingOffset
+    # proto/call_channel_layout.h's kServerWaitingOffset, read from the
+    # region itself so that any version of the client can be counted.
+    SERVER_WAITING = 256
 
     def __init__(self):
         self.counting = False
-        self.counts = {}
+        self.counts = {}  # method name → [asleep, calls]
         wrap_in_place("flce.call_channel", "CallChannel.submit",
                       lambda f, static: self._counted(f))
+
+    def enable(self):
+        self.counting = True
+
+    def disable(self):
+        self.counting = False
 
     def _counted(self, submit):
         wakes = self
 
         def counted(channel, method, *args, **kwargs):
             if wakes.counting:
-                asleep = bool(struct.unpack_from("<I", channel._region.buffer,
-                                                 wakes.SERVER_WAITING)[0])
-                key = (wakes.NAMES.get(method, str(method)), asleep)
-                wakes.counts[key] = wakes.counts.get(key, 0) + 1
+                count = wakes.counts.setdefault(wakes.NAMES.get(method, str(method)), [0, 0])
+                count[0] += struct.unpack_from("<I", channel._region.buffer,
+                                               wakes.SERVER_WAITING)[0] != 0
+                count[1] += 1
             return submit(channel, method, *args, **kwargs)
         return counted
 
-    def wrap(self, step, skip):
-        calls = [0]
-
-        def run(h, w, t):
-            calls[0] += 1
-            self.counting = calls[0] > skip
-            try:
-                return step(h, w, t)
-            finally:
-                self.counting = False
-        return run
-
     def print(self, shape, transport):
-        parts = [f"{name} {self.counts.get((name, True), 0)} of "
-                 f"{self.counts.get((name, True), 0) + self.counts.get((name, False), 0)}"
-                 for name in self.NAMES.values()
-                 if (name, True) in self.counts or (name, False) in self.counts]
+        parts = [f"{name} {asleep} of {calls}" for name, (asleep, calls) in self.counts.items()]
         print(f"  {shape} {transport} calls that found the channel's thread asleep: "
               + (", ".join(parts) or "no channel calls"), flush=True)
         self.counts = {}
@@ -555,7 +545,7 @@ def main(argv):
                 if phases is not None:
                     step = phases.wrap(step)
                 if wakes is not None:
-                    step = wakes.wrap(step, args.warmup)
+                    step = profiled(step, wakes, args.warmup)
                 if timeline is not None:
                     timeline.module = module
                     step = timeline.wrap(step)

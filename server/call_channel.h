@@ -7,11 +7,11 @@
 // gRPC. Each open channel has a thread of its own that sleeps in futex(2)
 // until shortly before the client's next call is due (as the gaps after
 // its last calls of the same method tell: CallGaps), polls the region from
-// then for `spin`, and sleeps
-// again until the client wakes it; the calls run on that thread when a
-// worker's place is free (WorkQueue::RunHereOrSubmit). A same-host gRPC
-// call costs several thread wake-ups, each 0.2 ms on an idle virtual CPU
-// (bench/RESULTS.md); a channel's call costs none when it comes on time.
+// then for `spin`, and sleeps again until the client wakes it; the calls
+// run on that thread when a worker's place is free
+// (WorkQueue::RunHereOrSubmit). A same-host gRPC call costs several thread
+// wake-ups, each 0.2 ms on an idle virtual CPU (bench/RESULTS.md); a
+// channel's call costs none when it comes on time.
 //
 // What a client controls is treated as hostile: the request is copied out
 // of the region before it is parsed, its length is checked against the
@@ -52,14 +52,13 @@ struct CallChannelLimits {
 };
 
 // When a channel's next call is due: the gap between the answer to a call
-// and the call after it, kept per method of the call answered (the
-// average of its last gaps and of their deviation from it, the newest
-// weighing half each; a call is expected from two deviations before the
-// average on). A training step
-// through a channel alternates Forward and Backward: a short gap after
-// Forward (the worker's Python between them), the rest of the step after
-// Backward; one average of both mispredicts each, and a call that comes
-// before the thread polls costs a wake-up on both sides.
+// and the call after it, kept per method of the call answered (the average
+// of its last gaps and of their deviation from it, the newest weighing half
+// each; a call is expected from two deviations before the average on). A
+// training step through a channel alternates Forward and Backward: a short
+// gap after Forward (the worker's Python between them), the rest of the
+// step after Backward; one average of both mispredicts each, and a call
+// that comes before the thread polls costs a wake-up on both sides.
 class CallGaps {
  public:
   // `gap` passed between the answer to a call of `method` and the next call.
